@@ -1,0 +1,98 @@
+"""Drafters: where speculative decoding gets its guesses. The loop in `sampling/speculative.py`
+only talks to this interface, so a small model and an n-gram pool (`ngram_assisted/`) plug into the
+same draft -> verify -> accept loop."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from utils.caching import ModelRunner
+from utils.logits_processors import LogitsProcessor
+
+
+class Drafter(Protocol):
+    """What the speculative loop needs from a source of drafts.
+
+    `sequence` is always the whole accepted sequence (decoder prefix + generated tokens).
+    """
+
+    forward_passes: int  # model forward passes spent drafting (0 for an n-gram pool)
+
+    def start(self, sequence: list[int]) -> None:
+        """A new generation begins with `sequence` (the prompt)."""
+
+    def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], Tensor | None]:
+        """Propose up to `max_drafts` tokens after `sequence` -> (drafts, q).
+
+        q: (len(drafts), V) the processed distributions the drafts were sampled from, or None when
+        the drafts are deterministic (q one-hot) or the processor is greedy.
+        """
+
+    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor) -> None:
+        """The target accepted `num_accepted` drafts; `sequence` now ends with them and the target's
+        own token. `target_logits`: (num_accepted + 1, V), the target's scores at those positions."""
+
+
+class ModelDrafter:
+    """A small language model as drafter (Leviathan et al. 2023): drafts are sampled from q, the
+    drafter's distribution under the same logits processor as the target's p.
+
+    The drafter's cache always holds a prefix of the accepted sequence: what it has not seen yet
+    (the target's token, and the last draft when all were accepted) is fed at the next `draft`.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        processor: LogitsProcessor,
+        *,
+        vocab_size: int,
+        use_cache: bool = True,
+        encoder_input_ids: list[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids)
+        self.processor = processor
+        self.vocab_size = vocab_size  # the target's logit width: q must live in the same space as p
+        self.generator = generator
+        self._accepted_length = 0  # len(sequence) when the last draft started
+
+    @property
+    def forward_passes(self) -> int:
+        return self.runner.forward_passes
+
+    def start(self, sequence: list[int]) -> None:
+        self.runner.rollback(0)
+
+    def _distribution(self, logits: Tensor) -> Tensor:
+        """Drafter logits (V_d,) -> q (V,) in the target's vocabulary. Columns the target lacks
+        (padding rows) are dropped; columns the drafter lacks get q = 0: still a valid proposal."""
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            logits = logits[: self.vocab_size]
+        elif width < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-torch.inf)
+        return self.processor(logits)
+
+    def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], Tensor | None]:
+        self._accepted_length = len(sequence)
+        logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens
+        drafts, qs = [], []
+        for i in range(max_drafts):
+            q = self._distribution(logits[-1])
+            token = int(self.processor.sample(q, self.generator))
+            drafts.append(token)
+            qs.append(q)
+            if i + 1 < max_drafts:  # the last draft is fed only if accepted (next round)
+                logits = self.runner.forward([token])
+        q = None if self.processor.is_greedy else torch.stack(qs)
+        return drafts, q
+
+    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor) -> None:
+        # Keep the accepted drafts the runner has seen; drop the rejected ones.
+        seen_drafts = len(self.runner) - self._accepted_length
+        self.runner.rollback(self._accepted_length + min(num_accepted, seen_drafts))

@@ -1,0 +1,227 @@
+"""Speculative decoding (Leviathan et al. 2023) and speculative sampling (Chen et al. 2023).
+
+One loop serves every drafter: a small model here, an n-gram pool in `ngram_assisted/`; one
+model runner serves decoder-only and encoder-decoder targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from sampling.acceptance import greedy_accept, speculative_accept
+from sampling.common import Generation, OnStep, Step, prepare
+from sampling.drafters import Drafter, ModelDrafter
+from utils.caching import vocab_size
+from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.validation import check_int, check_model
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one (or several) speculative generations. Pass one as `stats=` to fill it."""
+
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    steps: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance rate: drafts accepted / drafts proposed (0.0 when none was proposed)."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean number of tokens generated per target forward pass (the prefill counts)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft i accepted | draft i proposed), for i = 0, 1, ..."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.steps += 1
+        self.drafts_proposed += num_drafts
+        self.drafts_accepted += num_accepted
+        grow = num_drafts - len(self.proposed_by_position)
+        if grow > 0:
+            self.proposed_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(num_drafts):
+            self.proposed_by_position[i] += 1
+            self.accepted_by_position[i] += i < num_accepted
+
+
+class DraftLength:
+    """How many tokens to ask the drafter for. Fixed at `gamma`, or adaptive with transformers'
+    heuristic: +2 after a fully accepted draft, -1 (not below 1) after a rejection."""
+
+    def __init__(self, gamma: int, adaptive: bool = False) -> None:
+        self.gamma = gamma
+        self.adaptive = adaptive
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        if not self.adaptive or num_drafts == 0:
+            return
+        self.gamma = self.gamma + 2 if num_accepted == num_drafts else max(1, self.gamma - 1)
+
+
+def speculative_loop(
+    gen: Generation,
+    drafter: Drafter,
+    *,
+    logits_processor: LogitsProcessor,
+    draft_length: DraftLength,
+    generator: torch.Generator | None = None,
+    stats: SpeculativeStats | None = None,
+    on_step: OnStep | None = None,
+) -> tuple[list[int], float]:
+    """The draft -> verify -> accept -> roll back loop. Returns (generated ids, alpha).
+
+    Invariant: the target's cache holds every accepted token but the last one, which is fed
+    together with the drafts, so one forward pass scores the last token and all drafts.
+    """
+    stats = stats if stats is not None else SpeculativeStats()
+    target = gen.runner
+    sequence = list(gen.prefix)
+    drafter.start(sequence)
+    drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
+    if len(sequence) > 1:
+        target.forward(sequence[:-1])  # prefill
+    generated: list[int] = []
+    proposed = accepted = 0
+    finished = False
+    while not finished:
+        # 1. Draft, leaving room in the length budget for the target's own token.
+        room = gen.max_new_tokens - len(generated) - 1
+        drafts, q = drafter.draft(sequence, min(draft_length.gamma, room)) if room > 0 else ([], None)
+
+        # 2. Verify: one target pass over the last accepted token and the drafts.
+        logits = target.forward([sequence[-1]] + drafts, num_logits=len(drafts) + 1)
+
+        # 3. Accept a prefix of the drafts, then take one token from the target.
+        draft_ids = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        if logits_processor.is_greedy:
+            n, token = greedy_accept(logits, draft_ids)
+        else:
+            n, token = speculative_accept(logits_processor(logits), q, draft_ids, logits_processor, generator)
+
+        # 4. Roll back the target: keep the accepted drafts, forget the rejected ones.
+        target.rollback(len(sequence) + n)
+        new_tokens, finished = gen.trim(drafts[:n] + [token], len(generated))
+        sequence += new_tokens
+        generated += new_tokens
+
+        # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
+        drafter.update(sequence, n, logits[: n + 1])
+        draft_length.update(len(drafts), n)
+        proposed, accepted = proposed + len(drafts), accepted + n
+        stats.record(len(drafts), n)
+        if on_step is not None:
+            on_step(Step(drafts=tuple(drafts), accepted=n, tokens=tuple(new_tokens)))
+
+    stats.generated_tokens += len(generated)
+    stats.target_forwards += target.forward_passes - target_passes
+    stats.drafter_forwards += drafter.forward_passes - drafter_passes
+    return generated, (accepted / proposed if proposed else 0.0)
+
+
+def check_gamma(gamma: object) -> int:
+    return check_int(gamma, "gamma", 1)
+
+
+def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> None:
+    """Drafter and target must share the tokenizer. Logit widths may differ by padding rows (the
+    embedding is often padded past the tokenizer), so up to 1% difference is accepted."""
+    v_d, v_t = vocab_size(drafter), vocab_size(target)
+    if abs(v_d - v_t) > 0.01 * max(v_d, v_t):
+        raise ValueError(
+            f"drafter and target must share a tokenizer, but their vocabularies differ: "
+            f"drafter {v_d} tokens, target {v_t} tokens"
+        )
+
+
+def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
+                 logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step):
+    check_model(drafter, "drafter", encoder_decoder)
+    gamma = check_gamma(gamma)
+    gen = prepare(
+        inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
+    )
+    check_same_vocabulary(drafter, target)
+    model_drafter = ModelDrafter(
+        drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
+        encoder_input_ids=gen.encoder_input_ids, generator=generator,
+    )
+    return speculative_loop(
+        gen, model_drafter, logits_processor=logits_processor, draft_length=DraftLength(gamma, adaptive_gamma),
+        generator=generator, stats=stats, on_step=on_step,
+    )
+
+
+def speculative_generate(
+    inputs: list[int],
+    drafter: PreTrainedModel,
+    target: PreTrainedModel,
+    tokenizer=None,
+    gamma: int = 5,
+    logits_processor: LogitsProcessor = GreedyProcessor(),
+    max_gen_len: int = 40,
+    end_tokens_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    use_cache: bool = True,
+    *,
+    adaptive_gamma: bool = False,
+    generator: torch.Generator | None = None,
+    stats: SpeculativeStats | None = None,
+    on_step: OnStep | None = None,
+) -> tuple[list[int], float]:
+    """Speculative decoding of a decoder-only `target` with a smaller `drafter` model.
+
+    Each step the drafter proposes `gamma` tokens, the target scores them in one forward pass, and
+    a prefix is accepted: greedily (output identical to greedy `autoregressive_generate`) or by
+    rejection sampling (output distributed exactly as the target's processed distribution).
+    Returns (generated ids, alpha = drafts accepted / drafts proposed). `adaptive_gamma` grows and
+    shrinks the draft length with the acceptance; `stats` collects tau, forward passes and
+    acceptance by position; `on_step` streams each step. `tokenizer` and `pad_token_id` are
+    accepted for compatibility and unused.
+    """
+    return _speculative(
+        inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
+        max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
+        adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
+    )
+
+
+def speculative_generate_encoder_decoder(
+    inputs: list[int],
+    drafter: PreTrainedModel,
+    target: PreTrainedModel,
+    tokenizer=None,
+    gamma: int = 5,
+    logits_processor: LogitsProcessor = GreedyProcessor(),
+    max_gen_len: int = 40,
+    end_tokens_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    use_cache: bool = True,
+    *,
+    adaptive_gamma: bool = False,
+    generator: torch.Generator | None = None,
+    stats: SpeculativeStats | None = None,
+    on_step: OnStep | None = None,
+) -> tuple[list[int], float]:
+    """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids (each
+    model's encoder runs once); returns the decoder's generated ids without the start token."""
+    return _speculative(
+        inputs, drafter, target, encoder_decoder=True, use_cache=use_cache, gamma=gamma,
+        max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
+        adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
+    )

@@ -1,0 +1,68 @@
+"""Tiny random Hugging Face models built from configs (no downloads), in float64 so that a pass over
+several tokens and the same tokens one at a time agree to the last bit that matters."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+VOCAB = 96
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _config(name: str, vocab: int):
+    common = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if name == "llama":
+        return LlamaConfig(**SMALL, num_key_value_heads=2, max_position_embeddings=256, **common)
+    if name == "qwen2":
+        return Qwen2Config(**SMALL, num_key_value_heads=2, max_position_embeddings=256, **common)
+    if name == "mistral":  # sliding window of 8 positions: rollback must keep the full history
+        return MistralConfig(**SMALL, num_key_value_heads=2, max_position_embeddings=256, sliding_window=8, **common)
+    if name == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **common)
+    if name == "t5":
+        return T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, decoder_start_token_id=0, initializer_factor=8.0, **common)
+    if name == "bart":
+        return BartConfig(
+            d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128, decoder_start_token_id=2, init_std=0.3,
+            forced_eos_token_id=None, **common,
+        )
+    raise KeyError(name)
+
+
+_CLASSES = {
+    "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
+    "gpt2": GPT2LMHeadModel, "t5": T5ForConditionalGeneration, "bart": BartForConditionalGeneration,
+}
+DECODER_ONLY = ["llama", "gpt2", "qwen2", "mistral"]
+ENCODER_DECODER = ["t5", "bart"]
+
+
+def tiny_model(name: str, seed: int = 0, vocab: int = VOCAB, dtype: torch.dtype = torch.float64):
+    """A tiny random model of family `name`, deterministic in `seed`, in eval mode."""
+    torch.manual_seed(seed)
+    config = _config(name, vocab)
+    config._attn_implementation = "eager"
+    config.initializer_range = 0.3  # large weights: peaked, varied distributions, no near-ties
+    model = _CLASSES[name](config).to(dtype).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(seed: int, length: int = 12, vocab: int = VOCAB) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()

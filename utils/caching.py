@@ -1,0 +1,144 @@
+"""The model runner: one Hugging Face model, its KV cache, and the tokens it has seen.
+
+This is the only module that knows how transformers releases differ (4.56+ and 5.x):
+- the cache keyword of `forward` (`past_key_values`, renamed `cache` in 5.24);
+- `Cache.crop(-k)` removes the last k positions on every release (a positive argument changed
+  meaning in 5.15, so it is never used here);
+- sliding-window layers (Mistral, Gemma-2 style) keep only the last window of keys, which makes a
+  rejected draft impossible to roll back. The runner therefore builds a plain `DynamicCache()`
+  without the model config: every layer keeps its full history, and the model's own sliding-window
+  attention mask still restricts what each layer attends to, so the output is unchanged.
+
+Invariant (checked after every call): the cache holds exactly `len(runner)` positions, the first
+`len(runner)` entries of `runner.tokens`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
+
+__all__ = ["ModelRunner", "context_length", "is_encoder_decoder", "vocab_size"]
+
+
+def is_encoder_decoder(model: PreTrainedModel) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def _decoder_config(model: PreTrainedModel):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def context_length(model: PreTrainedModel) -> int | None:
+    """The largest number of positions the (decoder of the) model accepts, None if unbounded."""
+    config = _decoder_config(model)
+    for name in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None  # relative position schemes (T5) have no hard limit
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    """Width of the model's logits (may exceed the tokenizer's size: padded embeddings)."""
+    embeddings = model.get_output_embeddings()
+    if embeddings is not None and hasattr(embeddings, "weight"):
+        return int(embeddings.weight.shape[0])
+    return int(_decoder_config(model).vocab_size)
+
+
+def _forward_parameters(model: PreTrainedModel) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+class ModelRunner:
+    """Feeds new tokens to a model and returns their logits, keeping the KV cache in step.
+
+    Decoder-only: `forward(tokens)` extends the sequence. Encoder-decoder: the encoder runs once, in
+    the constructor, on `encoder_input_ids`; `forward` then extends the decoder's sequence.
+    With `use_cache=False` every call recomputes the whole sequence (same interface, same logits).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        use_cache: bool = True,
+        encoder_input_ids: list[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.use_cache = use_cache
+        self.device = model.device
+        self.tokens: list[int] = []
+        self.forward_passes = 0
+        parameters = _forward_parameters(model)
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in parameters
+        self.encoder_decoder = is_encoder_decoder(model)
+        self._encoder_outputs = None
+        if self.encoder_decoder:
+            assert encoder_input_ids is not None, "an encoder-decoder runner needs encoder_input_ids"
+            with torch.no_grad():
+                ids = torch.tensor([encoder_input_ids], device=self.device)
+                self._encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
+        self._cache = self._new_cache() if use_cache else None
+
+    def _new_cache(self):
+        # No config on purpose: full-history layers everywhere, so any suffix can be cropped.
+        if self.encoder_decoder:
+            return EncoderDecoderCache(DynamicCache(), DynamicCache())
+        return DynamicCache()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _cached_positions(self) -> int:
+        return self._cache.get_seq_length() if self._cache is not None else len(self.tokens)
+
+    @torch.no_grad()
+    def forward(self, new_tokens: list[int], num_logits: int = 1) -> Tensor:
+        """Append `new_tokens` and return the logits of the last `num_logits` positions.
+
+        Returns (num_logits, vocab), float32 (float64 if the model is), on the model's device.
+        Row i is the distribution of the token that follows position len(self) - num_logits + i.
+        """
+        assert new_tokens, "forward needs at least one new token"
+        assert 1 <= num_logits <= len(self.tokens) + len(new_tokens)
+        self.tokens.extend(new_tokens)
+        if self.use_cache:
+            ids = new_tokens
+            kwargs = {self._cache_kwarg: self._cache, "use_cache": True}
+        else:
+            ids = self.tokens
+            kwargs = {"use_cache": False}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = num_logits
+        ids = torch.tensor([ids], device=self.device)
+        if self.encoder_decoder:
+            outputs = self.model(encoder_outputs=self._encoder_outputs, decoder_input_ids=ids, **kwargs)
+        else:
+            # One unpadded sequence: an all-ones mask over past + new positions (GPT-2 warns without).
+            mask = torch.ones(1, len(self.tokens), dtype=torch.long, device=self.device)
+            outputs = self.model(input_ids=ids, attention_mask=mask, **kwargs)
+        self.forward_passes += 1
+        assert self._cached_positions() == len(self.tokens), "cache out of step with the tokens"
+        logits = outputs.logits[0, -num_logits:]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def rollback(self, length: int) -> None:
+        """Forget every position from `length` on (the rejected drafts)."""
+        assert 0 <= length <= len(self.tokens)
+        removed = len(self.tokens) - length
+        if removed == 0:
+            return
+        del self.tokens[length:]
+        if self._cache is not None:
+            if length == 0:
+                self._cache = self._new_cache()
+            else:
+                self._cache.crop(-removed)  # negative: "remove this many" on every release
+        assert self._cached_positions() == len(self.tokens), "cache out of step after rollback"
