@@ -1,6 +1,7 @@
 """Decoding methods over Hugging Face models: autoregressive, beam search, speculative."""
 
 from sampling.autoregressive import autoregressive_generate, autoregressive_generate_encoder_decoder
+from sampling.beam_search import beam_search_generate
 from sampling.common import Step
 from sampling.speculative import (
     SpeculativeStats,
@@ -13,6 +14,7 @@ __all__ = [
     "SpeculativeStats",
     "autoregressive_generate",
     "autoregressive_generate_encoder_decoder",
+    "beam_search_generate",
     "speculative_generate",
     "speculative_generate_encoder_decoder",
 ]

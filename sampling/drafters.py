@@ -26,7 +26,7 @@ class Drafter(Protocol):
         """A new generation begins with `sequence` (the prompt)."""
 
     def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], Tensor | None]:
-        """Propose up to `max_drafts` tokens after `sequence` -> (drafts, q).
+        """Propose up to `max_drafts` (possibly 0) tokens after `sequence` -> (drafts, q).
 
         q: (len(drafts), V) the processed distributions the drafts were sampled from, or None when
         the drafts are deterministic (q one-hot) or the processor is greedy.
@@ -80,6 +80,8 @@ class ModelDrafter:
 
     def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], Tensor | None]:
         self._accepted_length = len(sequence)
+        if max_drafts <= 0:
+            return [], None
         logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens
         drafts, qs = [], []
         for i in range(max_drafts):

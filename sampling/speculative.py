@@ -101,7 +101,7 @@ def speculative_loop(
     while not finished:
         # 1. Draft, leaving room in the length budget for the target's own token.
         room = gen.max_new_tokens - len(generated) - 1
-        drafts, q = drafter.draft(sequence, min(draft_length.gamma, room)) if room > 0 else ([], None)
+        drafts, q = drafter.draft(sequence, min(draft_length.gamma, room))
 
         # 2. Verify: one target pass over the last accepted token and the drafts.
         logits = target.forward([sequence[-1]] + drafts, num_logits=len(drafts) + 1)

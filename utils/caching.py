@@ -142,3 +142,40 @@ class ModelRunner:
             else:
                 self._cache.crop(-removed)  # negative: "remove this many" on every release
         assert self._cached_positions() == len(self.tokens), "cache out of step after rollback"
+
+
+class BeamRunner:
+    """A batch of equally long sequences (beams) over one decoder-only model and one cache.
+
+    Invariant: `sequences` is (beams, length) and the cache holds `length` positions of each beam.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, use_cache: bool = True) -> None:
+        self._runner = ModelRunner(model, use_cache=use_cache)  # reuses its cache handling
+        self.model = model
+        self.sequences = torch.empty(1, 0, dtype=torch.long, device=model.device)
+
+    @torch.no_grad()
+    def start(self, prefix: list[int]) -> Tensor:
+        """Prefill one beam with `prefix` -> the logits of its next token, (1, vocab)."""
+        self.sequences = torch.tensor([prefix], device=self.model.device)
+        return self._runner.forward(prefix)
+
+    @torch.no_grad()
+    def step(self, beam_idx: Tensor, tokens: Tensor) -> Tensor:
+        """Beam i continues beam `beam_idx[i]` with `tokens[i]` -> next-token logits (beams, vocab)."""
+        runner = self._runner
+        self.sequences = torch.cat([self.sequences[beam_idx], tokens[:, None]], dim=1)
+        kwargs = {"use_cache": runner.use_cache}
+        if runner.use_cache:
+            runner._cache.reorder_cache(beam_idx)
+            kwargs[runner._cache_kwarg] = runner._cache
+            ids = tokens[:, None]
+        else:
+            ids = self.sequences
+        if runner._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        mask = torch.ones_like(self.sequences)
+        logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -1]
+        runner.forward_passes += 1
+        return logits if logits.dtype == torch.float64 else logits.float()

@@ -1,0 +1,19 @@
+"""Ngram Assisted Speculative Decoding (NASD): speculative decoding with an n-gram pool as drafter."""
+
+from ngram_assisted.drafter import NgramDrafter, cpu_draft_cost
+from ngram_assisted.dynagram import DynaGram, MultiDynaGram, Prediction, SimpleDynaGram
+from ngram_assisted.nasd import (
+    ngram_assisted_speculative_generate,
+    ngram_assisted_speculative_generate_encoder_decoder,
+)
+
+__all__ = [
+    "DynaGram",
+    "MultiDynaGram",
+    "NgramDrafter",
+    "Prediction",
+    "SimpleDynaGram",
+    "cpu_draft_cost",
+    "ngram_assisted_speculative_generate",
+    "ngram_assisted_speculative_generate_encoder_decoder",
+]

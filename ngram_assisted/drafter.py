@@ -1,0 +1,129 @@
+"""The n-gram drafter of NASD: drafts chains from a dynagram, only as long as they are likely to pay."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import Tensor
+
+from ngram_assisted.dynagram import DynaGram, Prediction
+
+
+def cpu_draft_cost(num_drafts: int) -> float:
+    """Cost of a target pass over 1 + `num_drafts` tokens, relative to a one-token pass.
+
+    Measured for SmolLM2-135M on 2 CPU cores (REFERENCE_NOTES.md): the first extra token costs
+    ~0.6 of a step (matrix-vector becomes matrix-matrix), each further one ~2.5%.
+    """
+    return 1.0 if num_drafts == 0 else 1.55 + 0.025 * num_drafts
+
+
+class AcceptanceModel:
+    """Online estimate of P(a draft is accepted | the drafts before it were), per kind of proposal.
+
+    A proposal's kind is (match length, count, whether it is the majority continuation), each
+    capped; each kind starts from an optimistic Beta(2, 1) prior so that drafting is tried before
+    the statistics say whether it pays.
+    """
+
+    def __init__(self, prior_accepted: float = 2.0, prior_rejected: float = 1.0) -> None:
+        self.prior = (prior_accepted, prior_rejected)
+        self.counts: dict[tuple[int, int, bool], list[float]] = {}
+
+    @staticmethod
+    def kind(prediction: Prediction) -> tuple[int, int, bool]:
+        return min(prediction.match_length, 4), min(prediction.count, 4), 2 * prediction.count > prediction.total
+
+    def estimate(self, kind: tuple[int, int, bool]) -> float:
+        accepted, rejected = self.counts.get(kind, self.prior)
+        return accepted / (accepted + rejected)
+
+    def record(self, kind: tuple[int, int, bool], accepted: bool) -> None:
+        counts = self.counts.setdefault(kind, list(self.prior))
+        counts[0 if accepted else 1] += 1
+
+
+def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) -> int:
+    """The chain length k maximising (1 + expected accepted drafts) / cost(k); k = 0 means a plain
+    step. Draft j is accepted only if all before it were: E_k = sum_j prod_{i <= j} a_i."""
+    best_k, best_rate = 0, 1.0 / cost(0)
+    expected, survive = 0.0, 1.0
+    for k, a in enumerate(estimates, start=1):
+        survive *= a
+        expected += survive
+        rate = (1.0 + expected) / cost(k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class NgramDrafter:
+    """Drafts from a dynagram pool (deterministic drafts: q is one-hot, so `draft` returns q=None).
+
+    stop_if_unknown=True: a chain stops at the first unknown n-gram and is cut to the length that
+    maximises the expected tokens per unit of target cost (`draft_cost`, learned acceptance).
+    stop_if_unknown=False: every known continuation is drafted, up to gamma (ANPD's behaviour).
+    A miss always ends a chain: the pool never invents a token.
+    """
+
+    forward_passes = 0  # an n-gram pool runs no model
+
+    def __init__(
+        self,
+        pool: DynaGram,
+        *,
+        vocab_size: int,
+        top_k_filler: int = 3,
+        stop_if_unknown: bool = True,
+        source_tokens: Sequence[int] = (),
+        draft_cost: Callable[[int], float] = cpu_draft_cost,
+    ) -> None:
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.top_k_filler = top_k_filler
+        self.stop_if_unknown = stop_if_unknown
+        self.source_tokens = list(source_tokens)
+        self.draft_cost = draft_cost
+        self.acceptance = AcceptanceModel()
+        self._base = 0  # len(sequence) when the last draft started
+        self._kinds: list[tuple[int, int, bool]] = []
+
+    def start(self, sequence: list[int]) -> None:
+        self.pool.bind_vocabulary(self.vocab_size)
+        self.pool.fill(self.source_tokens)  # encoder-decoder: the source text, where copying happens
+        self.pool.fill(sequence)
+
+    def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], None]:
+        self._base = len(sequence)
+        history = list(sequence[-(self.pool.n - 1) :])
+        drafts, kinds, estimates = [], [], []
+        for _ in range(max(max_drafts, 0)):
+            prediction = self.pool.predict(history)
+            if prediction is None:
+                break  # unknown n-gram: nothing to propose
+            kind = AcceptanceModel.kind(prediction)
+            drafts.append(prediction.token)
+            kinds.append(kind)
+            estimates.append(self.acceptance.estimate(kind))
+            history.append(prediction.token)
+        if self.stop_if_unknown:
+            drafts = drafts[: best_draft_length(estimates, self.draft_cost)]
+        self._kinds = kinds[: len(drafts)]
+        return drafts, None
+
+    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor) -> None:
+        # Learn how often each kind of proposal is accepted (drafts after a rejection were not judged).
+        for i, kind in enumerate(self._kinds[: num_accepted + 1]):
+            self.acceptance.record(kind, i < num_accepted)
+        # The target's top-k at each verified position go in first, so that on equal counts the
+        # token that was really generated (added last, most recent) stays the proposal.
+        longest = self.pool.n - 1
+        positions = min(len(target_logits), len(sequence) - self._base)
+        top_k = target_logits[:positions].topk(self.top_k_filler, dim=-1).indices.tolist()
+        for i, candidates in enumerate(top_k):
+            end = self._base + i
+            context = sequence[max(0, end - longest) : end]
+            for token in candidates:
+                if token != sequence[end]:
+                    self.pool.add(context, token)
+        self.pool.fill(sequence[max(0, self._base - longest) :], start=min(self._base, longest))

@@ -1,0 +1,116 @@
+"""Ngram Assisted Speculative Decoding (NASD): speculative decoding whose drafter is a dynagram.
+
+The same draft -> verify -> accept loop as `sampling.speculative_generate`; only the drafter
+differs. NASD drafts are deterministic, so q is one-hot at each draft and speculative sampling
+accepts draft x with probability p(x), or else samples from p with x removed (exact).
+
+ANPD / NAPD (Ou et al. 2024) is reproduced by `SimpleDynaGram`, `top_k_filler=1`,
+`stop_if_unknown=False`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from ngram_assisted.drafter import NgramDrafter, cpu_draft_cost
+from ngram_assisted.dynagram import DynaGram
+from sampling.common import OnStep, prepare
+from sampling.speculative import DraftLength, SpeculativeStats, check_gamma, speculative_loop
+from utils.caching import vocab_size
+from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.validation import check_int
+
+
+def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
+          max_gen_len, end_tokens_id, use_cache, draft_cost, generator, stats, on_step):
+    if not isinstance(ngram, DynaGram):
+        raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram, got {type(ngram).__name__}")
+    gamma = check_gamma(gamma)
+    if not isinstance(stop_if_unknown, bool):
+        raise TypeError(f"stop_if_unknown must be a bool, got {stop_if_unknown!r}")
+    gen = prepare(
+        inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
+    )
+    vocab = vocab_size(target)
+    check_int(top_k_filler, "top_k_filler", 1)
+    if top_k_filler > vocab:
+        raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab}, got {top_k_filler}")
+    ngram.bind_vocabulary(vocab)
+    drafter = NgramDrafter(
+        ngram, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
+        source_tokens=gen.encoder_input_ids or (), draft_cost=draft_cost,
+    )
+    return speculative_loop(
+        gen, drafter, logits_processor=logits_processor, draft_length=DraftLength(gamma),
+        generator=generator, stats=stats, on_step=on_step,
+    )
+
+
+def ngram_assisted_speculative_generate(
+    inputs: list[int],
+    ngram: DynaGram,
+    target: PreTrainedModel,
+    tokenizer=None,
+    gamma: int = 5,
+    top_k_filler: int = 3,
+    logits_processor: LogitsProcessor = GreedyProcessor(),
+    max_gen_len: int = 40,
+    end_tokens_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    use_cache: bool = True,
+    stop_if_unknown: bool = True,
+    *,
+    draft_cost: Callable[[int], float] = cpu_draft_cost,
+    generator: torch.Generator | None = None,
+    stats: SpeculativeStats | None = None,
+    on_step: OnStep | None = None,
+) -> tuple[list[int], float]:
+    """NASD for a decoder-only `target` -> (generated ids, alpha).
+
+    `ngram` (a SimpleDynaGram or MultiDynaGram) is filled from the prompt, then after every step
+    with the accepted tokens and the target's `top_k_filler` most likely tokens at each verified
+    position; it keeps what it learned across calls (call `ngram.reset()` to forget). Drafts are up
+    to `gamma` tokens; with `stop_if_unknown` a draft stops at the first unknown n-gram and is cut
+    to the length that pays under `draft_cost` (the cost of verifying k drafts relative to one plain
+    step). Greedy output equals greedy `autoregressive_generate`; sampled output follows the
+    target's processed distribution exactly. `tokenizer`, `pad_token_id`: compatibility, unused.
+    """
+    return _nasd(
+        inputs, ngram, target, encoder_decoder=False, gamma=gamma, top_k_filler=top_k_filler,
+        stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
+        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, generator=generator,
+        stats=stats, on_step=on_step,
+    )
+
+
+def ngram_assisted_speculative_generate_encoder_decoder(
+    inputs: list[int],
+    ngram: DynaGram,
+    target: PreTrainedModel,
+    tokenizer=None,
+    gamma: int = 5,
+    top_k_filler: int = 3,
+    logits_processor: LogitsProcessor = GreedyProcessor(),
+    max_gen_len: int = 40,
+    end_tokens_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    use_cache: bool = True,
+    stop_if_unknown: bool = True,
+    *,
+    draft_cost: Callable[[int], float] = cpu_draft_cost,
+    generator: torch.Generator | None = None,
+    stats: SpeculativeStats | None = None,
+    on_step: OnStep | None = None,
+) -> tuple[list[int], float]:
+    """NASD for encoder-decoder models: the pool is also seeded with the encoder's source tokens
+    (`inputs`), where summarisation and translation copy from. Returns the decoder's ids."""
+    return _nasd(
+        inputs, ngram, target, encoder_decoder=True, gamma=gamma, top_k_filler=top_k_filler,
+        stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
+        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, generator=generator,
+        stats=stats, on_step=on_step,
+    )

@@ -1,0 +1,96 @@
+"""Beam search with the GNMT length penalty (Wu et al. 2016)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import PreTrainedModel
+
+from sampling.common import prepare
+from utils.caching import BeamRunner
+from utils.logits_processors import GreedyProcessor
+from utils.validation import check_int
+
+
+def length_penalty(length: int, min_length: int, alpha: float) -> float:
+    """lp(Y) = ((min_length + |Y|) / (min_length + 1)) ** alpha; GNMT uses min_length = 5."""
+    return ((min_length + length) / (min_length + 1)) ** alpha
+
+
+def beam_search_generate(
+    inputs: list[int],
+    model: PreTrainedModel,
+    max_gen_len: int = 40,
+    end_tokens_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    top_k: int = 3,
+    num_beams: int = 5,
+    min_length: int = 5,
+    alpha: float = 1.2,
+    use_cache: bool = True,
+) -> list[int]:
+    """Beam search over a decoder-only model -> the best finished sequence's generated ids.
+
+    Each step expands every live beam with its `top_k` most likely tokens and keeps the
+    `num_beams` candidates with the highest sum of log-probabilities (all live beams have the same
+    length, so the length penalty does not change their order). A beam that emits an end token, or
+    reaches `max_gen_len`, is finished with the score  sum(log p) / lp(Y),  where
+    lp(Y) = ((min_length + |Y|) / (min_length + 1)) ** alpha  is the GNMT length penalty (Wu et al.
+    2016) with `min_length` in the role of their constant 5. Finished beams are kept until no live
+    beam can beat the best of them. `pad_token_id` is accepted for compatibility and unused (it is
+    never an end token).
+    """
+    check_int(top_k, "top_k", 1)
+    check_int(num_beams, "num_beams", 1)
+    check_int(min_length, "min_length", 0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a number, got {alpha!r}")
+    gen = prepare(
+        inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
+        logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
+    )
+    max_len = gen.max_new_tokens
+    runner = BeamRunner(model, use_cache=use_cache)
+
+    def best_possible(score: float, length: int) -> float:
+        # Log-probabilities only decrease a sum (<= 0); the penalty may still favour either end.
+        return max(score / length_penalty(length, min_length, alpha), score / length_penalty(max_len, min_length, alpha))
+
+    finished: list[tuple[float, list[int]]] = []  # (penalised score, generated ids)
+    scores = torch.zeros(1, dtype=torch.float64)  # sum of log-probabilities of each live beam
+    logits = runner.start(gen.prefix)
+    for length in range(1, max_len + 1):
+        # 1. Expand: the top_k tokens of each live beam, scored by the beam's new sum.
+        log_probs = logits.double().log_softmax(dim=-1).cpu()
+        k = min(top_k, log_probs.shape[-1])
+        top_log_probs, top_tokens = log_probs.topk(k, dim=-1)
+        candidates = (scores[:, None] + top_log_probs).flatten()
+        order = candidates.argsort(descending=True)
+        # 2. Split the best candidates into finished and (at most num_beams) live beams.
+        # Candidates share one length, so raw and penalised scores have the same order: once the
+        # live beams are full and a candidate cannot enter the kept finished ones, none after can.
+        worst_kept = finished[-1][0] if len(finished) >= num_beams else -math.inf
+        penalty = length_penalty(length, min_length, alpha)
+        live_idx, live_tokens, live_scores = [], [], []
+        history = runner.sequences[:, len(gen.prefix) :].cpu()
+        for c in order.tolist():
+            beam = c // k
+            token = int(top_tokens[beam, c % k])
+            score = float(candidates[c])
+            if len(live_idx) == num_beams and score / penalty < worst_kept:
+                break
+            if token in gen.end_tokens or length == max_len:
+                finished.append((score / penalty, history[beam].tolist() + [token]))
+            elif len(live_idx) < num_beams:
+                live_idx.append(beam)
+                live_tokens.append(token)
+                live_scores.append(score)
+        finished = sorted(finished, key=lambda f: f[0], reverse=True)[:num_beams]
+        # 3. Stop when no live beam can beat the best finished one.
+        if not live_idx or (finished and finished[0][0] >= max(best_possible(s, length) for s in live_scores)):
+            break
+        scores = torch.tensor(live_scores, dtype=torch.float64)
+        device = runner.sequences.device
+        logits = runner.step(torch.tensor(live_idx, device=device), torch.tensor(live_tokens, device=device))
+    return finished[0][1]
