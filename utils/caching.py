@@ -15,6 +15,7 @@ Invariant (checked after every call): the cache holds exactly `len(runner)` posi
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -51,8 +52,9 @@ def vocab_size(model: PreTrainedModel) -> int:
     return int(_decoder_config(model).vocab_size)
 
 
-def _forward_parameters(model: PreTrainedModel) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 class ModelRunner:
@@ -75,7 +77,7 @@ class ModelRunner:
         self.device = model.device
         self.tokens: list[int] = []
         self.forward_passes = 0
-        parameters = _forward_parameters(model)
+        parameters = _forward_parameters(type(model))
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self._logits_to_keep = "logits_to_keep" in parameters
         self.encoder_decoder = is_encoder_decoder(model)

