@@ -1,0 +1,193 @@
+import pytest
+import torch
+
+import ngram_assisted.drafter
+import sampling.speculative
+from ngram_assisted import (
+    MultiDynaGram,
+    SimpleDynaGram,
+    ngram_assisted_speculative_generate,
+    ngram_assisted_speculative_generate_encoder_decoder,
+)
+from ngram_assisted.drafter import NgramDrafter, best_draft_length
+from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
+from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
+from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
+
+# The pools, on hand-written histories
+
+
+def test_simple_dynagram_proposes_the_most_frequent_then_most_recent():
+    pool = SimpleDynaGram(3)
+    pool.fill([1, 2, 3, 9, 1, 2, 4, 1, 2, 3])
+    assert pool.predict([7, 1, 2]).token == 3  # seen twice after (1, 2), 4 once
+    assert pool.predict([1, 2]).count == 2 and pool.predict([1, 2]).total == 3
+    assert pool.predict([5, 2]) is None  # unknown context: a miss, never a random token
+    assert pool.predict([2]) is None  # too short for a 3-gram
+    pool.fill([1, 2, 4, 1, 2, 4])
+    assert pool.predict([1, 2]).token == 4  # now 3 times against 2
+
+
+def test_ties_go_to_the_most_recent():
+    pool = SimpleDynaGram(2)
+    pool.fill([5, 6, 0, 5, 7])
+    assert pool.predict([5]).token == 7
+
+
+def test_multi_dynagram_uses_the_longest_match_and_keeps_bigrams():
+    pool = MultiDynaGram(3)
+    pool.fill([1, 2, 3, 8, 2, 4, 8, 2, 4])
+    assert pool.predict([1, 2]).token == 3 and pool.predict([1, 2]).match_length == 2
+    assert pool.predict([9, 2]).token == 4 and pool.predict([9, 2]).match_length == 1
+    assert [2, 4] in pool and [1, 2, 3] in pool and [1, 2, 4] not in pool
+    two = MultiDynaGram(2)  # the original produced nothing for n = 2
+    two.fill([1, 2])
+    assert two.predict([1]).token == 2
+
+
+def test_short_prompts_are_fine():
+    pool = MultiDynaGram(5)
+    pool.fill([7])  # shorter than n: the original raised KeyError
+    assert pool.predict([7]) is None
+    pool.fill([7, 8])
+    assert pool.predict([7]).token == 8
+
+
+def test_memory_is_bounded():
+    pool = SimpleDynaGram(2, max_contexts=50, max_continuations=3)
+    pool.fill(list(range(1000)))
+    assert len(pool) == 50
+    assert pool.predict([998]).token == 999 and pool.predict([3]) is None  # oldest evicted
+    for token in range(10):
+        pool.add([1], token)
+    assert len(pool._table[(1,)]) == 3
+
+
+def test_top_k_filler_adds_the_targets_alternatives():
+    pool = SimpleDynaGram(2)
+    drafter = NgramDrafter(pool, vocab_size=10, top_k_filler=3)
+    drafter.start([1, 2])
+    drafter.draft([1, 2], 0)
+    logits = torch.tensor([[0.0, 0, 0, 5, 4, 3, 0, 0, 0, 0]])  # target's top 3 after (.., 2): 3, 4, 5
+    drafter.update([1, 2, 4], 0, logits)  # it generated 4
+    assert [2, 3] in pool and [2, 4] in pool and [2, 5] in pool
+    assert pool.predict([2]).token == 4  # the generated token wins the tie: most recent
+
+
+def test_draft_length_pays_for_itself():
+    cost = ngram_assisted.drafter.cpu_draft_cost
+    assert best_draft_length([0.2, 0.2], cost) == 0  # unsure: a plain step is cheaper
+    assert best_draft_length([0.95] * 8, cost) == 8
+    assert best_draft_length([0.9, 0.9, 0.05], cost) == 2
+
+
+# NASD generation
+
+FAMILIES = DECODER_ONLY + ENCODER_DECODER
+
+
+def run(name, inputs, pool, **kwargs):
+    model = tiny_model(name)
+    if name in ENCODER_DECODER:
+        return autoregressive_generate_encoder_decoder(inputs, model, max_gen_len=kwargs["max_gen_len"],
+                                                       end_tokens_id=kwargs.get("end_tokens_id")), \
+            ngram_assisted_speculative_generate_encoder_decoder(inputs, pool, model, **kwargs)
+    return autoregressive_generate(inputs, model, max_gen_len=kwargs["max_gen_len"],
+                                   end_tokens_id=kwargs.get("end_tokens_id")), \
+        ngram_assisted_speculative_generate(inputs, pool, model, **kwargs)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_nasd_is_token_identical_to_greedy(name):
+    for seed in range(2):
+        inputs = prompt(seed, length=40)
+        for pool in (SimpleDynaGram(2), MultiDynaGram(4)):
+            for stop_if_unknown in (True, False):
+                for end in (None, 5):
+                    stats = SpeculativeStats()
+                    reference, (out, alpha) = run(name, inputs, pool, gamma=4, max_gen_len=40, end_tokens_id=end,
+                                                  stop_if_unknown=stop_if_unknown, stats=stats)
+                    assert out == reference, (name, seed, pool, stop_if_unknown, end)
+                    assert alpha == stats.alpha
+
+
+def test_nasd_drafts_copied_text_and_accepts_it():
+    # A model that repeats itself: once the pool has seen the loop, drafts are accepted.
+    stats = SpeculativeStats()
+    reference, (out, alpha) = run("gpt2", prompt(0), MultiDynaGram(3), gamma=5, max_gen_len=60,
+                                  stats=stats, stop_if_unknown=False)
+    assert out == reference
+    assert stats.drafts_accepted > 0 and stats.tau > 1.0
+
+
+def test_first_generated_token_may_be_an_end_token():
+    model = tiny_model("llama")
+    first = autoregressive_generate(prompt(1), model, max_gen_len=1)[0]
+    out, _ = ngram_assisted_speculative_generate(prompt(1), MultiDynaGram(3), model, end_tokens_id=first)
+    assert out == [first]
+
+
+def test_the_pool_lives_across_calls_until_reset():
+    pool = MultiDynaGram(3)
+    model = tiny_model("llama")
+    ngram_assisted_speculative_generate(prompt(1), pool, model, max_gen_len=20)
+    size = len(pool)
+    assert size > 0
+    ngram_assisted_speculative_generate(prompt(2), pool, model, max_gen_len=20)
+    assert len(pool) > size
+    pool.reset()
+    assert len(pool) == 0
+
+
+def test_anpd_settings_run_and_stay_exact():
+    inputs = prompt(3, length=40)
+    reference, (out, _) = run("qwen2", inputs, SimpleDynaGram(3), gamma=5, top_k_filler=1, stop_if_unknown=False,
+                              max_gen_len=30)
+    assert out == reference
+
+
+# Exactness of NASD sampling (q one-hot at each draft)
+
+INPUTS = [3, 4, 5, 3]  # the pool proposes 4 after 3, then 5 after 4: both first tokens are drafted
+SAMPLES = 1000
+
+
+def sample_pairs(target, processor, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(ngram_assisted_speculative_generate(INPUTS, SimpleDynaGram(2), target, gamma=2, max_gen_len=2,
+                                                  stop_if_unknown=False, logits_processor=processor,
+                                                  generator=generator)[0])
+        for _ in range(SAMPLES)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "processor",
+    [MultinomialProcessor(temperature=2.0), TopKProcessor(temperature=2.0, top_k=4),
+     NucleusProcessor(temperature=2.0, top_p=0.8)],
+    ids=repr,
+)
+def test_nasd_sampling_follows_the_target_distribution(processor):
+    target = tiny_model("llama", vocab=8)
+    joint = exact_two_token_distribution(target, INPUTS, processor)
+    assert chi_square_p_value(sample_pairs(target, processor), joint) > P_VALUE_THRESHOLD
+
+
+@pytest.mark.slow
+def test_the_statistical_test_catches_the_original_rule(monkeypatch):
+    """The original drew a fresh sample from p after a rejected n-gram draft: it over-produces the draft."""
+
+    def original_rule(p, q, drafts, processor, generator=None):
+        for i, x in enumerate(drafts.tolist()):
+            if float(torch.rand(1, generator=generator)) >= float(p[i, x]):
+                return i, int(torch.multinomial(p[i], 1, generator=generator))
+        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+    monkeypatch.setattr(sampling.speculative, "speculative_accept", original_rule)
+    target = tiny_model("llama", vocab=8)
+    processor = MultinomialProcessor(temperature=2.0)
+    joint = exact_two_token_distribution(target, INPUTS, processor)
+    assert chi_square_p_value(sample_pairs(target, processor), joint) < P_VALUE_THRESHOLD
