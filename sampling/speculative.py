@@ -44,7 +44,7 @@ class SpeculativeStats:
 
     def acceptance_by_position(self) -> list[float]:
         """P(draft i accepted | draft i proposed), for i = 0, 1, ..."""
-        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=False)]
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.steps += 1

@@ -52,7 +52,7 @@ def vocab_size(model: PreTrainedModel) -> int:
     return int(_decoder_config(model).vocab_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 

@@ -1,0 +1,350 @@
+"""Interactive console: chat with a model and compare decoding methods side by side.
+
+    python infer.py                      # the built-in SmolLM2-135M-Instruct, offline, n-gram drafter
+    python infer.py --target NAME --drafter NAME   # Hub names or local folders
+
+Type /help for the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
+from ngram_assisted import ngram_assisted_speculative_generate_encoder_decoder as nasd_ed
+from sampling import (
+    SpeculativeStats,
+    Step,
+    autoregressive_generate,
+    autoregressive_generate_encoder_decoder,
+    beam_search_generate,
+    speculative_generate,
+    speculative_generate_encoder_decoder,
+)
+from utils.caching import is_encoder_decoder
+from utils.loading import end_token_ids, load_model
+from utils.logits_processors import (
+    GreedyProcessor,
+    MultinomialProcessor,
+    NucleusProcessor,
+    TopKNucleusProcessor,
+    TopKProcessor,
+)
+
+PROCESSORS = {
+    "greedy": lambda t, k, p: GreedyProcessor(),
+    "multinomial": lambda t, k, p: MultinomialProcessor(t),
+    "topk": lambda t, k, p: TopKProcessor(t, k),
+    "nucleus": lambda t, k, p: NucleusProcessor(t, p),
+    "topknucleus": lambda t, k, p: TopKNucleusProcessor(t, k, p),
+}
+
+HELP = """\
+/help                      this list            /status               current settings
+/quit (or Ctrl-D)          exit                 /clear                forget the conversation
+/target /speculative /drafter /ngram /beam      toggle a method (target = plain autoregressive)
+/chat                      chat template on/off /debug                colour drafts: accepted, rejected, target
+/cache                     KV cache on/off      /length <n>           max new tokens
+/gamma <n>                 draft length         /seed <n>             sampling seed
+/processor <greedy|multinomial|topk|nucleus|topknucleus> [temperature] [top_k] [top_p]
+/top_k_filler <k>          target top-k tokens added to the n-gram pool
+/set_ngram <simple|multi> <n>                   a new n-gram pool
+/stop_if_unknown           n-gram drafts stop at unknown grams on/off
+/reset_in_between          reset the n-gram pool before each prompt on/off
+Ctrl-C stops a generation."""
+
+
+@dataclass
+class Settings:
+    methods: dict = field(default_factory=lambda: {"target": True, "speculative": True, "drafter": False,
+                                                   "ngram": True, "beam": False})
+    chat: bool = True
+    debug: bool = False
+    use_cache: bool = True
+    max_gen_len: int = 128
+    gamma: int = 4
+    processor_args: tuple = ("greedy", 1.0, 50, 0.9)
+    top_k_filler: int = 3
+    ngram_kind: str = "multi"
+    ngram_n: int = 3
+    stop_if_unknown: bool = True
+    reset_in_between: bool = False
+    seed: int | None = None
+
+    @property
+    def processor(self):
+        name, t, k, p = self.processor_args
+        return PROCESSORS[name](t, k, p)
+
+
+class Console_:
+    """The console's state and commands; `run` is the read-eval-print loop."""
+
+    def __init__(self, target, tokenizer, drafter, console: Console, system_prompt: str | None) -> None:
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.console = console
+        self.settings = Settings()
+        if drafter is None:
+            self.settings.methods["speculative"] = False
+        self.encoder_decoder = is_encoder_decoder(target)
+        self.end_tokens = end_token_ids(target, tokenizer)
+        self.system_prompt = system_prompt
+        self.history: list[dict] = []
+        self.pool = self._new_pool()
+
+    def _new_pool(self):
+        s = self.settings
+        return (MultiDynaGram if s.ngram_kind == "multi" else SimpleDynaGram)(s.ngram_n)
+
+    # Commands ---------------------------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Run one /command; False means quit."""
+        name, *args = line.split()
+        s = self.settings
+        toggles = {"/debug": "debug", "/cache": "use_cache", "/chat": "chat", "/stop_if_unknown": "stop_if_unknown",
+                   "/reset_in_between": "reset_in_between"}
+        if name == "/quit":
+            return False
+        if name == "/help":
+            self.console.print(HELP, markup=False)
+        elif name == "/status":
+            self.status()
+        elif name in toggles:
+            setattr(s, toggles[name], not getattr(s, toggles[name]))
+            self.say(f"{toggles[name]}: {'on' if getattr(s, toggles[name]) else 'off'}")
+        elif name[1:] in s.methods:
+            method = name[1:]
+            if method in ("speculative", "drafter") and self.drafter is None:
+                return self.error(f"{name} needs a drafter model: start with --drafter NAME")
+            if method == "beam" and self.encoder_decoder:
+                return self.error("beam search supports decoder-only models")
+            s.methods[method] = not s.methods[method]
+            self.say(f"{method}: {'on' if s.methods[method] else 'off'}")
+        elif name == "/clear":
+            self.history.clear()
+            self.say("conversation cleared")
+        elif name in ("/length", "/gamma", "/top_k_filler", "/seed"):
+            usage = f"usage: {name} <n>, n an integer >= {0 if name == '/seed' else 1}"
+            if len(args) != 1 or not args[0].isdigit() or (int(args[0]) < 1 and name != "/seed"):
+                return self.error(usage)
+            attribute = {"/length": "max_gen_len", "/gamma": "gamma", "/top_k_filler": "top_k_filler",
+                         "/seed": "seed"}[name]
+            value = int(args[0])
+            if name == "/top_k_filler" and value > len(self.tokenizer):
+                return self.error(f"top_k_filler must be at most the vocabulary size {len(self.tokenizer)}")
+            setattr(s, attribute, value)
+            self.say(f"{attribute}: {value}")
+        elif name == "/processor":
+            self.set_processor(args)
+        elif name == "/set_ngram":
+            if len(args) != 2 or args[0] not in ("simple", "multi") or not args[1].isdigit() or int(args[1]) < 2:
+                return self.error("usage: /set_ngram <simple|multi> <n>, n an integer >= 2")
+            s.ngram_kind, s.ngram_n = args[0], int(args[1])
+            self.pool = self._new_pool()
+            self.say(f"n-gram pool: {self.pool}")
+        else:
+            return self.error(f"unknown command {name}; /help lists the commands")
+        return True
+
+    def set_processor(self, args: list[str]) -> None:
+        usage = "usage: /processor <greedy|multinomial|topk|nucleus|topknucleus> [temperature] [top_k] [top_p]"
+        if not args or args[0] not in PROCESSORS:
+            self.error(usage)
+            return
+        _, t, k, p = self.settings.processor_args
+        try:
+            t = float(args[1]) if len(args) > 1 else t
+            k = int(args[2]) if len(args) > 2 else k
+            p = float(args[3]) if len(args) > 3 else p
+            PROCESSORS[args[0]](t, k, p)  # validates
+        except (ValueError, TypeError) as error:
+            self.error(f"{error}; {usage}")
+            return
+        self.settings.processor_args = (args[0], t, k, p)
+        self.say(f"processor: {self.settings.processor}")
+
+    def status(self) -> None:
+        s = self.settings
+        table = Table(show_header=False, box=None)
+        rows = {
+            "methods": ", ".join(m for m, on in s.methods.items() if on) or "none",
+            "processor": repr(s.processor), "chat": s.chat, "cache": s.use_cache, "debug": s.debug,
+            "length": s.max_gen_len, "gamma": s.gamma, "n-gram pool": repr(self.pool),
+            "top_k_filler": s.top_k_filler, "stop_if_unknown": s.stop_if_unknown,
+            "reset_in_between": s.reset_in_between, "seed": s.seed, "turns in history": len(self.history) // 2,
+        }
+        for key, value in rows.items():
+            table.add_row(key, str(value))
+        self.console.print(table)
+
+    def say(self, message: str) -> None:
+        self.console.print(message, markup=False, highlight=False)
+
+    def error(self, message: str) -> bool:
+        self.console.print(Text(message, style="red"))
+        return True
+
+    # Generation ------------------------------------------------------------------------------
+
+    def encode(self, user_text: str) -> list[int]:
+        if self.settings.chat and getattr(self.tokenizer, "chat_template", None):
+            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
+            messages += self.history + [{"role": "user", "content": user_text}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.tokenizer(user_text)["input_ids"]
+
+    def generate(self, method: str, inputs: list[int], on_step) -> tuple[list[int], SpeculativeStats | None]:
+        s = self.settings
+        generator = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        common = dict(max_gen_len=s.max_gen_len, end_tokens_id=self.end_tokens, use_cache=s.use_cache)
+        sampling = dict(logits_processor=s.processor, generator=generator, on_step=on_step)
+        ed = self.encoder_decoder
+        if method in ("target", "drafter"):
+            model = self.target if method == "target" else self.drafter
+            fn = autoregressive_generate_encoder_decoder if ed else autoregressive_generate
+            return fn(inputs, model, **common, **sampling), None
+        if method == "beam":
+            return beam_search_generate(inputs, self.target, **common, num_beams=4, top_k=3), None
+        stats = SpeculativeStats()
+        if method == "speculative":
+            fn = speculative_generate_encoder_decoder if ed else speculative_generate
+            ids, _ = fn(inputs, self.drafter, self.target, gamma=s.gamma, stats=stats, **common, **sampling)
+        else:
+            if s.reset_in_between:
+                self.pool.reset()
+            fn = nasd_ed if ed else ngram_assisted_speculative_generate
+            ids, _ = fn(inputs, self.pool, self.target, gamma=s.gamma, top_k_filler=s.top_k_filler,
+                        stop_if_unknown=s.stop_if_unknown, stats=stats, **common, **sampling)
+        return ids, stats
+
+    def streamer(self, method: str):
+        """An on_step callback that prints the new text (coloured by origin in debug mode)."""
+        generated: list[int] = []
+        printed = [""]
+
+        def on_step(step: Step) -> None:
+            if self.settings.debug and method in ("speculative", "ngram"):
+                text = Text()
+                for token in step.tokens[: step.accepted]:
+                    text.append(self.tokenizer.decode([token]), style="green")
+                for token in step.drafts[step.accepted :]:
+                    text.append(self.tokenizer.decode([token]), style="red strike")
+                if len(step.tokens) > step.accepted:
+                    text.append(self.tokenizer.decode([step.tokens[-1]]), style="blue")
+                self.console.print(text, end="")
+                return
+            generated.extend(step.tokens)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            self.console.print(text[len(printed[0]) :], end="", markup=False, highlight=False)
+            printed[0] = text
+
+        return on_step
+
+    def answer(self, user_text: str) -> None:
+        inputs = self.encode(user_text)
+        methods = [m for m, on in self.settings.methods.items() if on]
+        if not methods:
+            self.error("every method is off: turn one on, e.g. /target")
+            return
+        results = []
+        for method in methods:
+            self.console.print(Text(f"[{method}] ", style="bold cyan"), end="")
+            start = time.perf_counter()
+            ids, stats = self.generate(method, inputs, None if method == "beam" else self.streamer(method))
+            elapsed = time.perf_counter() - start
+            if method == "beam":
+                self.say(self.tokenizer.decode(ids, skip_special_tokens=True))
+            else:
+                self.console.print()
+            results.append((method, ids, elapsed, stats))
+        self.report(results)
+        first = results[0][1]
+        if self.settings.chat:
+            self.history += [{"role": "user", "content": user_text},
+                             {"role": "assistant", "content": self.tokenizer.decode(first, skip_special_tokens=True)}]
+
+    def report(self, results) -> None:
+        baseline = next((elapsed / max(len(ids), 1) for m, ids, elapsed, _ in results if m == "target"), None)
+        table = Table("method", "tokens", "time (s)", "tokens/s", "alpha", "tau", "speedup vs target")
+        for method, ids, elapsed, stats in results:
+            per_token = elapsed / max(len(ids), 1)
+            table.add_row(
+                method, str(len(ids)), f"{elapsed:.2f}", f"{len(ids) / elapsed:.1f}",
+                f"{stats.alpha:.2f}" if stats else "-", f"{stats.tau:.2f}" if stats else "-",
+                f"{baseline / per_token:.2f}x" if baseline and method != "target" else "-",
+            )
+        self.console.print(table)
+
+    def run(self) -> None:
+        self.say("Type a prompt, or /help for the commands.")
+        while True:
+            try:
+                line = self.console.input("[bold]> [/bold]").strip()
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                self.console.print()
+                continue
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    break
+                continue
+            try:
+                self.answer(line)
+            except KeyboardInterrupt:
+                self.console.print(Text("\n[generation stopped]", style="yellow"))
+            except (ValueError, TypeError) as error:
+                self.error(str(error))
+        self.say("bye")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="Hub name or local folder (default: built-in SmolLM2-135M)")
+    parser.add_argument("--drafter", default=None, help="a smaller model sharing the tokenizer (speculative decoding)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ...")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    quant = parser.add_mutually_exclusive_group()
+    quant.add_argument("--load-in-8bit", action="store_true", help="8-bit weights (bitsandbytes)")
+    quant.add_argument("--load-in-4bit", action="store_true", help="4-bit weights (bitsandbytes)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the Hub (off)")
+    parser.add_argument("--system", default=None, help="system prompt for chat mode")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(highlight=False)
+    options = dict(dtype=args.dtype, device=args.device, load_in_8bit=args.load_in_8bit,
+                   load_in_4bit=args.load_in_4bit, trust_remote_code=args.trust_remote_code)
+    try:
+        with console.status(f"Loading {args.target or 'the built-in SmolLM2-135M-Instruct'}..."):
+            target, tokenizer = load_model(args.target, **options)
+        drafter = None
+        if args.drafter:
+            with console.status(f"Loading drafter {args.drafter}..."):
+                drafter, _ = load_model(args.drafter, **options)
+    except Exception as error:  # a wrong name or path: one clear line, no traceback
+        console.print(Text(f"could not load the model: {type(error).__name__}: {error}".splitlines()[0], style="red"))
+        return 1
+    app = Console_(target, tokenizer, drafter, console, args.system)
+    app.settings.seed = args.seed
+    app.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
