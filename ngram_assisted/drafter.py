@@ -9,13 +9,19 @@ from torch import Tensor
 from ngram_assisted.dynagram import DynaGram, Prediction
 
 
-def cpu_draft_cost(num_drafts: int) -> float:
-    """Cost of a target pass over 1 + `num_drafts` tokens, relative to a one-token pass.
+# Cost of a target pass over 1 + k tokens relative to a one-token pass, measured for SmolLM2-135M
+# (fp32, 2 CPU cores, 100-500 tokens of context; benchmarks/draft_cost.py measures it again).
+CPU_COST_TABLE = {0: 1.0, 1: 1.55, 2: 1.85, 4: 2.5, 8: 2.8, 16: 3.45, 32: 4.5}
 
-    Measured for SmolLM2-135M on 2 CPU cores (REFERENCE_NOTES.md): the first extra token costs
-    ~0.6 of a step (matrix-vector becomes matrix-matrix), each further one ~2.5%.
-    """
-    return 1.0 if num_drafts == 0 else 1.55 + 0.025 * num_drafts
+
+def cpu_draft_cost(num_drafts: int) -> float:
+    """Relative cost of verifying `num_drafts` drafts (linear between the measured points)."""
+    points = sorted(CPU_COST_TABLE.items())
+    for (k0, c0), (k1, c1) in zip(points, points[1:]):
+        if num_drafts <= k1:
+            return c0 + (c1 - c0) * (num_drafts - k0) / (k1 - k0)
+    (k0, c0), (k1, c1) = points[-2], points[-1]
+    return c1 + (c1 - c0) * (num_drafts - k1) / (k1 - k0)
 
 
 class AcceptanceModel:

@@ -1,0 +1,99 @@
+"""Drive the real console through a pseudo-terminal, as a user would."""
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from tests.saved_model import save_tiny_chat_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "> "
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+def start(model_dir, *extra):
+    child = pexpect.spawn(sys.executable, [str(ROOT / "infer.py"), "--target", str(model_dir), *extra],
+                          cwd=str(ROOT), encoding="utf-8", timeout=60, dimensions=(50, 200))
+    child.expect_exact("/help for the commands")
+    child.expect_exact(PROMPT)
+    return child
+
+
+def send(child, line, *expected):
+    child.sendline(line)
+    for text in expected:
+        child.expect_exact(text)
+    child.expect_exact(PROMPT)
+
+
+def test_commands_and_bad_values(model_dir):
+    child = start(model_dir)
+    send(child, "/help", "/processor <greedy")
+    send(child, "/status", "methods", "processor")
+    for toggle, name in [("/debug", "debug"), ("/cache", "use_cache"), ("/chat", "chat"),
+                         ("/stop_if_unknown", "stop_if_unknown"), ("/reset_in_between", "reset_in_between"),
+                         ("/beam", "beam"), ("/ngram", "ngram"), ("/target", "target")]:
+        send(child, toggle, f"{name}: ")
+    send(child, "/speculative", "needs a drafter model")
+    send(child, "/drafter", "needs a drafter model")
+    send(child, "/length 16", "max_gen_len: 16")
+    send(child, "/length -3", "usage: /length <n>")
+    send(child, "/length abc", "usage: /length <n>")
+    send(child, "/gamma 0", "usage: /gamma <n>")
+    send(child, "/gamma 3", "gamma: 3")
+    send(child, "/seed 7", "seed: 7")
+    send(child, "/top_k_filler 2", "top_k_filler: 2")
+    send(child, "/top_k_filler 100000", "at most the vocabulary size")
+    send(child, "/processor nucleus 0.8 10 0.9", "NucleusProcessor(temperature=0.8, top_p=0.9)")
+    send(child, "/processor nucleus 0", "temperature must be")
+    send(child, "/processor banana", "usage: /processor")
+    send(child, "/set_ngram simple 4", "SimpleDynaGram(n=4")
+    send(child, "/set_ngram simple 1", "usage: /set_ngram")
+    send(child, "/clear", "conversation cleared")
+    send(child, "/nonsense", "unknown command /nonsense")
+    child.sendline("/quit")
+    child.expect_exact("bye")
+    child.expect(pexpect.EOF)
+
+
+def test_chat_of_two_turns_compares_methods(model_dir):
+    child = start(model_dir)
+    send(child, "/length 12")
+    send(child, "/beam")
+    send(child, "w5 w6 w7 w5 w6", "[target]", "[ngram]", "[beam]", "tokens/s", "speedup vs target")
+    send(child, "/debug")
+    send(child, "w8 w9 w5 w6", "[target]", "[ngram]", "tau")
+    send(child, "/status", "turns in history  2")
+    child.sendeof()  # Ctrl-D exits
+    child.expect_exact("bye")
+    child.expect(pexpect.EOF)
+
+
+def test_ctrl_c_stops_a_generation_and_returns_to_the_prompt(model_dir):
+    child = start(model_dir)
+    send(child, "/length 4000")
+    child.sendline("w5 w6 w7")
+    child.expect_exact("[target]")
+    time.sleep(1.0)
+    child.kill(signal.SIGINT)
+    child.expect_exact("[generation stopped]")
+    child.expect_exact(PROMPT)
+    send(child, "/status", "length")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+
+def test_a_wrong_model_path_gives_one_clear_line(tmp_path):
+    child = pexpect.spawn(sys.executable, [str(ROOT / "infer.py"), "--target", str(tmp_path / "missing")],
+                          cwd=str(ROOT), encoding="utf-8", timeout=60)
+    child.expect_exact("could not load the model")
+    child.expect(pexpect.EOF)
+    assert "Traceback" not in child.before
