@@ -14,6 +14,7 @@ import copy
 import json
 import math
 import statistics
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -59,6 +60,28 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+class PeakMemory:
+    """Peak resident memory (MiB) of this process while the block runs, sampled every 5 ms."""
+
+    def __enter__(self):
+        import psutil
+
+        self._process, self._stop, self.peak = psutil.Process(), threading.Event(), 0.0
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, self._process.memory_info().rss / 2**20)
+            if self._stop.wait(0.005):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class Runner:
     """One callable per method: ids -> (generated ids, stats or None)."""
 
@@ -84,8 +107,7 @@ class Runner:
         if method == "ours_ar":
             return autoregressive_generate(ids, self.target, **common), None
         if method == "ours_nasd":
-            out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(3), self.target, gamma=8, stats=stats,
-                                                         **common)
+            out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(6), self.target, stats=stats, **common)
         elif method == "ours_anpd":
             out, _ = ngram_assisted_speculative_generate(ids, SimpleDynaGram(3), self.target, gamma=5, top_k_filler=1,
                                                          stop_if_unknown=False, stats=stats, **common)
@@ -117,6 +139,7 @@ def summarise(records: list[dict], methods: list[str]) -> dict:
                 "tau": statistics.fmean(r["tau"] for r in mine) if mine[0]["tau"] is not None else None,
                 "alpha": statistics.fmean(r["alpha"] for r in mine) if mine[0]["alpha"] is not None else None,
                 "mismatches": sum(not r["matches_hf_greedy"] for r in mine),
+                "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
             }
         overall = geometric_mean([row["speedup"] for row in rows.values() if not math.isnan(row["speedup"])])
         summary[method] = {"tasks": rows, "overall": overall}
@@ -139,14 +162,15 @@ def goal_lines(summary: dict) -> list[str]:
 
 
 def write_report(out: Path, summary: dict, settings: dict, methods: list[str]) -> str:
-    header = "| method | " + " | ".join(TASKS) + " | overall |"
+    header = "| method | " + " | ".join(TASKS) + " | overall | peak RSS (MiB) |"
     lines = [f"Speedup against transformers' greedy `generate` (ratio of summed times); settings: {json.dumps(settings)}",
-             "", header, "|" + "---|" * (len(TASKS) + 2)]
+             "", header, "|" + "---|" * (len(TASKS) + 3)]
     for method in methods:
         tasks = summary[method]["tasks"]
         cells = [f"{tasks[t]['speedup']:.2f}x" + (f" (tau {tasks[t]['tau']:.2f})" if tasks[t]["tau"] else "")
                  if t in tasks else "-" for t in TASKS]
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {summary[method]['overall']:.2f}x |")
+        peak = max(row["peak_rss_mib"] for row in tasks.values())
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {summary[method]['overall']:.2f}x | {peak:.0f} |")
     lines += ["", *[f"- {line}" for line in goal_lines(summary)]]
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
@@ -207,14 +231,15 @@ def main(argv: list[str] | None = None) -> dict:
     for task, ids in tqdm(prompts, desc="prompts", disable=args.quiet):
         reference = None
         for method in methods:
-            start = time.perf_counter()
-            out, stats = runner.run(method, ids)
-            seconds = time.perf_counter() - start
+            with PeakMemory() as memory:
+                start = time.perf_counter()
+                out, stats = runner.run(method, ids)
+                seconds = time.perf_counter() - start
             reference = out if method == "hf_greedy" else reference
             records.append({
                 "task": task, "method": method, "prompt_tokens": len(ids), "tokens": len(out), "seconds": seconds,
                 "tau": stats.tau if stats else None, "alpha": stats.alpha if stats else None,
-                "matches_hf_greedy": out == reference,
+                "matches_hf_greedy": out == reference, "peak_rss_mib": memory.peak,
             })
     summary = summarise(records, methods)
     settings = {"model": args.model or "SmolLM2-135M-Instruct", "drafter": args.drafter or "bf16 copy of target",
@@ -226,11 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = write_report(args.out, summary, settings, methods)
     write_chart(args.out, summary, methods)
 
-    table = Table("method", *TASKS, "overall", "mismatches", title="speedup vs transformers greedy")
+    table = Table("method", *TASKS, "overall", "mismatches", "peak RSS MiB", title="speedup vs transformers greedy")
     for method in methods:
         tasks = summary[method]["tasks"]
         table.add_row(method, *[f"{tasks[t]['speedup']:.2f}x" if t in tasks else "-" for t in TASKS],
-                      f"{summary[method]['overall']:.2f}x", str(sum(r["mismatches"] for r in tasks.values())))
+                      f"{summary[method]['overall']:.2f}x", str(sum(r["mismatches"] for r in tasks.values())),
+                      f"{max(r['peak_rss_mib'] for r in tasks.values()):.0f}")
     console.print(table)
     for line in goal_lines(summary):
         console.print(line)
