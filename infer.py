@@ -85,7 +85,7 @@ class Settings:
         return PROCESSORS[name](t, k, p)
 
 
-class Console_:
+class ChatConsole:
     """The console's state and commands; `run` is the read-eval-print loop."""
 
     def __init__(self, target, tokenizer, drafter, console: Console, system_prompt: str | None) -> None:
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a wrong name or path: one clear line, no traceback
         console.print(Text(f"could not load the model: {type(error).__name__}: {error}".splitlines()[0], style="red"))
         return 1
-    app = Console_(target, tokenizer, drafter, console, args.system)
+    app = ChatConsole(target, tokenizer, drafter, console, args.system)
     app.settings.seed = args.seed
     app.run()
     return 0

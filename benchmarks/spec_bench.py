@@ -112,7 +112,8 @@ class Runner:
             out, _ = ngram_assisted_speculative_generate(ids, SimpleDynaGram(3), self.target, gamma=5, top_k_filler=1,
                                                          stop_if_unknown=False, stats=stats, **common)
         elif method == "ours_sd":
-            out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, stats=stats, **common)
+            out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
+                                          **common)
         else:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
         return out, stats

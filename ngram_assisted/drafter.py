@@ -8,7 +8,6 @@ from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
 
-
 # Cost of a target pass over 1 + k tokens relative to a one-token pass, measured for SmolLM2-135M
 # (fp32, 2 CPU cores, 100-500 tokens of context; benchmarks/draft_cost.py measures it again).
 CPU_COST_TABLE = {0: 1.0, 1: 1.47, 2: 1.77, 4: 2.1, 8: 2.45, 16: 2.95, 32: 3.8}
@@ -17,7 +16,7 @@ CPU_COST_TABLE = {0: 1.0, 1: 1.47, 2: 1.77, 4: 2.1, 8: 2.45, 16: 2.95, 32: 3.8}
 def cpu_draft_cost(num_drafts: int) -> float:
     """Relative cost of verifying `num_drafts` drafts (linear between the measured points)."""
     points = sorted(CPU_COST_TABLE.items())
-    for (k0, c0), (k1, c1) in zip(points, points[1:]):
+    for (k0, c0), (k1, c1) in zip(points, points[1:], strict=False):
         if num_drafts <= k1:
             return c0 + (c1 - c0) * (num_drafts - k0) / (k1 - k0)
     (k0, c0), (k1, c1) = points[-2], points[-1]
@@ -35,13 +34,17 @@ class AcceptanceModel:
 
     A proposal's kind is (match length, count, whether it is the majority continuation), each
     capped. Each kind starts from a prior set by its match length (`MATCH_LENGTH_PRIOR`, worth
-    `PRIOR_WEIGHT` drafts) and moves to the acceptance rate actually observed.
+    `PRIOR_WEIGHT` drafts) and moves to the acceptance rate actually observed. On top of that, a
+    calibration factor (accepted / predicted over all judged drafts so far) scales every estimate,
+    so that text where the pool is less reliable than usual stops the drafting after a few misses.
     """
 
     def __init__(self, prior: tuple[float, ...] = MATCH_LENGTH_PRIOR, weight: float = PRIOR_WEIGHT) -> None:
         self.prior = prior
         self.weight = weight
         self.counts: dict[tuple[int, int, bool], list[float]] = {}  # kind -> [accepted, rejected]
+        self.accepted = 0.0
+        self.predicted = 0.0
 
     @staticmethod
     def kind(prediction: Prediction) -> tuple[int, int, bool]:
@@ -53,11 +56,15 @@ class AcceptanceModel:
 
     def estimate(self, kind: tuple[int, int, bool]) -> float:
         accepted, rejected = self.counts.get(kind) or self._prior(kind)
-        return accepted / (accepted + rejected)
+        calibration = (self.accepted + self.weight) / (self.predicted + self.weight)
+        return min(0.99, calibration * accepted / (accepted + rejected))
 
-    def record(self, kind: tuple[int, int, bool], accepted: bool) -> None:
+    def record(self, kind: tuple[int, int, bool], accepted: bool, estimate: float) -> None:
+        """A judged draft of this kind, proposed with this `estimate`, was (not) accepted."""
         counts = self.counts.setdefault(kind, self._prior(kind))
         counts[0 if accepted else 1] += 1
+        self.accepted += accepted
+        self.predicted += estimate
 
 
 def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) -> int:
@@ -103,7 +110,7 @@ class NgramDrafter:
         self.draft_cost = draft_cost
         self.acceptance = AcceptanceModel()
         self._base = 0  # len(sequence) when the last draft started
-        self._kinds: list[tuple[int, int, bool]] = []
+        self._judged: list[tuple[tuple[int, int, bool], float]] = []  # (kind, estimate) of each draft
 
     def start(self, sequence: list[int]) -> None:
         self.pool.bind_vocabulary(self.vocab_size)
@@ -125,13 +132,13 @@ class NgramDrafter:
             history.append(prediction.token)
         if self.stop_if_unknown:
             drafts = drafts[: best_draft_length(estimates, self.draft_cost)]
-        self._kinds = kinds[: len(drafts)]
+        self._judged = list(zip(kinds, estimates, strict=True))[: len(drafts)]
         return drafts, None
 
     def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor) -> None:
         # Learn how often each kind of proposal is accepted (drafts after a rejection were not judged).
-        for i, kind in enumerate(self._kinds[: num_accepted + 1]):
-            self.acceptance.record(kind, i < num_accepted)
+        for i, (kind, estimate) in enumerate(self._judged[: num_accepted + 1]):
+            self.acceptance.record(kind, i < num_accepted, estimate)
         # The target's top-k at each verified position go in first, so that on equal counts the
         # token that was really generated (added last, most recent) stays the proposal.
         longest = self.pool.n - 1

@@ -39,7 +39,7 @@ class DynaGram:
         self.n = n
         self.max_contexts = max_contexts
         self.max_continuations = max_continuations
-        self.context_lengths: tuple[int, ...] = (n - 1,)
+        self.context_lengths: tuple[int, ...] = (n - 1,)  # longest first
         self.vocab_size: int | None = None
         self.reset()
 
@@ -96,7 +96,7 @@ class DynaGram:
 
     def predict(self, history: Sequence[int]) -> Prediction | None:
         """The proposal after `history` (longest known context first), or None on a miss."""
-        for length in sorted(self.context_lengths, reverse=True):
+        for length in self.context_lengths:  # longest first
             if len(history) < length:
                 continue
             continuations = self._table.get(tuple(history[len(history) - length :]))

@@ -75,11 +75,11 @@ def prepare(
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
     end_tokens = check_end_tokens(end_tokens_id, model)
+    check_fits(len(inputs), model, "inputs")
     if encoder_decoder:
         prefix, encoder_input_ids = [check_decoder_start(model)], inputs
     else:
         prefix, encoder_input_ids = inputs, None
-        check_fits(len(inputs), model, "inputs")
     limit = context_length(model)
     max_new = max_gen_len if limit is None else min(max_gen_len, limit - len(prefix))
     runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids)
