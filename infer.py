@@ -305,8 +305,10 @@ class ChatConsole:
                 self.answer(line)
             except KeyboardInterrupt:
                 self.console.print(Text("\n[generation stopped]", style="yellow"))
-            except (ValueError, TypeError) as error:
+            except (ValueError, TypeError) as error:  # bad input, explained by the library
                 self.error(str(error))
+            except Exception as error:  # nothing crashes the console
+                self.error(f"generation failed: {type(error).__name__}: {error}")
         self.say("bye")
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.common import prepare
-from utils.caching import BeamRunner
+from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
 from utils.validation import check_int
 
@@ -41,6 +41,8 @@ def beam_search_generate(
     beam can beat the best of them. `pad_token_id` is accepted for compatibility and unused (it is
     never an end token).
     """
+    if is_encoder_decoder(model):
+        raise ValueError(f"beam_search_generate supports decoder-only models; model is {type(model).__name__}, an encoder-decoder")
     check_int(top_k, "top_k", 1)
     check_int(num_beams, "num_beams", 1)
     check_int(min_length, "min_length", 0)

@@ -43,6 +43,7 @@ CASES = [
     ("context", lambda: autoregressive_generate(prompt(0, length=300), llama()), ValueError),
     ("num_beams", lambda: beam_search_generate([1, 2], llama(), num_beams=0), ValueError),
     ("top_k", lambda: beam_search_generate([1, 2], llama(), top_k=0), ValueError),
+    ("decoder-only models", lambda: beam_search_generate([1, 2], t5()), ValueError),
     ("gamma", lambda: speculative_generate([1, 2], llama(), llama(), gamma=0), ValueError),
     ("drafter", lambda: speculative_generate([1, 2], t5(), llama()), ValueError),
     ("decoder-only", lambda: speculative_generate_encoder_decoder([1, 2], llama(), llama()), ValueError),
