@@ -26,3 +26,16 @@ def test_benchmark_runs_end_to_end(tmp_path):
     # Our greedy methods reproduce transformers' greedy output token for token.
     assert all(r["matches_hf_greedy"] for r in records if r["method"].startswith("ours"))
     assert "goal" in result["report"]
+
+
+def test_nasd_replay_estimates_a_speedup_on_copied_text():
+    from benchmarks.nasd_replay import replay_one
+    from ngram_assisted import MultiDynaGram
+    from ngram_assisted.drafter import NgramDrafter
+
+    text = [5, 6, 7, 8, 9] * 4  # the answer copies the prompt: drafts are accepted
+    trace = {"task": "rag", "prompt": text, "generated": text, "top3": [[t, 3, 4] for t in text], "vocab": 96}
+    assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), gamma=8) > 1.5
+    novel = list(range(10, 30))  # nothing to copy: no draft, exactly the cost of plain decoding
+    trace = {"task": "qa", "prompt": list(range(40, 60)), "generated": novel, "top3": [[t, 3, 4] for t in novel], "vocab": 96}
+    assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), gamma=8) == 1.0

@@ -1,0 +1,111 @@
+"""Tune NASD's drafting policy offline: record greedy outputs once, replay the drafter in seconds.
+
+    python -m benchmarks.nasd_replay record --per-category 3 --out nasd_traces.json   # ~5 min
+    python -m benchmarks.nasd_replay replay --traces nasd_traces.json                 # ~10 s
+
+`record` decodes held-out Spec-Bench prompts (taken from the end of the file, so that they differ
+from the benchmark's, which come from the start) greedily and stores each output with the target's
+top-3 tokens at every position. `replay` runs the real `NgramDrafter` against those traces: in
+greedy mode a draft is accepted iff it equals the recorded token, so the replay is exact, and its
+speedup estimate is tokens / sum(cost of each verification pass) under the CPU cost table. It
+ignores Python overhead and noise: use it to compare policies, then confirm with spec_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.spec_bench import DEFAULT_DATA, TASKS, encode, task_of
+from ngram_assisted import MultiDynaGram, SimpleDynaGram
+from ngram_assisted.drafter import NgramDrafter, cpu_draft_cost
+
+
+def record(data: Path, per_category: int, max_new_tokens: int, out: Path, model_name: str | None) -> None:
+    from sampling import autoregressive_generate
+    from utils.loading import end_token_ids, load_model
+
+    model, tokenizer = load_model(model_name)
+    end = end_token_ids(model, tokenizer)
+    by_task: dict[str, list[str]] = defaultdict(list)
+    for line in reversed(data.read_text().splitlines()):
+        if line.strip():
+            item = json.loads(line)
+            by_task[task_of(item["category"])].append(item["turns"][0])
+    traces = []
+    for task in TASKS:
+        for text in by_task[task][:per_category]:
+            prompt = encode(tokenizer, text)
+            generated = autoregressive_generate(prompt, model, max_gen_len=max_new_tokens, end_tokens_id=end)
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+            traces.append({"task": task, "prompt": prompt, "generated": generated,
+                           "top3": logits.topk(3, dim=-1).indices.tolist(), "vocab": logits.shape[-1]})
+    out.write_text(json.dumps(traces))
+
+
+def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
+    """Estimated speedup of NASD over plain decoding on one recorded greedy trace."""
+    sequence, generated, top3 = list(trace["prompt"]), trace["generated"], trace["top3"]
+    drafter.start(sequence)
+    position, cost = 0, 0.0
+    while position < len(generated):
+        drafts, _ = drafter.draft(sequence, min(gamma, len(generated) - position - 1))
+        n = 0
+        while n < len(drafts) and drafts[n] == generated[position + n]:
+            n += 1
+        sequence += generated[position : position + n + 1]
+        rows = torch.zeros(n + 1, trace["vocab"])  # stand-in logits with the recorded top-3 order
+        for i, tokens in enumerate(top3[position : position + n + 1]):
+            rows[i, tokens] = torch.tensor([3.0, 2.0, 1.0])
+        drafter.update(sequence, n, rows)
+        cost += cpu_draft_cost(len(drafts))
+        position += n + 1
+    return len(generated) / cost
+
+
+def replay(traces_path: Path, pool: str, n: int, gamma: int, top_k_filler: int, stop_if_unknown: bool) -> dict:
+    traces = json.loads(traces_path.read_text())
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for trace in traces:
+        ngram = (MultiDynaGram if pool == "multi" else SimpleDynaGram)(n)
+        drafter = NgramDrafter(ngram, vocab_size=trace["vocab"], top_k_filler=top_k_filler,
+                               stop_if_unknown=stop_if_unknown)
+        by_task[trace["task"]].append(replay_one(trace, drafter, gamma))
+    speedups = {task: statistics.fmean(values) for task, values in by_task.items()}
+    overall = math.exp(statistics.fmean(math.log(v) for v in speedups.values()))
+    print(" ".join(f"{task}={value:.2f}" for task, value in speedups.items()) + f" | overall {overall:.3f}")
+    return speedups
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rec = commands.add_parser("record")
+    rec.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    rec.add_argument("--per-category", type=int, default=3)
+    rec.add_argument("--max-new-tokens", type=int, default=128)
+    rec.add_argument("--model", default=None)
+    rec.add_argument("--out", type=Path, default=Path("nasd_traces.json"))
+    rep = commands.add_parser("replay")
+    rep.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
+    rep.add_argument("--pool", choices=["simple", "multi"], default="multi")
+    rep.add_argument("--n", type=int, default=6)
+    rep.add_argument("--gamma", type=int, default=8)
+    rep.add_argument("--top-k-filler", type=int, default=3)
+    rep.add_argument("--no-stop-if-unknown", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "record":
+        record(args.data, args.per_category, args.max_new_tokens, args.out, args.model)
+    else:
+        replay(args.traces, args.pool, args.n, args.gamma, args.top_k_filler, not args.no_stop_if_unknown)
+
+
+if __name__ == "__main__":
+    main()
