@@ -10,7 +10,7 @@ from ngram_assisted.dynagram import DynaGram, Prediction
 
 # Cost of a target pass over 1 + k tokens relative to a one-token pass, measured for SmolLM2-135M
 # (fp32, 2 CPU cores, 100-500 tokens of context; benchmarks/draft_cost.py measures it again).
-CPU_COST_TABLE = {0: 1.0, 1: 1.47, 2: 1.77, 4: 2.1, 8: 2.45, 16: 2.95, 32: 3.8}
+CPU_COST_TABLE = {0: 1.0, 1: 1.53, 2: 1.7, 4: 1.8, 8: 2.2, 16: 2.78, 32: 3.7}
 
 
 def cpu_draft_cost(num_drafts: int) -> float:
