@@ -154,12 +154,12 @@ class ModelRunner:
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def _call(self, ids: Tensor, kwargs: dict):
+        """One forward pass of the model over `ids` (1, new) with the prepared cache kwargs."""
         if self.encoder_decoder:
             return self.model(encoder_outputs=self._encoder_outputs, decoder_input_ids=ids, **kwargs)
-        else:
-            # One unpadded sequence: an all-ones mask over past + new positions (GPT-2 warns without).
-            mask = torch.ones(1, len(self.tokens), dtype=torch.long, device=self.device)
-            return self.model(input_ids=ids, attention_mask=mask, **kwargs)
+        # One unpadded sequence: an all-ones mask over past + new positions (GPT-2 warns without).
+        mask = torch.ones(1, len(self.tokens), dtype=torch.long, device=self.device)
+        return self.model(input_ids=ids, attention_mask=mask, **kwargs)
 
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on (the rejected drafts)."""
