@@ -9,8 +9,9 @@ from torch import Tensor
 from ngram_assisted.dynagram import DynaGram, Prediction
 
 # Cost of a target pass over 1 + k tokens relative to a one-token pass, measured for SmolLM2-135M
-# (fp32, 2 CPU cores, 100-500 tokens of context; benchmarks/draft_cost.py measures it again).
-CPU_COST_TABLE = {0: 1.0, 1: 1.53, 2: 1.7, 4: 1.8, 8: 2.2, 16: 2.78, 32: 3.7}
+# (fp32, 2 CPU cores, 100-1000 tokens of context, with utils/cpu_passes.py; benchmarks/draft_cost.py
+# measures it again).
+CPU_COST_TABLE = {0: 1.0, 1: 1.06, 2: 1.24, 4: 1.33, 8: 1.69, 16: 2.54, 32: 4.2}
 
 
 def cpu_draft_cost(num_drafts: int) -> float:

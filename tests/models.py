@@ -52,11 +52,11 @@ DECODER_ONLY = ["llama", "gpt2", "qwen2", "mistral"]
 ENCODER_DECODER = ["t5", "bart"]
 
 
-def tiny_model(name: str, seed: int = 0, vocab: int = VOCAB, dtype: torch.dtype = torch.float64):
+def tiny_model(name: str, seed: int = 0, vocab: int = VOCAB, dtype: torch.dtype = torch.float64, attention: str = "eager"):
     """A tiny random model of family `name`, deterministic in `seed`, in eval mode."""
     torch.manual_seed(seed)
     config = _config(name, vocab)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     config.initializer_range = 0.3  # large weights: peaked, varied distributions, no near-ties
     model = _CLASSES[name](config).to(dtype).eval()
     model.generation_config.pad_token_id = 0

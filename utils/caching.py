@@ -21,8 +21,9 @@ import inspect
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
+
+from utils import cpu_passes
 
 __all__ = ["ModelRunner", "context_length", "is_encoder_decoder", "vocab_size"]
 
@@ -55,29 +56,6 @@ def vocab_size(model: PreTrainedModel) -> int:
 
 
 @functools.cache
-class SmallBatchLinear(TorchFunctionMode):
-    """Inside this mode, a float32 CPU `linear` over 2..32 rows is computed as (W @ x.T).T.
-
-    Why: on CPU, MKL's sgemm for a handful of rows streams the weight matrix once per row, so
-    verifying k drafts costs nearly k one-token passes; the transposed product streams it once
-    (measured on SmolLM2-135M, 2 cores: the verification of 2-16 tokens gets 7-13% cheaper; see
-    benchmarks/draft_cost.py). The result is the same product, up to float rounding (~1e-5).
-    """
-
-    MAX_ROWS = 32
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = x.numel() // x.shape[-1]
-            if 1 < rows <= self.MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
-                out = (weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], weight.shape[0])
-                return out if bias is None else out + bias
-        return func(*args, **kwargs)
-
-
 def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
@@ -113,6 +91,7 @@ class ModelRunner:
                 ids = torch.tensor([encoder_input_ids], device=self.device)
                 self._encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
         self._cache = self._new_cache() if use_cache else None
+        self._few_token_pass = cpu_passes.FewTokenPass(model)
 
     def _new_cache(self):
         # No config on purpose: full-history layers everywhere, so any suffix can be cropped.
@@ -144,9 +123,9 @@ class ModelRunner:
             kwargs = {"use_cache": False}
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = num_logits
-        few_rows = 1 < len(ids) <= SmallBatchLinear.MAX_ROWS and self.device.type == "cpu"
+        few_tokens = 1 < len(ids) <= cpu_passes.MAX_ROWS
         ids = torch.tensor([ids], device=self.device)
-        with SmallBatchLinear() if few_rows else contextlib.nullcontext():
+        with self._few_token_pass if few_tokens else contextlib.nullcontext():
             outputs = self._call(ids, kwargs)
         self.forward_passes += 1
         assert self._cached_positions() == len(self.tokens), "cache out of step with the tokens"

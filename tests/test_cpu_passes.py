@@ -1,0 +1,80 @@
+"""The CPU shortcuts for passes over a few tokens: same logits, same tokens, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
+from sampling import autoregressive_generate
+from tests.models import prompt, tiny_model
+from utils.cpu_passes import FewTokenPass
+
+
+def float32_llama():
+    """Grouped-query attention (4 heads, 2 key/value heads) through SDPA: the path being changed."""
+    return tiny_model("llama", seed=3, dtype=torch.float32, attention="sdpa")
+
+
+def linears(model) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
+def test_logits_match_the_plain_pass_over_a_cache():
+    model = float32_llama()
+    ids = torch.tensor([prompt(0, length=20)])
+    with torch.no_grad():
+        expected = model(ids).logits[0, -6:]
+        past = model(ids[:, :-6], use_cache=True).past_key_values
+        with FewTokenPass(model):
+            assert all("forward" in m.__dict__ for m in linears(model))
+            got = model(ids[:, -6:], past_key_values=past, use_cache=True).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_everything_is_restored_even_after_an_error(monkeypatch):
+    model = float32_llama()
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+    with pytest.raises(RuntimeError, match="boom"), FewTokenPass(model):
+        assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
+        raise RuntimeError("boom")
+    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
+    assert not any("forward" in m.__dict__ for m in linears(model))
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA")
+    with FewTokenPass(model):
+        pass
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+
+
+def test_a_module_with_its_own_forward_hook_is_left_alone():
+    model = tiny_model("llama", seed=4, dtype=torch.float32, attention="sdpa")
+    hooked = linears(model)[0]
+    calls = []
+
+    def accelerate_like_forward(x):
+        calls.append(x.shape)
+        return nn.Linear.forward(hooked, x)
+
+    hooked.forward = accelerate_like_forward  # what accelerate's dispatch hooks do
+    with torch.no_grad(), FewTokenPass(model):
+        model(torch.tensor([prompt(1)]))
+    assert hooked.forward is accelerate_like_forward and calls
+
+
+def test_one_token_and_float64_passes_are_untouched():
+    model = tiny_model("llama", seed=5)  # float64: MKL's path is fine there, nothing is changed
+    with FewTokenPass(model):
+        assert not any("forward" in m.__dict__ for m in linears(model))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_nasd_stays_token_identical_to_greedy(seed):
+    model = float32_llama()
+    context = prompt(seed, length=10) * 3  # repeats, so that the pool drafts long chains
+    expected = autoregressive_generate(context, model, max_gen_len=40)
+    ids, alpha = ngram_assisted_speculative_generate(context, MultiDynaGram(4), model, max_gen_len=40)
+    assert ids == expected
+    assert alpha > 0  # drafts were verified, so passes over several tokens ran
