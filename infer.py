@@ -74,7 +74,7 @@ class Settings:
     processor_args: tuple = ("greedy", 1.0, 50, 0.9)
     top_k_filler: int = 3
     ngram_kind: str = "multi"
-    ngram_n: int = 3
+    ngram_n: int = 6  # MultiDynaGram(6): the benchmarked setting
     stop_if_unknown: bool = True
     reset_in_between: bool = False
     seed: int | None = None

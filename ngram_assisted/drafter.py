@@ -116,7 +116,7 @@ class NgramDrafter:
     def start(self, sequence: list[int]) -> None:
         self.pool.bind_vocabulary(self.vocab_size)
         self.pool.fill(self.source_tokens)  # encoder-decoder: the source text, where copying happens
-        self.pool.fill(sequence)
+        self.pool.learn(sequence)
 
     def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], None]:
         self._base = len(sequence)
@@ -151,4 +151,4 @@ class NgramDrafter:
             for token in candidates:
                 if token != sequence[end]:
                     self.pool.add(context, token)
-        self.pool.fill(sequence[max(0, self._base - longest) :], start=min(self._base, longest))
+        self.pool.learn(sequence)  # the accepted tokens and the target's own

@@ -48,6 +48,7 @@ class DynaGram:
         # context -> {token: [count, last time seen]}; the OrderedDict order is recency (LRU).
         self._table: OrderedDict[tuple[int, ...], dict[int, list[int]]] = OrderedDict()
         self._clock = 0
+        self._learned: tuple[list[int], int] | None = None  # (sequence learned last, its length then)
         self.vocab_size = None
 
     def __len__(self) -> int:
@@ -93,6 +94,26 @@ class DynaGram:
         longest = max(self.context_lengths)
         for i in range(max(start, 1), len(tokens)):
             self.add(tokens[max(0, i - longest) : i], tokens[i])
+
+    def learn(self, sequence: list[int]) -> None:
+        """Add the n-grams of `sequence` that the pool has not learned from it yet.
+
+        What the pool learned last is remembered: the same decoding one step later passes the same
+        list, only ever appended to (O(1) per new token); the next prompt of a chat repeats the
+        earlier turns, and only the positions after the prefix it shares with the sequence learned
+        last are added (compared once), so earlier turns are not counted again.
+        """
+        known = 0
+        if self._learned is not None:
+            last, length = self._learned
+            if last is sequence and len(sequence) >= length:
+                known = length
+            else:
+                shared = zip(last[:length], sequence, strict=False)
+                known = next((i for i, (a, b) in enumerate(shared) if a != b), min(length, len(sequence)))
+        longest = max(self.context_lengths)
+        self.fill(sequence[max(0, known - longest) :], start=min(known, longest))
+        self._learned = (sequence, len(sequence))
 
     def predict(self, history: Sequence[int]) -> Prediction | None:
         """The proposal after `history` (longest known context first), or None on a miss."""

@@ -78,3 +78,11 @@ def test_float32_nasd_stays_token_identical_to_greedy(seed):
     ids, alpha = ngram_assisted_speculative_generate(context, MultiDynaGram(4), model, max_gen_len=40)
     assert ids == expected
     assert alpha > 0  # drafts were verified, so passes over several tokens ran
+
+
+def test_float32_beam_search_cached_equals_uncached():
+    from sampling import beam_search_generate
+
+    model = float32_llama()
+    kwargs = dict(max_gen_len=12, end_tokens_id=[7], num_beams=4, top_k=3)
+    assert beam_search_generate(prompt(2), model, **kwargs) == beam_search_generate(prompt(2), model, use_cache=False, **kwargs)

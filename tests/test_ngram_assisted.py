@@ -64,6 +64,24 @@ def test_memory_is_bounded():
     assert len(pool._table[(1,)]) == 3
 
 
+def test_a_chat_prompt_repeating_earlier_turns_is_not_counted_again():
+    pool = SimpleDynaGram(2)
+    conversation = [1, 2, 3]
+    pool.learn(conversation)
+    conversation += [1, 2]  # decoding appends to the same list
+    pool.learn(conversation)
+    assert pool.predict([1]).count == 2
+    next_prompt = [*conversation, 5, 1, 2]  # the chat template repeats the conversation, then more
+    pool.learn(next_prompt)
+    assert pool.predict([1]).count == 3  # not 5: only the new positions were added
+    assert [5, 1] in pool
+    pool.learn([7, 1, 2])  # shares no prefix: learned whole
+    assert pool.predict([1]).count == 4 and [7, 1] in pool
+    pool.reset()
+    pool.learn([1, 2])
+    assert pool.predict([1]).count == 1
+
+
 def test_top_k_filler_adds_the_targets_alternatives():
     pool = SimpleDynaGram(2)
     drafter = NgramDrafter(pool, vocab_size=10, top_k_filler=3)

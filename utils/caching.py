@@ -187,6 +187,8 @@ class BeamRunner:
         if runner._logits_to_keep:
             kwargs["logits_to_keep"] = 1
         mask = torch.ones_like(self.sequences)
-        logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -1]
+        few_rows = 1 < ids.numel() <= cpu_passes.MAX_ROWS  # a few beams: the same CPU shortcuts
+        with runner._few_token_pass if few_rows else contextlib.nullcontext():
+            logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -1]
         runner.forward_passes += 1
         return logits if logits.dtype == torch.float64 else logits.float()
