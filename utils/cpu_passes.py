@@ -9,9 +9,9 @@ decoding, for two reasons that have nothing to do with the arithmetic:
    query would push the attention below off the flash kernel onto the slow "math" kernel.
 2. Grouped-query attention with a mask (every pass over more than one new token has one):
    transformers copies the keys and values of the whole cache, in every layer, to repeat them per
-   head, unless `TRANSFORMERS_SDPA_FORCE_GQA=1` (read at each call, since transformers 5.x; older
-   releases ignore it). On CPU, torch's flash kernel takes `enable_gqa` with a mask and returns
-   bitwise the same output.
+   head, unless `TRANSFORMERS_SDPA_FORCE_GQA=1` (read at each call by recent releases, 5.24 here;
+   older ones ignore it and stay correct, only slower). On CPU, torch's flash kernel takes
+   `enable_gqa` with a mask and returns bitwise the same output.
 
 Measured on SmolLM2-135M (2 cores, `python -m benchmarks.draft_cost`): a pass over 2 tokens cost
 1.53x a one-token pass at 200 positions of context and 1.86x at 1000; with both it costs 1.05x and
