@@ -9,6 +9,7 @@ Type /help for the commands.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -344,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     app = ChatConsole(target, tokenizer, drafter, console, args.system)
     app.settings.seed = args.seed
+    # Ctrl-C stops a generation even when the console was started with SIGINT ignored (a shell
+    # script's background job inherits that, and Python then never raises KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     app.run()
     return 0
 
