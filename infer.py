@@ -318,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default=None, help="Hub name or local folder (default: built-in SmolLM2-135M)")
     parser.add_argument("--drafter", default=None, help="a smaller model sharing the tokenizer (speculative decoding)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ...")
+    parser.add_argument("--device-map", default=None,
+                        help="accelerate placement, e.g. auto (splits over GPUs, offloads what does not fit)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
     quant = parser.add_mutually_exclusive_group()
     quant.add_argument("--load-in-8bit", action="store_true", help="8-bit weights (bitsandbytes)")
@@ -331,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(highlight=False)
-    options = dict(dtype=args.dtype, device=args.device, load_in_8bit=args.load_in_8bit,
+    options = dict(dtype=args.dtype, device=args.device, device_map=args.device_map, load_in_8bit=args.load_in_8bit,
                    load_in_4bit=args.load_in_4bit, trust_remote_code=args.trust_remote_code)
     try:
         with console.status(f"Loading {args.target or 'the built-in SmolLM2-135M-Instruct'}..."):

@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--model", default=None, help="target (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="drafter (default: a bfloat16 copy of the target)")
+    parser.add_argument("--device-map", default=None, help="accelerate placement of the target, e.g. auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--quiet", action="store_true")
@@ -221,8 +222,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--data {args.data} does not exist")
     torch.manual_seed(args.seed)
     console = Console(quiet=args.quiet)
-    target, tokenizer = load_model(args.model)
-    drafter = load_model(args.drafter)[0] if args.drafter else copy.deepcopy(target).to(torch.bfloat16)
+    target, tokenizer = load_model(args.model, device_map=args.device_map)
+    if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
+        drafter = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32")[0]
+    else:
+        drafter = copy.deepcopy(target).to(torch.bfloat16)
     runner = Runner(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens)
     prompts = [(task, encode(tokenizer, text)) for task, text in load_prompts(args.data, args.per_category)]
     for method in methods:  # warm-up

@@ -1,18 +1,29 @@
-"""Model loading: local folders, clear errors, and the quantized path through bitsandbytes."""
+"""Model loading: local folders, clear errors, the quantized path through bitsandbytes, and models
+dispatched by accelerate (offloaded to disk, in part or whole)."""
 
 import importlib.util
 
 import pytest
 
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
-from sampling import autoregressive_generate
+from sampling import autoregressive_generate, beam_search_generate, speculative_generate
 from tests.saved_model import save_tiny_chat_model
-from utils.loading import end_token_ids, load_model
+from utils.loading import check_4bit_runs_here, end_token_ids, load_model
+
+needs_bitsandbytes = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is the optional 'quant' extra"
+)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny"), max_positions=256)
+
+
+@pytest.fixture(scope="module")
+def wide_folder(tmp_path_factory):
+    """Linears with 64 and 128 in-features: bitsandbytes' 4-bit kernels run them on every CPU."""
+    return save_tiny_chat_model(tmp_path_factory.mktemp("wide"), max_positions=256, hidden=64)
 
 
 def test_load_a_local_folder(folder):
@@ -27,14 +38,58 @@ def test_bad_arguments(folder):
         load_model(str(folder), dtype="float13")
     with pytest.raises(ValueError, match="load_in_8bit"):
         load_model(str(folder), load_in_8bit=True, load_in_4bit=True)
+    with pytest.raises(ValueError, match="device_map"):
+        load_model(str(folder), max_memory={"cpu": "1MB"})
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is the optional 'quant' extra")
+@needs_bitsandbytes
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_model_runs_every_method_exactly(folder, bits):
-    model, tokenizer = load_model(str(folder), load_in_8bit=bits == 8, load_in_4bit=bits == 4)
+def test_quantized_model_runs_every_method_exactly(wide_folder, bits):
+    model, tokenizer = load_model(str(wide_folder), load_in_8bit=bits == 8, load_in_4bit=bits == 4)
     assert any("bitsandbytes" in type(m).__module__ for m in model.modules())
     inputs = tokenizer("w5 w6 w7 w5 w6 w7 w5")["input_ids"]
     reference = autoregressive_generate(inputs, model, max_gen_len=12)
     out, _ = ngram_assisted_speculative_generate(inputs, MultiDynaGram(3), model, max_gen_len=12)
     assert out == reference
+
+
+@needs_bitsandbytes
+def test_a_4bit_model_this_cpu_cannot_run_is_refused_clearly(folder):
+    """The 32-wide model breaks bitsandbytes' AVX-512 kernel; say so, on every CPU (the kernel's
+    presence is faked, so that machines without AVX-512 check the same rule)."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    if has_avx512bf16():
+        with pytest.raises(ValueError, match="block size 64"):
+            load_model(str(folder), load_in_4bit=True)
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert linears
+    for module in linears:
+        module.support_avx512bf16_for_cpu = True
+    with pytest.raises(ValueError, match="in-features"):
+        check_4bit_runs_here(model)
+
+
+@pytest.mark.parametrize("where", ["part", "all"])
+def test_models_offloaded_to_disk_give_the_same_tokens(folder, tmp_path, where):
+    """accelerate's dispatch: part of the layers (or all: `model.device` is then `meta`) on disk."""
+    plain, tokenizer = load_model(str(folder))
+    if where == "all":
+        device_map = {"": "disk"}
+    else:
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
+                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
+    offloaded, _ = load_model(str(folder), device_map=device_map, offload_folder=tmp_path)
+    assert set(offloaded.hf_device_map.values()) >= {"disk"}
+    inputs = tokenizer("w5 w6 w7 w5 w6 w7 w5")["input_ids"]
+    common = dict(max_gen_len=10)
+    assert autoregressive_generate(inputs, offloaded, **common) == autoregressive_generate(inputs, plain, **common)
+    assert beam_search_generate(inputs, offloaded, **common) == beam_search_generate(inputs, plain, **common)
+    reference = autoregressive_generate(inputs, plain, **common)
+    assert speculative_generate(inputs, plain, offloaded, **common)[0] == reference  # offloaded target
+    assert speculative_generate(inputs, offloaded, plain, **common)[0] == reference  # offloaded drafter
+    assert ngram_assisted_speculative_generate(inputs, MultiDynaGram(3), offloaded, **common)[0] == reference

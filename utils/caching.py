@@ -25,7 +25,7 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
 from utils import cpu_passes
 
-__all__ = ["ModelRunner", "context_length", "is_encoder_decoder", "vocab_size"]
+__all__ = ["ModelRunner", "context_length", "input_device", "is_encoder_decoder", "vocab_size"]
 
 
 def is_encoder_decoder(model: PreTrainedModel) -> bool:
@@ -55,6 +55,22 @@ def vocab_size(model: PreTrainedModel) -> int:
     return int(_decoder_config(model).vocab_size)
 
 
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where the model's input ids must go: the device its input embeddings run on.
+
+    Not `model.device`: a model dispatched by accelerate (`device_map`) may be split over devices
+    or offloaded to disk, where `model.device` is the first parameter's device (`meta` when
+    offloaded). Accelerate's hook on the embeddings knows the execution device; without a hook the
+    embedding weights' device is the answer.
+    """
+    embeddings = model.get_input_embeddings()
+    hook_device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(f"cuda:{hook_device}" if isinstance(hook_device, int) else hook_device)
+    device = embeddings.weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 @functools.cache
 def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
@@ -77,7 +93,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.use_cache = use_cache
-        self.device = model.device
+        self.device = input_device(model)
         self.tokens: list[int] = []
         self.forward_passes = 0
         parameters = _forward_parameters(type(model))
@@ -164,12 +180,12 @@ class BeamRunner:
     def __init__(self, model: PreTrainedModel, *, use_cache: bool = True) -> None:
         self._runner = ModelRunner(model, use_cache=use_cache)  # reuses its cache handling
         self.model = model
-        self.sequences = torch.empty(1, 0, dtype=torch.long, device=model.device)
+        self.sequences = torch.empty(1, 0, dtype=torch.long, device=self._runner.device)
 
     @torch.no_grad()
     def start(self, prefix: list[int]) -> Tensor:
         """Prefill one beam with `prefix` -> the logits of its next token, (1, vocab)."""
-        self.sequences = torch.tensor([prefix], device=self.model.device)
+        self.sequences = torch.tensor([prefix], device=self._runner.device)
         return self._runner.forward(prefix)
 
     @torch.no_grad()

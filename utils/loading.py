@@ -61,6 +61,8 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | None = None,
     device_map: str | dict | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
     load_in_8bit: bool = False,
     load_in_4bit: bool = False,
     trust_remote_code: bool = False,
@@ -68,8 +70,10 @@ def load_model(
     """Load a causal or sequence-to-sequence LM and its tokenizer -> (model, tokenizer), in eval mode.
 
     `name_or_path`: a Hub name, a local folder, or None / "default" for the built-in
-    SmolLM2-135M-Instruct. `device_map` (e.g. "auto") places it through accelerate; 8/4-bit loading
-    needs bitsandbytes (`pip install bitsandbytes`).
+    SmolLM2-135M-Instruct. `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate,
+    within `max_memory` (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in
+    `offload_folder` (default: a folder under the cache). 8/4-bit loading needs bitsandbytes
+    (`pip install bitsandbytes`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -90,13 +94,39 @@ def load_model(
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
     if device_map is not None:
         kwargs["device_map"] = device_map
+        kwargs["offload_folder"] = str(offload_folder or cache_dir() / "offload" / Path(name_or_path).name)
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
+    elif max_memory is not None or offload_folder is not None:
+        raise ValueError("max_memory and offload_folder need a device_map (e.g. device_map='auto')")
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     model = auto.from_pretrained(name_or_path, **kwargs)
     if device is not None and device_map is None and "quantization_config" not in kwargs:
         model = model.to(device)
+    if load_in_4bit:
+        check_4bit_runs_here(model)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     return model.eval(), tokenizer
+
+
+def check_4bit_runs_here(model) -> None:
+    """Refuse a 4-bit model that bitsandbytes cannot run on this CPU, with the reason.
+
+    On CPUs with AVX-512 (bf16), bitsandbytes repacks 4-bit weights for its own kernel, which
+    needs every quantized linear's in-features to be a multiple of the quantization block size;
+    otherwise its first forward pass fails with a reshape error deep inside bitsandbytes.
+    """
+    for name, module in model.named_modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is None or not getattr(module, "support_avx512bf16_for_cpu", False):
+            continue
+        if module.weight.device.type == "cpu" and module.in_features % state.blocksize:
+            raise ValueError(
+                f"bitsandbytes cannot run this 4-bit model on this CPU: its AVX-512 kernel needs each "
+                f"linear's in-features to be a multiple of the block size {state.blocksize}, but {name} has "
+                f"{module.in_features}; load it in 8-bit or unquantized instead"
+            )
 
 
 def end_token_ids(model, tokenizer) -> list[int]:
