@@ -24,7 +24,8 @@ import torch
 
 from benchmarks.spec_bench import DEFAULT_DATA, TASKS, encode, task_of
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
-from ngram_assisted.drafter import NgramDrafter, cpu_draft_cost
+from ngram_assisted.drafter import NgramDrafter
+from utils.cost_model import prior_cost
 
 
 def record(data: Path, per_category: int, max_new_tokens: int, out: Path, model_name: str | None) -> None:
@@ -65,7 +66,7 @@ def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
         for i, tokens in enumerate(top3[position : position + n + 1]):
             rows[i, tokens] = torch.tensor([3.0, 2.0, 1.0])
         drafter.update(sequence, n, rows)
-        cost += cpu_draft_cost(len(drafts))
+        cost += prior_cost(len(drafts))
         position += n + 1
     return len(generated) / cost
 

@@ -1,6 +1,6 @@
 """Ngram Assisted Speculative Decoding (NASD): speculative decoding with an n-gram pool as drafter."""
 
-from ngram_assisted.drafter import NgramDrafter, cpu_draft_cost
+from ngram_assisted.drafter import NgramDrafter
 from ngram_assisted.dynagram import DynaGram, MultiDynaGram, Prediction, SimpleDynaGram
 from ngram_assisted.nasd import (
     ngram_assisted_speculative_generate,
@@ -13,7 +13,6 @@ __all__ = [
     "NgramDrafter",
     "Prediction",
     "SimpleDynaGram",
-    "cpu_draft_cost",
     "ngram_assisted_speculative_generate",
     "ngram_assisted_speculative_generate_encoder_decoder",
 ]

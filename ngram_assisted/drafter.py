@@ -7,22 +7,8 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
-
-# Cost of a target pass over 1 + k tokens relative to a one-token pass, measured for SmolLM2-135M
-# (fp32, 2 CPU cores, 100-1000 tokens of context, with utils/cpu_passes.py; benchmarks/draft_cost.py
-# measures it again).
-CPU_COST_TABLE = {0: 1.0, 1: 1.06, 2: 1.24, 4: 1.33, 8: 1.69, 16: 2.54, 32: 4.2}
-
-
-def cpu_draft_cost(num_drafts: int) -> float:
-    """Relative cost of verifying `num_drafts` drafts (linear between the measured points)."""
-    points = sorted(CPU_COST_TABLE.items())
-    for (k0, c0), (k1, c1) in zip(points, points[1:], strict=False):
-        if num_drafts <= k1:
-            return c0 + (c1 - c0) * (num_drafts - k0) / (k1 - k0)
-    (k0, c0), (k1, c1) = points[-2], points[-1]
-    return c1 + (c1 - c0) * (num_drafts - k1) / (k1 - k0)
-
+from sampling.draft_policy import best_draft_length
+from utils.cost_model import prior_cost
 
 # Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4+ tokens), as
 # measured on held-out Spec-Bench prompts with SmolLM2-135M (greedy): longer matches are copies.
@@ -68,20 +54,6 @@ class AcceptanceModel:
         self.predicted += estimate
 
 
-def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) -> int:
-    """The chain length k maximising (1 + expected accepted drafts) / cost(k); k = 0 means a plain
-    step. Draft j is accepted only if all before it were: E_k = sum_j prod_{i <= j} a_i."""
-    best_k, best_rate = 0, 1.0 / cost(0)
-    expected, survive = 0.0, 1.0
-    for k, a in enumerate(estimates, start=1):
-        survive *= a
-        expected += survive
-        rate = (1.0 + expected) / cost(k)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
-
-
 class NgramDrafter:
     """Drafts from a dynagram pool (deterministic drafts: q is one-hot, so `draft` returns q=None).
 
@@ -101,7 +73,7 @@ class NgramDrafter:
         top_k_filler: int = 3,
         stop_if_unknown: bool = True,
         source_tokens: Sequence[int] = (),
-        draft_cost: Callable[[int], float] = cpu_draft_cost,
+        draft_cost: Callable[[int], float] = prior_cost,
     ) -> None:
         self.pool = pool
         self.vocab_size = vocab_size

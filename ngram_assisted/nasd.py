@@ -15,11 +15,13 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from ngram_assisted.drafter import NgramDrafter, cpu_draft_cost
+from ngram_assisted.drafter import NgramDrafter
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import OnStep, prepare
-from sampling.speculative import DraftLength, SpeculativeStats, check_gamma, speculative_loop
+from sampling.draft_policy import DraftLength
+from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
 from utils.caching import vocab_size
+from utils.cost_model import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import check_int
 
@@ -39,10 +41,15 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     check_int(top_k_filler, "top_k_filler", 1)
     if top_k_filler > vocab:
         raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab}, got {top_k_filler}")
+    if draft_cost is not None and not callable(draft_cost):
+        raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
     ngram.bind_vocabulary(vocab)
+    # Measured pass costs (calibrated once per model and machine): kernel choice, and the draft
+    # length's cost unless the caller gave one.
+    gen.runner.costs = pass_costs(target)
     drafter = NgramDrafter(
         ngram, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
-        source_tokens=gen.encoder_input_ids or (), draft_cost=draft_cost,
+        source_tokens=gen.encoder_input_ids or (), draft_cost=draft_cost or gen.runner.costs,
     )
     return speculative_loop(
         gen, drafter, logits_processor=logits_processor, draft_length=DraftLength(gamma),
@@ -64,7 +71,7 @@ def ngram_assisted_speculative_generate(
     use_cache: bool = True,
     stop_if_unknown: bool = True,
     *,
-    draft_cost: Callable[[int], float] = cpu_draft_cost,
+    draft_cost: Callable[[int], float] | None = None,
     generator: torch.Generator | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
@@ -76,8 +83,9 @@ def ngram_assisted_speculative_generate(
     position; it keeps what it learned across calls (call `ngram.reset()` to forget). Drafts are up
     to `gamma` tokens; with `stop_if_unknown` a draft stops at the first unknown n-gram and is cut
     to the length that pays under `draft_cost` (the cost of verifying k drafts relative to one plain
-    step). Greedy output equals greedy `autoregressive_generate`; sampled output follows the
-    target's processed distribution exactly. `tokenizer`, `pad_token_id`: compatibility, unused.
+    step; by default measured on this machine for this model, `utils.cost_model`). Greedy output
+    equals greedy `autoregressive_generate`; sampled output follows the target's processed
+    distribution exactly. `tokenizer`, `pad_token_id`: compatibility, unused.
     """
     return _nasd(
         inputs, ngram, target, encoder_decoder=False, gamma=gamma, top_k_filler=top_k_filler,
@@ -101,7 +109,7 @@ def ngram_assisted_speculative_generate_encoder_decoder(
     use_cache: bool = True,
     stop_if_unknown: bool = True,
     *,
-    draft_cost: Callable[[int], float] = cpu_draft_cost,
+    draft_cost: Callable[[int], float] | None = None,
     generator: torch.Generator | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,

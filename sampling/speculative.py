@@ -13,8 +13,10 @@ from transformers import PreTrainedModel
 
 from sampling.acceptance import greedy_accept, speculative_accept
 from sampling.common import Generation, OnStep, Step, prepare
+from sampling.draft_policy import CostAwareDraftLength, DraftLength
 from sampling.drafters import Drafter, ModelDrafter
 from utils.caching import vocab_size
+from utils.cost_model import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import check_int, check_model
 
@@ -59,26 +61,12 @@ class SpeculativeStats:
             self.accepted_by_position[i] += i < num_accepted
 
 
-class DraftLength:
-    """How many tokens to ask the drafter for. Fixed at `gamma`, or adaptive with transformers'
-    heuristic: +2 after a fully accepted draft, -1 (not below 1) after a rejection."""
-
-    def __init__(self, gamma: int, adaptive: bool = False) -> None:
-        self.gamma = gamma
-        self.adaptive = adaptive
-
-    def update(self, num_drafts: int, num_accepted: int) -> None:
-        if not self.adaptive or num_drafts == 0:
-            return
-        self.gamma = self.gamma + 2 if num_accepted == num_drafts else max(1, self.gamma - 1)
-
-
 def speculative_loop(
     gen: Generation,
     drafter: Drafter,
     *,
     logits_processor: LogitsProcessor,
-    draft_length: DraftLength,
+    draft_length: DraftLength | CostAwareDraftLength,
     generator: torch.Generator | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
@@ -133,6 +121,9 @@ def speculative_loop(
     return generated, (accepted / proposed if proposed else 0.0)
 
 
+MAX_ADAPTIVE_GAMMA = 16  # with adaptive_gamma, each step drafts 0 .. max(gamma, this) tokens
+
+
 def check_gamma(gamma: object) -> int:
     return check_int(gamma, "gamma", 1)
 
@@ -157,12 +148,20 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
     )
     check_same_vocabulary(drafter, target)
+    if not isinstance(adaptive_gamma, bool):
+        raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
     model_drafter = ModelDrafter(
         drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
         encoder_input_ids=gen.encoder_input_ids, generator=generator,
     )
+    # Measured pass costs (calibrated once per model and machine): kernel choice, adaptive gamma.
+    gen.runner.costs, model_drafter.runner.costs = pass_costs(target), pass_costs(drafter)
+    if adaptive_gamma:
+        draft_length = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs)
+    else:
+        draft_length = DraftLength(gamma)
     return speculative_loop(
-        gen, model_drafter, logits_processor=logits_processor, draft_length=DraftLength(gamma, adaptive_gamma),
+        gen, model_drafter, logits_processor=logits_processor, draft_length=draft_length,
         generator=generator, stats=stats, on_step=on_step,
     )
 
@@ -189,8 +188,10 @@ def speculative_generate(
     Each step the drafter proposes `gamma` tokens, the target scores them in one forward pass, and
     a prefix is accepted: greedily (output identical to greedy `autoregressive_generate`) or by
     rejection sampling (output distributed exactly as the target's processed distribution).
-    Returns (generated ids, alpha = drafts accepted / drafts proposed). `adaptive_gamma` grows and
-    shrinks the draft length with the acceptance; `stats` collects tau, forward passes and
+    Returns (generated ids, alpha = drafts accepted / drafts proposed). With `adaptive_gamma` each
+    step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
+    unit of measured cost (`sampling.draft_policy`), so a drafter that cannot pay on this machine
+    stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
     acceptance by position; `on_step` streams each step. `tokenizer` and `pad_token_id` are
     accepted for compatibility and unused.
     """

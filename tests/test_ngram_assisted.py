@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-import ngram_assisted.drafter
 import sampling.speculative
 from ngram_assisted import (
     MultiDynaGram,
@@ -9,7 +8,7 @@ from ngram_assisted import (
     ngram_assisted_speculative_generate,
     ngram_assisted_speculative_generate_encoder_decoder,
 )
-from ngram_assisted.drafter import NgramDrafter, best_draft_length
+from ngram_assisted.drafter import NgramDrafter
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
@@ -91,13 +90,6 @@ def test_top_k_filler_adds_the_targets_alternatives():
     drafter.update([1, 2, 4], 0, logits)  # it generated 4
     assert [2, 3] in pool and [2, 4] in pool and [2, 5] in pool
     assert pool.predict([2]).token == 4  # the generated token wins the tie: most recent
-
-
-def test_draft_length_pays_for_itself():
-    cost = ngram_assisted.drafter.cpu_draft_cost
-    assert best_draft_length([0.03, 0.03], cost) == 0  # unsure: a plain step is cheaper
-    assert best_draft_length([0.95] * 8, cost) == 8
-    assert best_draft_length([0.9, 0.9, 0.05], cost) == 2
 
 
 # NASD generation

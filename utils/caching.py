@@ -15,15 +15,20 @@ Invariant (checked after every call): the cache holds exactly `len(runner)` posi
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
+import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
 from utils import cpu_passes
+from utils.cpu_passes import Shortcuts
+
+if TYPE_CHECKING:
+    from utils.cost_model import PassCosts
 
 __all__ = ["ModelRunner", "context_length", "input_device", "is_encoder_decoder", "vocab_size"]
 
@@ -108,6 +113,9 @@ class ModelRunner:
                 self._encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
         self._cache = self._new_cache() if use_cache else None
         self._few_token_pass = cpu_passes.FewTokenPass(model)
+        # Set by the speculative methods (`utils.cost_model.pass_costs`): each pass over a few tokens
+        # uses the CPU shortcuts measured fastest here, and every cached pass is timed to refine it.
+        self.costs: PassCosts | None = None
 
     def _new_cache(self):
         # No config on purpose: full-history layers everywhere, so any suffix can be cropped.
@@ -122,14 +130,16 @@ class ModelRunner:
         return self._cache.get_seq_length() if self._cache is not None else len(self.tokens)
 
     @torch.no_grad()
-    def forward(self, new_tokens: list[int], num_logits: int = 1) -> Tensor:
+    def forward(self, new_tokens: list[int], num_logits: int = 1, *, shortcuts: Shortcuts | None = None) -> Tensor:
         """Append `new_tokens` and return the logits of the last `num_logits` positions.
 
         Returns (num_logits, vocab), float32 (float64 if the model is), on the model's device.
         Row i is the distribution of the token that follows position len(self) - num_logits + i.
+        `shortcuts` overrides the CPU shortcuts chosen by `costs` (calibration uses it).
         """
         assert new_tokens, "forward needs at least one new token"
         assert 1 <= num_logits <= len(self.tokens) + len(new_tokens)
+        extends_cache = self.use_cache and len(self.tokens) > 0  # not the prefill: a verification-sized pass
         self.tokens.extend(new_tokens)
         if self.use_cache:
             ids = new_tokens
@@ -139,10 +149,18 @@ class ModelRunner:
             kwargs = {"use_cache": False}
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = num_logits
-        few_tokens = 1 < len(ids) <= cpu_passes.MAX_ROWS
+        num_drafts = len(ids) - 1
+        if shortcuts is None and self.costs is not None and 0 < num_drafts < cpu_passes.MAX_ROWS:
+            shortcuts = self.costs.shortcuts_for(num_drafts)
+        timed = self.costs is not None and extends_cache and num_drafts < cpu_passes.MAX_ROWS
         ids = torch.tensor([ids], device=self.device)
-        with self._few_token_pass if few_tokens else contextlib.nullcontext():
+        start = time.perf_counter()
+        with self._few_token_pass.using(shortcuts or Shortcuts()):
             outputs = self._call(ids, kwargs)
+        if timed:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # kernels run asynchronously: wait before reading the clock
+            self.costs.observe(num_drafts, time.perf_counter() - start)
         self.forward_passes += 1
         assert self._cached_positions() == len(self.tokens), "cache out of step with the tokens"
         logits = outputs.logits[0, -num_logits:]
@@ -177,9 +195,10 @@ class BeamRunner:
     Invariant: `sequences` is (beams, length) and the cache holds `length` positions of each beam.
     """
 
-    def __init__(self, model: PreTrainedModel, *, use_cache: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, *, use_cache: bool = True, costs: PassCosts | None = None) -> None:
         self._runner = ModelRunner(model, use_cache=use_cache)  # reuses its cache handling
         self.model = model
+        self.costs = costs  # which CPU shortcuts a pass over a few beams uses (none without)
         self.sequences = torch.empty(1, 0, dtype=torch.long, device=self._runner.device)
 
     @torch.no_grad()
@@ -203,8 +222,9 @@ class BeamRunner:
         if runner._logits_to_keep:
             kwargs["logits_to_keep"] = 1
         mask = torch.ones_like(self.sequences)
-        few_rows = 1 < ids.numel() <= cpu_passes.MAX_ROWS  # a few beams: the same CPU shortcuts
-        with runner._few_token_pass if few_rows else contextlib.nullcontext():
+        few_rows = 1 < ids.numel() <= cpu_passes.MAX_ROWS  # a few beams: the CPU shortcuts measured for as many rows
+        choice = self.costs.shortcuts_for(ids.numel() - 1) if few_rows and self.costs is not None else Shortcuts()
+        with runner._few_token_pass.using(choice):
             logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -1]
         runner.forward_passes += 1
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -18,24 +18,55 @@ Measured on SmolLM2-135M (2 cores, `python -m benchmarks.draft_cost`): a pass ov
 1.06x. The one-token pass is left untouched, so plain decoding is exactly transformers' own.
 Results are the same products up to float rounding (~1e-6 relative).
 
-Both changes are scoped: `FewTokenPass(model)` is a context manager entered around one forward pass;
-it gives the model's own `nn.Linear` modules an instance-level `forward` and sets the variable, and
-takes both back on exit, even on error. Modules that already have an instance-level `forward`
-(accelerate's dispatch hooks) are left alone.
+Those figures are one CPU's. On another (a Xeon with AVX-512 and AMX) the few-row linear made a
+pass over 2 tokens 1.7x *dearer* than transformers' own path while the GQA change still helped. So
+neither is switched on by default: `utils/cost_model.py` times every combination for each number
+of new tokens on the machine in use and picks the fastest (`Shortcuts`), and the runner asks for
+that choice at each pass.
+
+Both changes are scoped: `FewTokenPass(model)` is a context manager entered around one forward pass
+with the chosen `Shortcuts`; it gives the model's own `nn.Linear` modules an instance-level
+`forward` and/or sets the variable, and takes both back on exit, even on error. Modules that
+already have an instance-level `forward` (accelerate's dispatch hooks) are left alone.
 """
 
 from __future__ import annotations
 
 import os
 import types
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FewTokenPass"]
+__all__ = ["FewTokenPass", "Shortcuts", "available_shortcuts"]
 
 MAX_ROWS = 32  # beyond this, MKL's own blocking is as good
 _GQA_VARIABLE = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+class Shortcuts(NamedTuple):
+    """Which CPU shortcuts a pass uses; the default, none, is transformers' own code path."""
+
+    few_row_linear: bool = False
+    gqa_without_repeat: bool = False
+
+
+def _float32_cpu_linears(model: nn.Module) -> list[nn.Linear]:
+    return [module for module in model.modules()
+            if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"]
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cpu"
+
+
+def available_shortcuts(model: nn.Module) -> list[Shortcuts]:
+    """Every combination of the shortcuts that can change anything for `model` (none first)."""
+    if not _on_cpu(model):
+        return [Shortcuts()]  # GPU kernels have neither problem
+    linear = [False, True] if _float32_cpu_linears(model) else [False]
+    return [Shortcuts(a, b) for a in linear for b in (False, True)]
 
 
 def _few_row_linear(self: nn.Linear, x: Tensor) -> Tensor:
@@ -49,30 +80,37 @@ def _few_row_linear(self: nn.Linear, x: Tensor) -> Tensor:
 
 
 class FewTokenPass:
-    """Context manager: CPU shortcuts for one forward pass of `model` over 2..32 new tokens.
+    """Context manager: the chosen CPU shortcuts for one forward pass of `model` over 2..32 new tokens.
 
-    A no-op for a model that is not on the CPU (GPU kernels have neither problem).
+        passes = FewTokenPass(model)
+        with passes.using(Shortcuts(few_row_linear=True, gqa_without_repeat=True)):
+            model(...)
+
+    A no-op for a model that is not on the CPU.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self._on_cpu = next(model.parameters()).device.type == "cpu"
-        self._forwards = [
-            (module, types.MethodType(_few_row_linear, module))
-            for module in model.modules()
-            if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
-        ]
+        self._on_cpu = _on_cpu(model)
+        self._forwards = [(module, types.MethodType(_few_row_linear, module)) for module in _float32_cpu_linears(model)]
+        self._choice = Shortcuts()
         self._patched: list[nn.Module] = []
         self._saved_variable: str | None = None
+
+    def using(self, choice: Shortcuts) -> FewTokenPass:
+        self._choice = choice
+        return self
 
     def __enter__(self) -> FewTokenPass:
         if not self._on_cpu:
             return self
-        for module, forward in self._forwards:
-            if "forward" not in module.__dict__:
-                module.__dict__["forward"] = forward
-                self._patched.append(module)
-        self._saved_variable = os.environ.get(_GQA_VARIABLE)
-        os.environ[_GQA_VARIABLE] = "1"
+        if self._choice.few_row_linear:
+            for module, forward in self._forwards:
+                if "forward" not in module.__dict__:
+                    module.__dict__["forward"] = forward
+                    self._patched.append(module)
+        if self._choice.gqa_without_repeat:
+            self._saved_variable = os.environ.get(_GQA_VARIABLE)
+            os.environ[_GQA_VARIABLE] = "1"
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -81,7 +119,9 @@ class FewTokenPass:
         for module in self._patched:
             del module.__dict__["forward"]
         self._patched = []
-        if self._saved_variable is None:
-            os.environ.pop(_GQA_VARIABLE, None)
-        else:
-            os.environ[_GQA_VARIABLE] = self._saved_variable
+        if self._choice.gqa_without_repeat:
+            if self._saved_variable is None:
+                os.environ.pop(_GQA_VARIABLE, None)
+            else:
+                os.environ[_GQA_VARIABLE] = self._saved_variable
+        self._choice = Shortcuts()

@@ -1,0 +1,93 @@
+"""How many tokens to draft: the one cost-aware rule both drafters follow.
+
+A step that drafts k tokens costs `cost(k)` (in one-token target passes: the verification pass over
+1 + k tokens, plus the drafter's own passes) and yields 1 + E_k tokens, where E_k is the expected
+number of accepted drafts. Draft j is accepted only if every draft before it was, so with
+a_i = P(draft i accepted | drafts before it accepted), E_k = sum_{j <= k} prod_{i <= j} a_i.
+The best k maximises tokens per unit of cost; k = 0 is a plain step, so a drafter that cannot pay
+drafts nothing and generation runs at plain-decoding speed (the vLLM dynamic-speculation and
+llama.cpp rule, here with costs measured on the machine in use: `utils/cost_model.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from utils.cost_model import PassCosts
+
+
+def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) -> int:
+    """The chain length k maximising (1 + E_k) / cost(k), for k in [0, len(estimates)]."""
+    best_k, best_rate = 0, 1.0 / cost(0)
+    expected, survive = 0.0, 1.0
+    for k, a in enumerate(estimates, start=1):
+        survive *= a
+        expected += survive
+        rate = (1.0 + expected) / cost(k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+class DraftLength:
+    """A fixed draft length: `gamma` tokens every step (the user asked for it)."""
+
+    def __init__(self, gamma: int) -> None:
+        self.gamma = gamma
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+
+class CostAwareDraftLength:
+    """A model drafter's draft length, chosen each step by `best_draft_length`.
+
+    The acceptance rate alpha of the drafter's tokens is learned online (a running count that
+    forgets old steps, from a weak prior), so it follows the text and the sampling mode it runs in;
+    the costs are the target's measured pass costs plus `k` drafter passes, each costing
+    drafter seconds / target seconds of a one-token pass (both measured). After `PROBE_AFTER`
+    plain steps in a row one token is drafted anyway, so that a drafter that became useful again
+    is noticed.
+    """
+
+    PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0
+    FORGET = 0.97  # per judged draft: the estimate follows roughly the last 30 drafts
+    PROBE_AFTER = 16
+
+    def __init__(self, max_gamma: int, target_costs: PassCosts, drafter_costs: PassCosts) -> None:
+        self.max_gamma = max_gamma
+        self.target_costs = target_costs
+        self.drafter_costs = drafter_costs
+        self.accepted, self.judged = self.PRIOR_ALPHA * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
+        self.plain_steps = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.judged
+
+    def drafter_step_cost(self) -> float:
+        """One drafter pass in units of one target pass (1.0 until both have been timed)."""
+        target, drafter = self.target_costs.seconds(0), self.drafter_costs.seconds(0)
+        return drafter / target if target and drafter else 1.0
+
+    def cost(self, k: int) -> float:
+        return self.target_costs(k) + k * self.drafter_step_cost()
+
+    @property
+    def gamma(self) -> int:
+        k = best_draft_length([min(self.alpha, 0.99)] * self.max_gamma, self.cost)
+        if k == 0 and self.plain_steps >= self.PROBE_AFTER:
+            return 1
+        return k
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            self.plain_steps += 1
+            return
+        self.plain_steps = 0
+        judged = min(num_accepted + 1, num_drafts)  # drafts after the first rejection were not judged
+        for _ in range(judged):
+            self.accepted *= self.FORGET
+            self.judged *= self.FORGET
+        self.accepted += num_accepted
+        self.judged += judged

@@ -1,0 +1,139 @@
+"""The measured cost model and the draft policy built on it: fake clocks, no timing in tests."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sampling.draft_policy import CostAwareDraftLength, best_draft_length
+from tests.models import tiny_model
+from utils import cost_model
+from utils.cost_model import DRAFT_SIZES, PassCosts, calibrate, calibration_key, pass_costs, prior_cost
+from utils.cpu_passes import Shortcuts
+
+NONE, LINEAR = Shortcuts(), Shortcuts(few_row_linear=True)
+
+
+def fake_timings(seconds_of, spread: float = 0.0):
+    """A stand-in for cost_model.time_passes: seconds_of(k, choice) for every pass, repeats varied by `spread`."""
+
+    def timings(model, choices, repeats):
+        return {(k, choice): [seconds_of(k, choice) * (1 + spread * i) for i in range(repeats)]
+                for k in (0, *DRAFT_SIZES) for choice in (choices if k else [Shortcuts()])}
+
+    return timings
+
+
+def test_calibration_picks_the_faster_kernel_for_each_size(monkeypatch):
+    # The few-row linear is slower for k < 4 on this pretend CPU and faster from there on.
+    def seconds(k, choice):
+        base = 1.0 + 0.05 * k
+        return base * (0.8 if k >= 4 else 1.5) if choice.few_row_linear else base
+
+    monkeypatch.setattr(cost_model, "time_passes", fake_timings(seconds))
+    monkeypatch.setattr(cost_model.cpu_passes, "available_shortcuts", lambda model: [NONE, LINEAR])
+    costs, spread = calibrate(tiny_model("llama"))
+    assert spread == 0.0 and costs.measured
+    assert costs.shortcuts_for(2) == NONE and costs.shortcuts_for(4) == LINEAR and costs.shortcuts_for(5) == LINEAR
+    assert costs(1) == pytest.approx(1.05)
+    assert costs(4) == pytest.approx(max(1.2 * 0.8, costs(3)))  # never cheaper than a shorter pass
+    assert costs.shortcuts_for(0) == NONE
+
+
+def test_a_noisy_calibration_is_not_cached_and_a_clean_one_is(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = copy.deepcopy(tiny_model("qwen2"))
+    monkeypatch.setattr(cost_model, "time_passes", fake_timings(lambda k, c: 1.0 + k / 10, spread=0.5))
+    costs = pass_costs(model)
+    assert not costs.measured and costs(8) == prior_cost(8)  # a burst: the prior, online refinement takes over
+    assert not list(tmp_path.rglob("*.json"))
+
+    del cost_model._COSTS[model]
+    monkeypatch.setattr(cost_model, "time_passes", fake_timings(lambda k, c: 1.0 + k / 10))
+    costs = pass_costs(model)
+    assert costs.measured and costs(8) == pytest.approx(1.8)
+    assert len(list(tmp_path.rglob("*.json"))) == 1
+
+    del cost_model._COSTS[model]  # a new process: read from disk, nothing measured
+
+    def no_timing(*args):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cost_model, "time_passes", no_timing)
+    assert pass_costs(model).relative == costs.relative
+    assert pass_costs(model) is pass_costs(model)  # one object per model: online refinement is shared
+
+
+def test_the_cache_key_changes_with_dtype_threads_and_kernels():
+    model = tiny_model("llama")
+    key = calibration_key(model)
+    assert calibration_key(copy.deepcopy(model).float())["dtype"] != key["dtype"]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert calibration_key(model) != key
+    finally:
+        torch.set_num_threads(threads)
+    assert calibration_key(model) == key
+    assert {"cpu", "cpu_capability", "torch", "transformers", "kernels", "attention", "device"} <= set(key)
+
+
+def test_calibration_off_uses_the_prior(monkeypatch):
+    monkeypatch.setenv("SPECDEC_CALIBRATE", "0")
+    model = copy.deepcopy(tiny_model("gpt2"))
+    costs = pass_costs(model)
+    assert not costs.measured and costs(2) == prior_cost(2) and costs.shortcuts_for(4) == NONE
+
+
+def test_a_real_calibration_measures_every_size():
+    costs, spread = calibrate(tiny_model("gpt2"), repeats=1)
+    assert set(costs.relative) == {0, *DRAFT_SIZES} and costs.one_token_seconds > 0 and spread >= 0
+    assert all(costs(k) >= 1.0 for k in DRAFT_SIZES)
+
+
+def test_online_observations_replace_the_calibration_and_a_burst_moves_little():
+    costs = PassCosts(relative={0: 1.0, 1: 2.0, 31: 4.0}, one_token_seconds=0.1)
+    for _ in range(3):
+        costs.observe(0, 0.1)
+        costs.observe(1, 0.11)
+    assert costs(1) == pytest.approx(1.1)  # measured where it runs now, not at calibration time
+    assert costs(2) == pytest.approx(2.0 + 2 / 30)  # never observed: still the calibration
+    costs.observe(1, 100.0)  # one pass during a burst of load
+    assert costs(1) < 1.1 * 1.11
+
+
+# The policy
+
+
+def test_draft_length_pays_for_itself():
+    assert best_draft_length([0.03, 0.03], prior_cost) == 0  # unsure: a plain step is cheaper
+    assert best_draft_length([0.95] * 8, prior_cost) == 8
+    assert best_draft_length([0.9, 0.9, 0.05], prior_cost) == 2
+    expensive = {0: 1.0, 1: 1.9, 2: 1.95, 4: 2.0, 8: 2.1, 16: 2.5, 32: 3.0}  # the first extra token is dear
+    assert best_draft_length([0.5] * 8, lambda k: cost_model._interpolate(expensive, k)) == 0
+    assert best_draft_length([0.9] * 8, lambda k: cost_model._interpolate(expensive, k)) == 8
+
+
+def timed_costs(one_token_seconds: float, relative: dict[int, float]) -> PassCosts:
+    costs = PassCosts(relative=relative, one_token_seconds=one_token_seconds)
+    return costs
+
+
+def test_a_model_drafter_that_cannot_pay_stops_drafting_and_probes_later():
+    target = timed_costs(1.0, {0: 1.0, 1: 1.1, 16: 2.0, 32: 3.0})
+    as_slow = CostAwareDraftLength(8, target, timed_costs(1.0, {0: 1.0, 1: 1.1, 32: 3.0}))
+    cheap = CostAwareDraftLength(8, target, timed_costs(0.05, {0: 1.0, 1: 1.1, 32: 3.0}))
+    for policy in (as_slow, cheap):
+        for _ in range(20):
+            policy.update(4, 2)  # alpha ~ 2/3
+    assert as_slow.gamma == 0 and cheap.gamma > 2
+    for _ in range(as_slow.PROBE_AFTER):
+        as_slow.update(0, 0)
+    assert as_slow.gamma == 1  # one probe after a run of plain steps
+    as_slow.update(1, 0)
+    assert as_slow.gamma == 0
+    for _ in range(50):
+        cheap.update(cheap.gamma, 0)  # the drafter stopped matching: cheap or not, it stops
+    assert cheap.gamma == 0
