@@ -1,51 +1,59 @@
-"""Measure the cost of a target forward pass over 1 + k new tokens, relative to one token.
+"""The cost of a target pass over 1 + k new tokens, relative to one token, on this machine.
 
-    python -m benchmarks.draft_cost [--model NAME] [--contexts 100 500] [--repeats 9]
+    python -m benchmarks.draft_cost [--model NAME] [--dtype float32] [--repeats 5]
 
-This is the cost model behind NASD's draft length (`ngram_assisted.drafter.CPU_COST_TABLE`):
-a draft of k tokens pays only if its expected accepted tokens + 1 exceed this ratio.
+Prints the machine, then for each k the cost under every combination of the CPU shortcuts
+(median and min-max over interleaved repeats), which one is fastest, and the table the library
+will use here (`utils.cost_model.pass_costs`: from the calibration cache, or calibrated now).
+A draft of k tokens pays only if its expected accepted tokens + 1 exceed this ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import torch
+from rich.console import Console
+from rich.table import Table
 
-from utils.caching import ModelRunner
+from utils import cost_model, cpu_passes
+from utils.cost_model import DRAFT_SIZES, calibration_key, machine, pass_costs
 from utils.loading import load_model
 
-DRAFTS = (0, 1, 2, 4, 8, 16, 32)
 
-
-def measure(model, context: int, repeats: int) -> dict[int, float]:
-    """Median seconds of a cached forward over 1 + k tokens after `context` tokens, per k."""
-    runner = ModelRunner(model)
-    generator = torch.Generator().manual_seed(0)
-    runner.forward(torch.randint(100, 10_000, (context,), generator=generator).tolist())
-    times: dict[int, list[float]] = {k: [] for k in DRAFTS}
-    for _ in range(repeats):
-        for k in DRAFTS:  # interleaved, so that a slow moment of the machine spreads over all k
-            start = time.perf_counter()
-            runner.forward(list(range(200, 201 + k)), num_logits=k + 1)
-            times[k].append(time.perf_counter() - start)
-            runner.rollback(context)
-    return {k: statistics.median(v) for k, v in times.items()}
+def describe(choice: cpu_passes.Shortcuts) -> str:
+    names = [name for name, on in zip(("linear", "gqa"), choice, strict=True) if on]
+    return "+".join(names) or "none"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[100, 500])
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    model, _ = load_model(args.model)
-    for context in args.contexts:
-        seconds = measure(model, context, args.repeats)
-        ratios = {k: round(s / seconds[0], 2) for k, s in seconds.items()}
-        print(f"context {context}: one token {seconds[0] * 1000:.1f} ms; cost of 1 + k tokens by k: {ratios}")
+    console = Console()
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+    console.print(f"machine: {machine()}")
+    choices = cpu_passes.available_shortcuts(model)
+    times = cost_model.time_passes(model, choices, args.repeats)
+    base = statistics.median(times[(0, cpu_passes.Shortcuts())])
+    console.print(f"one-token pass after {cost_model.CONTEXT} tokens: {base * 1000:.1f} ms (median of {args.repeats})")
+    table = Table("k", *[describe(c) for c in choices], "fastest", title="cost of 1 + k tokens / one token: median [min-max]")
+    for k in DRAFT_SIZES:
+        cells = []
+        for choice in choices:
+            values = [t / base for t in times[(k, choice)]]
+            cells.append(f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]")
+        fastest = min(choices, key=lambda c: statistics.median(times[(k, c)]))
+        table.add_row(str(k), *cells, describe(fastest))
+    console.print(table)
+    costs = pass_costs(model)
+    used = "measured here" if costs.measured else "the prior (calibration too noisy or switched off)"
+    console.print(f"the library uses ({used}): " + ", ".join(
+        f"k={k}: {costs(k):.2f} ({describe(costs.shortcuts_for(k))})" for k in DRAFT_SIZES))
+    console.print(f"calibration key: {calibration_key(model)}")
 
 
 if __name__ == "__main__":

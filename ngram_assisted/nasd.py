@@ -21,9 +21,8 @@ from sampling.common import OnStep, prepare
 from sampling.draft_policy import DraftLength
 from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
 from utils.caching import vocab_size
-from utils.cost_model import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import check_int
+from utils.validation import check_int, check_model
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
@@ -33,20 +32,19 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     gamma = check_gamma(gamma)
     if not isinstance(stop_if_unknown, bool):
         raise TypeError(f"stop_if_unknown must be a bool, got {stop_if_unknown!r}")
-    gen = prepare(
-        inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
-    )
+    check_model(target, "target", encoder_decoder)
     vocab = vocab_size(target)
     check_int(top_k_filler, "top_k_filler", 1)
     if top_k_filler > vocab:
         raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab}, got {top_k_filler}")
     if draft_cost is not None and not callable(draft_cost):
         raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
+    gen = prepare(
+        inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
+    )
     ngram.bind_vocabulary(vocab)
-    # Measured pass costs (calibrated once per model and machine): kernel choice, and the draft
-    # length's cost unless the caller gave one.
-    gen.runner.costs = pass_costs(target)
+    # Unless the caller gave one, the draft length's cost is the target's, measured on this machine.
     drafter = NgramDrafter(
         ngram, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
         source_tokens=gen.encoder_input_ids or (), draft_cost=draft_cost or gen.runner.costs,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from utils.caching import ModelRunner, context_length
+from utils.cost_model import pass_costs
 from utils.logits_processors import LogitsProcessor
 from utils.validation import (
     check_decoder_start,
@@ -67,7 +68,8 @@ def prepare(
     end_tokens_id: int | list[int] | None,
     model_name: str = "model",
 ) -> Generation:
-    """Validate a request (before any forward pass) and build the target's runner."""
+    """Validate a request (before any forward pass) and build the target's runner. Callers check
+    their own arguments first: the runner's pass costs may be calibrated here, running the model."""
     check_model(model, model_name, encoder_decoder)
     inputs = check_token_ids(inputs, "inputs", model)
     check_int(max_gen_len, "max_gen_len", 1)
@@ -83,4 +85,5 @@ def prepare(
     limit = context_length(model)
     max_new = max_gen_len if limit is None else min(max_gen_len, limit - len(prefix))
     runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids)
+    runner.costs = pass_costs(model)  # the kernels measured fastest here (calibrated once per machine)
     return Generation(runner, prefix, encoder_input_ids, end_tokens, max_new)

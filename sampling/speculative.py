@@ -142,20 +142,20 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
                  logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step):
     check_model(drafter, "drafter", encoder_decoder)
+    check_model(target, "target", encoder_decoder)
     gamma = check_gamma(gamma)
+    if not isinstance(adaptive_gamma, bool):
+        raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
+    check_same_vocabulary(drafter, target)
     gen = prepare(
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
     )
-    check_same_vocabulary(drafter, target)
-    if not isinstance(adaptive_gamma, bool):
-        raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
     model_drafter = ModelDrafter(
         drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
         encoder_input_ids=gen.encoder_input_ids, generator=generator,
     )
-    # Measured pass costs (calibrated once per model and machine): kernel choice, adaptive gamma.
-    gen.runner.costs, model_drafter.runner.costs = pass_costs(target), pass_costs(drafter)
+    model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     if adaptive_gamma:
         draft_length = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs)
     else:

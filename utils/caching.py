@@ -113,7 +113,7 @@ class ModelRunner:
                 self._encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
         self._cache = self._new_cache() if use_cache else None
         self._few_token_pass = cpu_passes.FewTokenPass(model)
-        # Set by the speculative methods (`utils.cost_model.pass_costs`): each pass over a few tokens
+        # Set by the decoding functions (`utils.cost_model.pass_costs`): each pass over a few tokens
         # uses the CPU shortcuts measured fastest here, and every cached pass is timed to refine it.
         self.costs: PassCosts | None = None
 
@@ -150,7 +150,7 @@ class ModelRunner:
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = num_logits
         num_drafts = len(ids) - 1
-        if shortcuts is None and self.costs is not None and 0 < num_drafts < cpu_passes.MAX_ROWS:
+        if shortcuts is None and self.costs is not None and num_drafts < cpu_passes.MAX_ROWS:
             shortcuts = self.costs.shortcuts_for(num_drafts)
         timed = self.costs is not None and extends_cache and num_drafts < cpu_passes.MAX_ROWS
         ids = torch.tensor([ids], device=self.device)
@@ -222,7 +222,7 @@ class BeamRunner:
         if runner._logits_to_keep:
             kwargs["logits_to_keep"] = 1
         mask = torch.ones_like(self.sequences)
-        few_rows = 1 < ids.numel() <= cpu_passes.MAX_ROWS  # a few beams: the CPU shortcuts measured for as many rows
+        few_rows = ids.numel() <= cpu_passes.MAX_ROWS  # a few beams: the CPU shortcuts measured for as many rows
         choice = self.costs.shortcuts_for(ids.numel() - 1) if few_rows and self.costs is not None else Shortcuts()
         with runner._few_token_pass.using(choice):
             logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -1]

@@ -6,7 +6,7 @@ cost is a property of the hardware and its kernels, not of the algorithm: with t
 over 2 tokens of SmolLM2-135M cost 1.05x a one-token pass on one 2-core CPU and 1.84x on another.
 So nothing here is one machine's constant:
 
-1. `calibrate(model)` times passes over 1 + k new tokens (k in `DRAFT_SIZES`) after a context of
+1. `calibrate(model)` times passes over 1 + k new tokens (k = 0 and `DRAFT_SIZES`) after a context of
    `CONTEXT` tokens, interleaved over repeats (a slow moment spreads over every k), each with every
    combination of the CPU shortcuts of `utils/cpu_passes.py`, and keeps for each k the fastest
    combination: the kernel choice is a measurement too. Medians; a calibration whose repeats
@@ -162,7 +162,7 @@ def time_passes(model: PreTrainedModel, choices: list[Shortcuts], repeats: int) 
     runner.forward(tokens[:context])
     device = runner.device
     times: dict[tuple[int, Shortcuts], list[float]] = {}
-    plan = [(0, Shortcuts())] + [(k, choice) for k in DRAFT_SIZES for choice in choices]
+    plan = [(k, choice) for k in (0, *DRAFT_SIZES) for choice in choices]
     for _ in range(repeats + 1):  # the first round warms every shape up and is not kept
         for k, choice in plan:
             _synchronize(device)
@@ -178,13 +178,14 @@ def calibrate(model: PreTrainedModel, repeats: int = REPEATS) -> tuple[PassCosts
     """Measure `model`'s pass costs here -> (costs, spread of the one-token pass's repeats)."""
     choices = cpu_passes.available_shortcuts(model)
     times = time_passes(model, choices, repeats)
-    base = statistics.median(times[(0, Shortcuts())])
-    spread = (max(times[(0, Shortcuts())]) - min(times[(0, Shortcuts())])) / base
-    relative, shortcuts = {0: 1.0}, {}
-    for k in DRAFT_SIZES:
-        best = min(choices, key=lambda choice: statistics.median(times[(k, choice)]))
-        shortcuts[k] = best
-        relative[k] = statistics.median(times[(k, best)]) / base
+    relative, shortcuts = {}, {}
+    for k in (0, *DRAFT_SIZES):
+        shortcuts[k] = min(choices, key=lambda choice: statistics.median(times[(k, choice)]))
+        relative[k] = statistics.median(times[(k, shortcuts[k])])
+    one_token = times[(0, shortcuts[0])]
+    base = relative[0]
+    spread = (max(one_token) - min(one_token)) / base
+    relative = {k: seconds / base for k, seconds in relative.items()}
     # A longer pass never costs less than a shorter one in this model: smooth out timing noise.
     for k0, k1 in zip(sorted(relative), sorted(relative)[1:], strict=False):
         relative[k1] = max(relative[k1], relative[k0])
@@ -199,6 +200,25 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """The machine that figures were measured on (for reports): CPU, vector extensions, threads,
+    versions, GPU if any."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    return {
+        "cpu": _cpu_name(),
+        "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def calibration_key(model: PreTrainedModel) -> dict:

@@ -1,4 +1,4 @@
-"""Cheaper CPU forward passes over a few new tokens: what makes verifying a draft nearly free.
+"""Cheaper CPU forward passes over a few new tokens: what can make verifying a draft nearly free.
 
 Verifying k drafts feeds 1 + k tokens to the target at once. On this kind of machine (CPU, float32,
 MKL) transformers' code path makes that pass cost much more than the one-token pass of plain
@@ -15,11 +15,11 @@ decoding, for two reasons that have nothing to do with the arithmetic:
 
 Measured on SmolLM2-135M (2 cores, `python -m benchmarks.draft_cost`): a pass over 2 tokens cost
 1.53x a one-token pass at 200 positions of context and 1.86x at 1000; with both it costs 1.05x and
-1.06x. The one-token pass is left untouched, so plain decoding is exactly transformers' own.
-Results are the same products up to float rounding (~1e-6 relative).
+1.06x. Results are the same products up to float rounding (~1e-6 relative).
 
 Those figures are one CPU's. On another (a Xeon with AVX-512 and AMX) the few-row linear made a
-pass over 2 tokens 1.7x *dearer* than transformers' own path while the GQA change still helped. So
+pass over 2 tokens 1.7x *dearer* than transformers' own path while the GQA change still helped; on
+a third (AMD EPYC, AVX-512) it made even the one-token pass of plain decoding 1.6x cheaper. So
 neither is switched on by default: `utils/cost_model.py` times every combination for each number
 of new tokens on the machine in use and picks the fastest (`Shortcuts`), and the runner asks for
 that choice at each pass.
@@ -71,7 +71,7 @@ def available_shortcuts(model: nn.Module) -> list[Shortcuts]:
 
 def _few_row_linear(self: nn.Linear, x: Tensor) -> Tensor:
     rows = x.numel() // x.shape[-1]
-    if not 1 < rows <= MAX_ROWS:
+    if rows > MAX_ROWS:
         return nn.Linear.forward(self, x)
     out = (self.weight @ x.reshape(rows, -1).T).T.contiguous()
     if self.bias is not None:
@@ -80,7 +80,7 @@ def _few_row_linear(self: nn.Linear, x: Tensor) -> Tensor:
 
 
 class FewTokenPass:
-    """Context manager: the chosen CPU shortcuts for one forward pass of `model` over 2..32 new tokens.
+    """Context manager: the chosen CPU shortcuts for one forward pass of `model` over 1..32 new tokens.
 
         passes = FewTokenPass(model)
         with passes.using(Shortcuts(few_row_linear=True, gqa_without_repeat=True)):
