@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     times = cost_model.time_passes(model, choices, args.repeats)
     base = statistics.median(times[(0, cpu_passes.Shortcuts())])
     console.print(f"one-token pass after {cost_model.CONTEXT} tokens: {base * 1000:.1f} ms (median of {args.repeats})")
-    table = Table("k", *[describe(c) for c in choices], "fastest", title="cost of 1 + k tokens / one token: median [min-max]")
-    for k in DRAFT_SIZES:
+    table = Table("k", *[describe(c) for c in choices], "fastest",
+                  title="cost of 1 + k tokens / one-token pass without shortcuts: median [min-max]")
+    for k in (0, *DRAFT_SIZES):
         cells = []
         for choice in choices:
             values = [t / base for t in times[(k, choice)]]
@@ -51,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table)
     costs = pass_costs(model)
     used = "measured here" if costs.measured else "the prior (calibration too noisy or switched off)"
-    console.print(f"the library uses ({used}): " + ", ".join(
-        f"k={k}: {costs(k):.2f} ({describe(costs.shortcuts_for(k))})" for k in DRAFT_SIZES))
+    one_token = f"{costs.seconds(0) * 1000:.1f} ms" if costs.seconds(0) else "not timed"
+    console.print(f"the library uses ({used}; one-token pass {one_token}, {describe(costs.shortcuts_for(0))}), "
+                  "relative to it: " + ", ".join(f"k={k}: {costs(k):.2f} ({describe(costs.shortcuts_for(k))})"
+                                                 for k in DRAFT_SIZES))
     console.print(f"calibration key: {calibration_key(model)}")
 
 

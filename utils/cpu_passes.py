@@ -6,7 +6,10 @@ decoding, for two reasons that have nothing to do with the arithmetic:
 
 1. `nn.Linear` over a handful of rows: MKL's sgemm for x @ W.T streams the weight matrix once per
    row. Computing (W @ x.T).T streams it once. The result must be made contiguous again: a strided
-   query would push the attention below off the flash kernel onto the slow "math" kernel.
+   query would push the attention below off the flash kernel onto the slow "math" kernel. A single
+   row is computed as two (the same row twice): on some CPUs the matrix-vector kernel streams the
+   weights from memory at less than half the speed of the matrix-matrix one (AMD EPYC: a one-token
+   pass of SmolLM2-135M spent 53 ms in its linears, a two-token pass 22 ms).
 2. Grouped-query attention with a mask (every pass over more than one new token has one):
    transformers copies the keys and values of the whole cache, in every layer, to repeat them per
    head, unless `TRANSFORMERS_SDPA_FORCE_GQA=1` (read at each call by recent releases, 5.24 here;
@@ -19,7 +22,7 @@ Measured on SmolLM2-135M (2 cores, `python -m benchmarks.draft_cost`): a pass ov
 
 Those figures are one CPU's. On another (a Xeon with AVX-512 and AMX) the few-row linear made a
 pass over 2 tokens 1.7x *dearer* than transformers' own path while the GQA change still helped; on
-a third (AMD EPYC, AVX-512) it made even the one-token pass of plain decoding 1.6x cheaper. So
+a third (AMD EPYC, AVX-512) it made a pass over 2 tokens cheaper than transformers' one-token pass. So
 neither is switched on by default: `utils/cost_model.py` times every combination for each number
 of new tokens on the machine in use and picks the fastest (`Shortcuts`), and the runner asks for
 that choice at each pass.
@@ -73,7 +76,10 @@ def _few_row_linear(self: nn.Linear, x: Tensor) -> Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS:
         return nn.Linear.forward(self, x)
-    out = (self.weight @ x.reshape(rows, -1).T).T.contiguous()
+    flat = x.reshape(rows, -1)
+    if rows == 1:  # as two rows: the matrix-vector kernel may stream the weights far below memory speed
+        flat = torch.cat([flat, flat])
+    out = (self.weight @ flat.T)[:, :rows].T.contiguous()
     if self.bias is not None:
         out += self.bias
     return out.reshape(*x.shape[:-1], self.weight.shape[0])
