@@ -65,7 +65,7 @@ def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
         rows = torch.zeros(n + 1, trace["vocab"])  # stand-in logits with the recorded top-3 order
         for i, tokens in enumerate(top3[position : position + n + 1]):
             rows[i, tokens] = torch.tensor([3.0, 2.0, 1.0])
-        drafter.update(sequence, n, rows)
+        drafter.update(sequence, n, rows, None)
         cost += prior_cost(len(drafts))
         position += n + 1
     return len(generated) / cost

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
@@ -46,10 +47,12 @@ class AcceptanceModel:
         calibration = (self.accepted + self.weight) / (self.predicted + self.weight)
         return min(0.99, calibration * accepted / (accepted + rejected))
 
-    def record(self, kind: tuple[int, int, bool], accepted: bool, estimate: float) -> None:
-        """A judged draft of this kind, proposed with this `estimate`, was (not) accepted."""
+    def record(self, kind: tuple[int, int, bool], accepted: float, estimate: float) -> None:
+        """A judged draft of this kind, proposed with this `estimate`, was accepted (1.0), rejected
+        (0.0), or accepted with this probability (sampling)."""
         counts = self.counts.setdefault(kind, self._prior(kind))
-        counts[0 if accepted else 1] += 1
+        counts[0] += accepted
+        counts[1] += 1.0 - accepted
         self.accepted += accepted
         self.predicted += estimate
 
@@ -83,6 +86,7 @@ class NgramDrafter:
         self.draft_cost = draft_cost
         self.acceptance = AcceptanceModel()
         self._base = 0  # len(sequence) when the last draft started
+        self._drafts: list[int] = []  # the last draft
         self._judged: list[tuple[tuple[int, int, bool], float]] = []  # (kind, estimate) of each draft
 
     def start(self, sequence: list[int]) -> None:
@@ -105,13 +109,22 @@ class NgramDrafter:
             history.append(prediction.token)
         if self.stop_if_unknown:
             drafts = drafts[: best_draft_length(estimates, self.draft_cost)]
+        self._drafts = drafts
         self._judged = list(zip(kinds, estimates, strict=True))[: len(drafts)]
         return drafts, None
 
-    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor) -> None:
+    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor, p: Tensor | None) -> None:
         # Learn how often each kind of proposal is accepted (drafts after a rejection were not judged).
-        for i, (kind, estimate) in enumerate(self._judged[: num_accepted + 1]):
-            self.acceptance.record(kind, i < num_accepted, estimate)
+        # Sampling: a draft x was accepted with probability p(x), known now; learning p(x) rather
+        # than the coin's outcome learns the same mean with less noise, in the mode that runs.
+        judged = self._judged[: num_accepted + 1]
+        if p is not None and judged:
+            rows = torch.arange(len(judged), device=p.device)
+            chances = p[rows, torch.tensor(self._drafts[: len(judged)], device=p.device)].tolist()
+        else:
+            chances = [float(i < num_accepted) for i in range(len(judged))]
+        for (kind, estimate), chance in zip(judged, chances, strict=True):
+            self.acceptance.record(kind, chance, estimate)
         # The target's top-k at each verified position go in first, so that on equal counts the
         # token that was really generated (added last, most recent) stays the proposal.
         longest = self.pool.n - 1

@@ -32,9 +32,10 @@ class Drafter(Protocol):
         the drafts are deterministic (q one-hot) or the processor is greedy.
         """
 
-    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor) -> None:
+    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor, p: Tensor | None) -> None:
         """The target accepted `num_accepted` drafts; `sequence` now ends with them and the target's
-        own token. `target_logits`: (num_accepted + 1, V), the target's scores at those positions."""
+        own token. `target_logits`: (num_accepted + 1, V), the target's scores at those positions;
+        `p`: the same rows processed into the distributions sampled from (None when greedy)."""
 
 
 class ModelDrafter:
@@ -94,7 +95,7 @@ class ModelDrafter:
         q = None if self.processor.is_greedy else torch.stack(qs)
         return drafts, q
 
-    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor) -> None:
+    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor, p: Tensor | None) -> None:
         # Keep the accepted drafts the runner has seen; drop the rejected ones.
         seen_drafts = len(self.runner) - self._accepted_length
         self.runner.rollback(self._accepted_length + min(num_accepted, seen_drafts))

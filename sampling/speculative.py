@@ -97,9 +97,11 @@ def speculative_loop(
         # 3. Accept a prefix of the drafts, then take one token from the target.
         draft_ids = torch.tensor(drafts, dtype=torch.long, device=logits.device)
         if logits_processor.is_greedy:
+            p = None
             n, token = greedy_accept(logits, draft_ids)
         else:
-            n, token = speculative_accept(logits_processor(logits), q, draft_ids, logits_processor, generator)
+            p = logits_processor(logits)
+            n, token = speculative_accept(p, q, draft_ids, logits_processor, generator)
 
         # 4. Roll back the target: keep the accepted drafts, forget the rejected ones.
         target.rollback(len(sequence) + n)
@@ -108,7 +110,7 @@ def speculative_loop(
         generated += new_tokens
 
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
-        drafter.update(sequence, n, logits[: n + 1])
+        drafter.update(sequence, n, logits[: n + 1], None if p is None else p[: n + 1])
         draft_length.update(len(drafts), n)
         proposed, accepted = proposed + len(drafts), accepted + n
         stats.record(len(drafts), n)

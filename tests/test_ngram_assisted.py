@@ -87,7 +87,7 @@ def test_top_k_filler_adds_the_targets_alternatives():
     drafter.start([1, 2])
     drafter.draft([1, 2], 0)
     logits = torch.tensor([[0.0, 0, 0, 5, 4, 3, 0, 0, 0, 0]])  # target's top 3 after (.., 2): 3, 4, 5
-    drafter.update([1, 2, 4], 0, logits)  # it generated 4
+    drafter.update([1, 2, 4], 0, logits, None)  # it generated 4
     assert [2, 3] in pool and [2, 4] in pool and [2, 5] in pool
     assert pool.predict([2]).token == 4  # the generated token wins the tie: most recent
 
@@ -201,3 +201,34 @@ def test_the_statistical_test_catches_the_original_rule(monkeypatch):
     processor = MultinomialProcessor(temperature=2.0)
     joint = exact_two_token_distribution(target, INPUTS, processor)
     assert chi_square_p_value(sample_pairs(target, processor), joint) < P_VALUE_THRESHOLD
+
+
+class PlainThenDrafts:
+    """A draft cost under which the policy drafts nothing at odd steps and pays for drafts at even
+    ones (`best_draft_length` asks for cost(0) once per step)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def __call__(self, num_drafts: int) -> float:
+        self.steps += num_drafts == 0
+        return 1.0 if num_drafts == 0 or self.steps % 2 == 0 else 1e9
+
+
+@pytest.mark.slow
+def test_sampling_stays_exact_when_the_policy_stops_and_resumes_drafting():
+    target = tiny_model("llama", vocab=8)
+    processor = MultinomialProcessor(temperature=2.0)
+    generator = torch.Generator().manual_seed(1)
+    pairs, drafted = [], 0
+    for _ in range(SAMPLES):
+        steps = []
+        out, _ = ngram_assisted_speculative_generate(INPUTS, MultiDynaGram(2), target, gamma=2, max_gen_len=3,
+                                                     logits_processor=processor, generator=generator,
+                                                     draft_cost=PlainThenDrafts(), on_step=steps.append)
+        assert steps[0].drafts == ()  # the first step is a plain one
+        drafted += len(steps) > 1 and steps[1].drafts != ()
+        pairs.append(tuple(out[:2]))
+    assert drafted > SAMPLES // 4  # the second step drafted often, after a plain first step
+    joint = exact_two_token_distribution(target, INPUTS, processor)
+    assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
