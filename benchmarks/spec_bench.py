@@ -1,10 +1,14 @@
 """Spec-Bench: our decoding methods against transformers' own, interleaved in one process.
 
-    python -m benchmarks.spec_bench --per-category 2          # or: make bench
+    python -m benchmarks.spec_bench --per-category 2            # greedy (make bench: a shorter run)
+    python -m benchmarks.spec_bench --per-category 2 --sample   # temperature 0.7, top-p 0.9
 
-Every method runs on each prompt in turn (after a warm-up), greedy, and every output is checked
-token for token against transformers' greedy `generate`. Writes results.json, report.md and
-speedup.png to --out, and prints the table.
+Every method runs on each prompt `--repeats` times after a warm-up, interleaved in a rotating
+order, so that a burst of load on the machine lands on one repeat of one method. Greedy: every
+output is checked token for token against transformers' greedy `generate`. Sampling: outputs
+differ run to run, methods are compared by tokens/s (fixed seeds per prompt and repeat). The
+summary, spread and noise verdict are `benchmarks/summary.py`'s. Writes results.json, report.md
+and speedup.png to --out, and prints the table.
 """
 
 from __future__ import annotations
@@ -12,8 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
-import statistics
+import os
 import threading
 import time
 from collections import defaultdict
@@ -24,16 +27,15 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from benchmarks.summary import BASELINE, CONTROL, TASKS, goal_lines, noise_verdict, report, summarise
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
+from utils.cost_model import machine, pass_costs
 from utils.loading import end_token_ids, load_model
+from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-TASKS = ["multi-turn conversation", "translation", "summarization", "qa", "math_reasoning", "rag"]
-METHODS = ["hf_greedy", "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_anpd", "hf_assisted", "ours_sd"]
-GOALS = {  # method: (compared with, minimum speed ratio, over which tasks)
-    "ours_ar": ("hf_greedy", 1.0), "ours_nasd": ("hf_greedy", 1.3), "ours_sd": ("hf_assisted", 1.1),
-}
+METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_anpd", "hf_assisted", "ours_sd"]
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench_dev.jsonl"
 
 
@@ -83,31 +85,36 @@ class PeakMemory:
 
 
 class Runner:
-    """One callable per method: ids -> (generated ids, stats or None)."""
+    """One callable per method: (ids, seed) -> (generated ids, stats or None)."""
 
-    def __init__(self, target, drafter, end_tokens: list[int], max_new_tokens: int) -> None:
+    def __init__(self, target, drafter, end_tokens: list[int], max_new_tokens: int, sample: dict | None) -> None:
         self.target, self.drafter, self.end, self.n = target, drafter, end_tokens, max_new_tokens
+        self.sample = sample  # None: greedy; else {"temperature": t, "top_p": p}
+        self.processor = NucleusProcessor(**sample) if sample else GreedyProcessor()
 
-    def hf(self, ids, **kwargs):
+    def hf(self, ids, seed: int, **kwargs):
+        sampling = dict(do_sample=True, top_k=0, **self.sample) if self.sample else dict(do_sample=False)
+        torch.manual_seed(seed)
         out = self.target.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-            max_new_tokens=self.n, eos_token_id=self.end, pad_token_id=self.end[0] if self.end else None, **kwargs,
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=self.n,
+            eos_token_id=self.end, pad_token_id=self.end[0] if self.end else None, **sampling, **kwargs,
         )
         return out[0, len(ids):].tolist(), None
 
-    def run(self, method: str, ids: list[int]):
+    def run(self, method: str, ids: list[int], seed: int = 0):
         stats = SpeculativeStats()
-        common = dict(max_gen_len=self.n, end_tokens_id=self.end)
-        if method == "hf_greedy":
-            return self.hf(ids)
+        common = dict(max_gen_len=self.n, end_tokens_id=self.end, logits_processor=self.processor,
+                      generator=torch.Generator().manual_seed(seed))
+        if method in (BASELINE, CONTROL):
+            return self.hf(ids, seed)
         if method == "hf_prompt_lookup":
-            return self.hf(ids, prompt_lookup_num_tokens=10, max_matching_ngram_size=3)
+            return self.hf(ids, seed, prompt_lookup_num_tokens=10, max_matching_ngram_size=3)
         if method == "hf_assisted":
-            return self.hf(ids, assistant_model=self.drafter)
+            return self.hf(ids, seed, assistant_model=self.drafter)
         if method == "ours_ar":
             return autoregressive_generate(ids, self.target, **common), None
         if method == "ours_nasd":
-            out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(6), self.target, stats=stats, **common)
+            out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(3), self.target, stats=stats, **common)
         elif method == "ours_anpd":
             out, _ = ngram_assisted_speculative_generate(ids, SimpleDynaGram(3), self.target, gamma=5, top_k_filler=1,
                                                          stop_if_unknown=False, stats=stats, **common)
@@ -119,66 +126,7 @@ class Runner:
         return out, stats
 
 
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
-
-
-def summarise(records: list[dict], methods: list[str]) -> dict:
-    """Per method and task: speedup vs hf_greedy (ratio of summed times), tokens/s, tau, alpha."""
-    summary: dict = {}
-    for method in methods:
-        rows = {}
-        for task in TASKS:
-            mine = [r for r in records if r["method"] == method and r["task"] == task]
-            base = [r for r in records if r["method"] == "hf_greedy" and r["task"] == task]
-            if not mine:
-                continue
-            time_mine = sum(r["seconds"] for r in mine)
-            rows[task] = {
-                "speedup": sum(r["seconds"] for r in base) / time_mine if base else float("nan"),
-                "tokens_per_s": sum(r["tokens"] for r in mine) / time_mine,
-                "tau": statistics.fmean(r["tau"] for r in mine) if mine[0]["tau"] is not None else None,
-                "alpha": statistics.fmean(r["alpha"] for r in mine) if mine[0]["alpha"] is not None else None,
-                "mismatches": sum(not r["matches_hf_greedy"] for r in mine),
-                "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
-            }
-        overall = geometric_mean([row["speedup"] for row in rows.values() if not math.isnan(row["speedup"])])
-        summary[method] = {"tasks": rows, "overall": overall}
-    return summary
-
-
-def goal_lines(summary: dict) -> list[str]:
-    lines = []
-    for method, (other, minimum) in GOALS.items():
-        if method in summary and other in summary:
-            ratio = summary[method]["overall"] / summary[other]["overall"]
-            lines.append(f"{method} / {other}: {ratio:.2f}x (goal >= {minimum}x) {'met' if ratio >= minimum else 'NOT met'}")
-    if "ours_nasd" in summary:
-        worst = min((row["speedup"] for row in summary["ours_nasd"]["tasks"].values()), default=float("nan"))
-        lines.append(f"ours_nasd worst task: {worst:.2f}x (goal >= 1.0x) {'met' if worst >= 1.0 else 'NOT met'}")
-        if "hf_prompt_lookup" in summary:
-            ratio = summary["ours_nasd"]["overall"] / summary["hf_prompt_lookup"]["overall"]
-            lines.append(f"ours_nasd / hf_prompt_lookup: {ratio:.2f}x (goal >= 1.5x) {'met' if ratio >= 1.5 else 'NOT met'}")
-    return lines
-
-
-def write_report(out: Path, summary: dict, settings: dict, methods: list[str]) -> str:
-    header = "| method | " + " | ".join(TASKS) + " | overall | peak RSS (MiB) |"
-    lines = [f"Speedup against transformers' greedy `generate` (ratio of summed times); settings: {json.dumps(settings)}",
-             "", header, "|" + "---|" * (len(TASKS) + 3)]
-    for method in methods:
-        tasks = summary[method]["tasks"]
-        cells = [f"{tasks[t]['speedup']:.2f}x" + (f" (tau {tasks[t]['tau']:.2f})" if tasks[t]["tau"] else "")
-                 if t in tasks else "-" for t in TASKS]
-        peak = max(row["peak_rss_mib"] for row in tasks.values())
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {summary[method]['overall']:.2f}x | {peak:.0f} |")
-    lines += ["", *[f"- {line}" for line in goal_lines(summary)]]
-    text = "\n".join(lines) + "\n"
-    (out / "report.md").write_text(text)
-    return text
-
-
-def write_chart(out: Path, summary: dict, methods: list[str]) -> None:
+def write_chart(out: Path, summary: dict, methods: list[str], verdict: dict, mode: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,24 +135,59 @@ def write_chart(out: Path, summary: dict, methods: list[str]) -> None:
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        tasks = summary[method]["tasks"]
-        ax.bar([t + i * width for t in range(len(TASKS))], [tasks.get(name, {}).get("speedup", 0) for name in TASKS],
-               width, label=method)
+        rows = [summary[method]["tasks"].get(name) for name in TASKS]
+        heights = [row["speedup"] if row else 0 for row in rows]
+        errors = [[row["speedup"] - row["speedup_min"] if row else 0 for row in rows],
+                  [row["speedup_max"] - row["speedup"] if row else 0 for row in rows]]
+        ax.bar([t + i * width for t in range(len(TASKS))], heights, width, yerr=errors, capsize=2, label=method)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([t + 0.4 - width / 2 for t in range(len(TASKS))], TASKS, fontsize=8)
-    ax.set_ylabel("speedup vs transformers greedy")
+    ax.set_ylabel(f"speedup vs transformers ({mode})")
     ax.legend(fontsize=7, ncol=4)
+    if verdict["noisy"]:
+        ax.set_title("NOISY RUN: not to be quoted (" + "; ".join(verdict["reasons"])[:120] + ")", color="red", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
     plt.close(fig)
+
+
+def run_all(runner: Runner, prompts: list[tuple[str, list[int]]], methods: list[str], repeats: int, quiet: bool,
+            seed: int) -> list[dict]:
+    """Every (repeat, prompt, method), methods in an order rotated at each (repeat, prompt)."""
+    records = []
+    total = repeats * len(prompts) * len(methods)
+    with tqdm(total=total, desc="runs", disable=quiet) as progress:
+        for repeat in range(repeats):
+            for index, (task, ids) in enumerate(prompts):
+                shift = (repeat + index) % len(methods)
+                for method in methods[shift:] + methods[:shift]:
+                    with PeakMemory() as memory:
+                        start = time.perf_counter()
+                        out, stats = runner.run(method, ids, seed=seed + 1000 * repeat + index)
+                        seconds = time.perf_counter() - start
+                    records.append({
+                        "task": task, "method": method, "prompt": index, "repeat": repeat, "prompt_tokens": len(ids),
+                        "tokens": len(out), "seconds": seconds, "tau": stats.tau if stats else None,
+                        "alpha": stats.alpha if stats else None, "output": out, "peak_rss_mib": memory.peak,
+                    })
+                    progress.update()
+    # Greedy: every output must equal transformers' (sampling: nothing to compare, all True).
+    reference = {(r["prompt"], r["repeat"]): r["output"] for r in records if r["method"] == BASELINE}
+    for r in records:
+        r["matches_reference"] = runner.sample is not None or r["output"] == reference[(r["prompt"], r["repeat"])]
+    return records
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each method on each prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--sample", action="store_true", help="sampling mode (else greedy)")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--model", default=None, help="target (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="drafter (default: a bfloat16 copy of the target)")
     parser.add_argument("--device-map", default=None, help="accelerate placement of the target, e.g. auto")
@@ -216,57 +199,54 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(methods) - set(METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-    if "hf_greedy" not in methods:
-        methods.insert(0, "hf_greedy")  # the reference for speed and for the outputs
+    for required in (CONTROL, BASELINE):  # the reference for speed and outputs, and the noise control
+        if required not in methods:
+            methods.insert(0, required)
     if not args.data.exists():
         parser.error(f"--data {args.data} does not exist")
-    torch.manual_seed(args.seed)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    mode = "sampling" if args.sample else "greedy"
     console = Console(quiet=args.quiet)
     target, tokenizer = load_model(args.model, device_map=args.device_map)
     if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
         drafter = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32")[0]
     else:
         drafter = copy.deepcopy(target).to(torch.bfloat16)
-    runner = Runner(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens)
+    sample = {"temperature": args.temperature, "top_p": args.top_p} if args.sample else None
+    runner = Runner(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens, sample)
     prompts = [(task, encode(tokenizer, text)) for task, text in load_prompts(args.data, args.per_category)]
-    for method in methods:  # warm-up
+    load_before = os.getloadavg()
+    for method in methods:  # warm-up (and the cost models' calibration, once per machine)
         runner.run(method, prompts[0][1][:32])
-
-    records = []
-    for task, ids in tqdm(prompts, desc="prompts", disable=args.quiet):
-        reference = None
-        for method in methods:
-            with PeakMemory() as memory:
-                start = time.perf_counter()
-                out, stats = runner.run(method, ids)
-                seconds = time.perf_counter() - start
-            reference = out if method == "hf_greedy" else reference
-            records.append({
-                "task": task, "method": method, "prompt_tokens": len(ids), "tokens": len(out), "seconds": seconds,
-                "tau": stats.tau if stats else None, "alpha": stats.alpha if stats else None,
-                "matches_hf_greedy": out == reference, "peak_rss_mib": memory.peak,
-            })
+    records = run_all(runner, prompts, methods, args.repeats, args.quiet, args.seed)
     summary = summarise(records, methods)
-    settings = {"model": args.model or "SmolLM2-135M-Instruct", "drafter": args.drafter or "bf16 copy of target",
-                "max_new_tokens": args.max_new_tokens, "per_category": args.per_category, "greedy": True,
-                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+    verdict = noise_verdict(records, summary)
+    settings = {"mode": mode, **(sample or {}), "model": args.model or "SmolLM2-135M-Instruct",
+                "drafter": args.drafter or "bf16 copy of target", "max_new_tokens": args.max_new_tokens,
+                "per_category": args.per_category, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
+                "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                "machine": machine(), "cost_table": pass_costs(target).table()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
-                                                      indent=1))
-    report = write_report(args.out, summary, settings, methods)
-    write_chart(args.out, summary, methods)
+    (args.out / "results.json").write_text(json.dumps(
+        {"settings": settings, "verdict": verdict, "summary": summary, "records": records}, indent=1))
+    text = report(summary, methods, settings, verdict, mode)
+    (args.out / "report.md").write_text(text)
+    write_chart(args.out, summary, methods, verdict, mode)
 
-    table = Table("method", *TASKS, "overall", "mismatches", "peak RSS MiB", title="speedup vs transformers greedy")
+    table = Table("method", *TASKS, "overall", "mismatches", title=f"speedup vs transformers ({mode}), [min-max]")
     for method in methods:
         tasks = summary[method]["tasks"]
-        table.add_row(method, *[f"{tasks[t]['speedup']:.2f}x" if t in tasks else "-" for t in TASKS],
-                      f"{summary[method]['overall']:.2f}x", str(sum(r["mismatches"] for r in tasks.values())),
-                      f"{max(r['peak_rss_mib'] for r in tasks.values()):.0f}")
+        table.add_row(method, *[f"{tasks[t]['speedup']:.2f}x [{tasks[t]['speedup_min']:.2f}-{tasks[t]['speedup_max']:.2f}]"
+                                if t in tasks else "-" for t in TASKS],
+                      f"{summary[method]['overall']:.2f}x", str(sum(r["mismatches"] for r in tasks.values())))
     console.print(table)
-    for line in goal_lines(summary):
+    console.print("[red]NOISY RUN[/red]: " + "; ".join(verdict["reasons"]) if verdict["noisy"] else
+                  f"quiet run (median spread of repeats {verdict['median_spread']:.0%})")
+    for line in goal_lines(summary, mode, verdict):
         console.print(line)
     console.print(f"written to {args.out}/ (results.json, report.md, speedup.png)")
-    return {"summary": summary, "records": records, "report": report}
+    return {"summary": summary, "records": records, "report": text, "verdict": verdict}
 
 
 if __name__ == "__main__":
