@@ -38,6 +38,7 @@ from utils.logits_processors import (
     NucleusProcessor,
     TopKNucleusProcessor,
     TopKProcessor,
+    TransformersProcessor,
 )
 
 PROCESSORS = {
@@ -48,6 +49,38 @@ PROCESSORS = {
     "topknucleus": lambda t, k, p: TopKNucleusProcessor(t, k, p),
 }
 
+# `/processor key=value ...`: transformers' processors, built as `generate` builds them.
+GENERATE_KEYS = ("repetition_penalty", "no_repeat_ngram_size", "min_length", "do_sample", "temperature", "top_k",
+                 "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+
+
+def generate_settings(args: list[str]) -> dict:
+    """["repetition_penalty=1.2", "min_p=0.05"] -> {...}; sampling is on when a sampling key is given."""
+    settings: dict = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in GENERATE_KEYS:
+            raise ValueError(f"unknown setting {arg!r}")
+        if key == "do_sample":
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"do_sample must be true or false, got {value!r}")
+            settings[key] = value.lower() == "true"
+        else:
+            try:
+                settings[key] = int(value) if key in ("no_repeat_ngram_size", "min_length", "top_k") else float(value)
+            except ValueError:
+                raise ValueError(f"{key} must be a number, got {value!r}") from None
+    settings.setdefault("do_sample", bool(SAMPLING_KEYS & set(settings)))
+    return settings
+
+
+def generate_processor(settings: dict) -> TransformersProcessor:
+    from transformers import GenerationConfig
+
+    return TransformersProcessor.from_generation_config(GenerationConfig(**settings))
+
+
 HELP = """\
 /help                      this list            /status               current settings
 /quit (or Ctrl-D)          exit                 /clear                forget the conversation
@@ -56,6 +89,7 @@ HELP = """\
 /cache                     KV cache on/off      /length <n>           max new tokens
 /gamma <n>                 draft length         /seed <n>             sampling seed
 /processor <greedy|multinomial|topk|nucleus|topknucleus> [temperature] [top_k] [top_p]
+/processor key=value ...   transformers' processors, e.g. repetition_penalty=1.2 no_repeat_ngram_size=3 min_p=0.05
 /top_k_filler <k>          target top-k tokens added to the n-gram pool
 /set_ngram <simple|multi> <n>                   a new n-gram pool
 /stop_if_unknown           n-gram drafts stop at unknown grams on/off
@@ -82,6 +116,8 @@ class Settings:
 
     @property
     def processor(self):
+        if self.processor_args[0] == "generate":
+            return generate_processor(self.processor_args[1])
         name, t, k, p = self.processor_args
         return PROCESSORS[name](t, k, p)
 
@@ -157,11 +193,22 @@ class ChatConsole:
         return True
 
     def set_processor(self, args: list[str]) -> None:
-        usage = "usage: /processor <greedy|multinomial|topk|nucleus|topknucleus> [temperature] [top_k] [top_p]"
+        usage = ("usage: /processor <greedy|multinomial|topk|nucleus|topknucleus> [temperature] [top_k] [top_p]\n"
+                 "   or: /processor key=value ... with keys " + ", ".join(GENERATE_KEYS))
+        if args and "=" in args[0]:
+            try:
+                settings = generate_settings(args)
+                generate_processor(settings)  # validates
+            except (ValueError, TypeError) as error:
+                self.error(f"{error}\n{usage}")
+                return
+            self.settings.processor_args = ("generate", settings)
+            self.say(f"processor: {self.settings.processor}")
+            return
         if not args or args[0] not in PROCESSORS:
             self.error(usage)
             return
-        _, t, k, p = self.settings.processor_args
+        _, t, k, p = Settings.processor_args if self.settings.processor_args[0] == "generate" else self.settings.processor_args
         try:
             t = float(args[1]) if len(args) > 1 else t
             k = int(args[2]) if len(args) > 2 else k

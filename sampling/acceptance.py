@@ -65,3 +65,65 @@ def speculative_accept(
     # In exact arithmetic a rejection implies p_n != q_n, so the residual has mass; guard rounding.
     residual = residual / total if total > 0 else p[n]
     return n, int(torch.multinomial(residual, 1, generator=generator))
+
+
+# Token trees: several candidate continuations per node, verified in one pass. A tree of n nodes is
+# `tokens` (n,) and `parents` (n,), parents[i] < i, -1 for a child of the root (the last accepted
+# token); row 0 of the target's scores is at the root, row 1 + i after node i. A chain is the tree
+# with parents = [-1, 0, 1, ...].
+
+
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    return children
+
+
+def greedy_accept_tree(target_logits: Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Greedy verification of a draft tree -> (accepted nodes from the root down, the target's next token).
+
+    From the root, move to the child whose token is the target's argmax there, while there is one;
+    the next token is the argmax at the last node reached. Token-identical to greedy decoding.
+    target_logits: (1 + n, V).
+    """
+    argmax = target_logits.argmax(dim=-1).tolist()
+    children = _children(parents)
+    path, node = [], -1
+    while True:
+        wanted = argmax[node + 1]
+        node = next((child for child in children.get(node, []) if tokens[child] == wanted), None)
+        if node is None:
+            return path, wanted
+        path.append(node)
+
+
+def speculative_accept_tree(
+    p: Tensor, tokens: list[int], parents: list[int], generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling of a tree of deterministic drafts (SpecInfer, Miao et al.
+    2024) -> (accepted nodes from the root down, next token).
+
+    At a node whose children propose distinct tokens x1, x2, ...: accept x1 with probability p(x1);
+    if rejected, remove x1 from p and renormalise, accept x2 with the new p(x2); and so on; if every
+    candidate is rejected, the next token is drawn from p with all of them removed. Each token y is
+    then emitted with probability p(y) (the rejections' (1 - p(x1)) factors cancel the
+    renormalisations), so the output follows p exactly; an accepted child continues in its subtree
+    with its own row of p. p: (1 + n, V) processed distributions.
+    """
+    children = _children(parents)
+    path, node = [], -1
+    while True:
+        residual = p[node + 1].clone()
+        for child in children.get(node, []):
+            x = tokens[child]
+            if float(torch.rand((), generator=generator, dtype=p.dtype, device=p.device)) < float(residual[x]):
+                path.append(child)
+                node = child
+                break
+            residual[x] = 0.0
+            total = residual.sum()
+            # In exact arithmetic a rejection leaves mass elsewhere; guard rounding.
+            residual = residual / total if total > 0 else p[node + 1]
+        else:
+            return path, int(torch.multinomial(residual, 1, generator=generator))

@@ -13,13 +13,15 @@ def _decode(
     gen: Generation, logits_processor: LogitsProcessor, generator: torch.Generator | None, on_step: OnStep | None
 ) -> list[int]:
     generated: list[int] = []
+    sequence = list(gen.prefix)  # what the processor sees as history (the decoder's ids)
     logits = gen.runner.forward(gen.prefix)  # prefill: the whole prompt in one pass
     while True:
         # Sample from the processed distribution of the last position.
-        probs = logits_processor(logits[-1])
+        probs = logits_processor(logits[-1:], sequence)[0]
         token = int(logits_processor.sample(probs, generator))
         tokens, finished = gen.trim([token], len(generated))
         generated += tokens
+        sequence += tokens
         if on_step is not None:
             on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens)))
         if finished:

@@ -69,15 +69,16 @@ class ModelDrafter:
     def start(self, sequence: list[int]) -> None:
         self.runner.rollback(0)
 
-    def _distribution(self, logits: Tensor) -> Tensor:
-        """Drafter logits (V_d,) -> q (V,) in the target's vocabulary. Columns the target lacks
-        (padding rows) are dropped; columns the drafter lacks get q = 0: still a valid proposal."""
+    def _distribution(self, logits: Tensor, history: list[int]) -> Tensor:
+        """Drafter logits (V_d,) after `history` -> q (V,) in the target's vocabulary, processed as
+        the target's p is. Columns the target lacks (padding rows) are dropped; columns the drafter
+        lacks get q = 0: still a valid proposal."""
         width = logits.shape[-1]
         if width > self.vocab_size:
             logits = logits[: self.vocab_size]
         elif width < self.vocab_size:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-torch.inf)
-        return self.processor(logits)
+        return self.processor(logits[None], history)[0]
 
     def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], Tensor | None]:
         self._accepted_length = len(sequence)
@@ -86,7 +87,7 @@ class ModelDrafter:
         logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens
         drafts, qs = [], []
         for i in range(max_drafts):
-            q = self._distribution(logits[-1])
+            q = self._distribution(logits[-1], sequence + drafts)  # its history: accepted tokens and its drafts
             token = int(self.processor.sample(q, self.generator))
             drafts.append(token)
             qs.append(q)

@@ -95,12 +95,14 @@ def speculative_loop(
         logits = target.forward([sequence[-1]] + drafts, num_logits=len(drafts) + 1)
 
         # 3. Accept a prefix of the drafts, then take one token from the target.
+        # Row i is processed with its own history: the accepted sequence and the drafts before it.
         draft_ids = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+        history = sequence + drafts
         if logits_processor.is_greedy:
             p = None
-            n, token = greedy_accept(logits, draft_ids)
+            n, token = greedy_accept(logits_processor.scores(logits, history), draft_ids)
         else:
-            p = logits_processor(logits)
+            p = logits_processor(logits, history)
             n, token = speculative_accept(p, q, draft_ids, logits_processor, generator)
 
         # 4. Roll back the target: keep the accepted drafts, forget the rejected ones.

@@ -12,12 +12,12 @@ P_VALUE_THRESHOLD = 1e-3  # a correct sampler fails this test once in a thousand
 
 def exact_two_token_distribution(model, inputs, processor) -> dict[tuple[int, int], float]:
     with torch.no_grad():
-        p1 = processor(model(torch.tensor([inputs])).logits[0, -1].double())
+        p1 = processor(model(torch.tensor([inputs])).logits[0, -1:].double(), inputs)[0]
         joint = {}
         for x1 in range(len(p1)):
             if p1[x1] == 0:
                 continue
-            p2 = processor(model(torch.tensor([inputs + [x1]])).logits[0, -1].double())
+            p2 = processor(model(torch.tensor([inputs + [x1]])).logits[0, -1:].double(), inputs + [x1])[0]
             for x2 in range(len(p2)):
                 if p2[x2] > 0:
                     joint[(x1, x2)] = float(p1[x1] * p2[x2])

@@ -4,13 +4,20 @@ Each processor is a pure function of its input (nothing is modified in place) wi
 filtering semantics as transformers' temperature, top-k and top-p warpers, applied in that order.
 At least one token is always kept, so the distribution is never empty.
 
-    probs = processor(logits)                 # (..., vocab) -> (..., vocab), rows sum to 1
+    probs = processor(logits, history)         # (rows, vocab) -> (rows, vocab), rows sum to 1
     token = processor.sample(probs, generator) # (..., vocab) -> (...,) token ids
+
+`history` is the token sequence the rows continue: row i of r rows scores the token after
+history[: len(history) - r + 1 + i] (a verification pass scores the last accepted token and each
+draft). The library's own processors ignore it; `TransformersProcessor` (transformers' processors:
+repetition penalty, no-repeat n-grams, min-p...) processes each row with its own prefix, which is
+what keeps speculative decoding exact under history-dependent processing.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -22,6 +29,7 @@ __all__ = [
     "TopKProcessor",
     "NucleusProcessor",
     "TopKNucleusProcessor",
+    "TransformersProcessor",
 ]
 
 
@@ -91,9 +99,14 @@ class LogitsProcessor:
         """Tempered logits -> filtered logits (-inf where a token is removed). Pure."""
         return logits
 
-    def __call__(self, logits: Tensor) -> Tensor:
+    def scores(self, logits: Tensor, history: Sequence[int] | None = None) -> Tensor:
+        """Logits (..., vocab) -> processed scores before the softmax (greedy decoding takes their
+        argmax). The input is not modified."""
+        return self.filter(logits / self.temperature)
+
+    def __call__(self, logits: Tensor, history: Sequence[int] | None = None) -> Tensor:
         """Logits (..., vocab) -> processed probabilities (..., vocab). The input is not modified."""
-        return self.filter(logits / self.temperature).softmax(dim=-1)
+        return self.scores(logits, history).softmax(dim=-1)
 
     def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Draw one token per row of `probs` (..., vocab) -> (...,) int64."""
@@ -114,7 +127,10 @@ class GreedyProcessor(LogitsProcessor):
     def __init__(self, temperature: float = 1.0) -> None:
         super().__init__(temperature)  # accepted for interface symmetry; argmax ignores it
 
-    def __call__(self, logits: Tensor) -> Tensor:
+    def scores(self, logits: Tensor, history: Sequence[int] | None = None) -> Tensor:
+        return logits
+
+    def __call__(self, logits: Tensor, history: Sequence[int] | None = None) -> Tensor:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
     def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -157,3 +173,104 @@ class TopKNucleusProcessor(LogitsProcessor):
 
     def filter(self, logits: Tensor) -> Tensor:
         return top_p_filter(top_k_filter(logits, self.top_k), self.top_p)
+
+
+# Processors that keep state between calls (or need a second model pass): calling them on
+# speculative positions that are then rejected would change what they do. Refused, not inexact.
+_STATEFUL = ("SynthIDTextWatermarkLogitsProcessor", "WatermarkLogitsProcessor",
+             "UnbatchedClassifierFreeGuidanceLogitsProcessor", "WhisperNoSpeechDetection",
+             "WhisperTimeStampLogitsProcessor")
+
+
+class TransformersProcessor(LogitsProcessor):
+    """transformers' logits processors and warpers, applied as `generate` applies them.
+
+    `processors`: a `transformers.LogitsProcessorList` or a list of transformers `LogitsProcessor`s
+    (warpers included), applied in order to scores of shape (1, vocab) with the `input_ids` (1, length)
+    of each position's own history. `do_sample=False`: greedy on the processed scores; `True`:
+    sampling from their softmax. Under speculation each verified position is processed with its
+    own prefix (the accepted tokens plus the drafts before it), as transformers' assisted
+    generation does, so greedy identity and the exactness of speculative sampling hold.
+    """
+
+    def __init__(self, processors, *, do_sample: bool) -> None:
+        from transformers import LogitsProcessor as HFLogitsProcessor
+        from transformers import LogitsProcessorList
+
+        if isinstance(processors, HFLogitsProcessor):
+            processors = [processors]
+        if not isinstance(processors, (list, tuple, LogitsProcessorList)):
+            raise TypeError(f"processors must be a LogitsProcessorList or a list of transformers LogitsProcessors, "
+                            f"got {type(processors).__name__}")
+        for i, processor in enumerate(processors):
+            if not isinstance(processor, HFLogitsProcessor):
+                raise TypeError(f"processors[{i}] must be a transformers LogitsProcessor, got {processor!r}")
+            if type(processor).__name__ in _STATEFUL:
+                raise ValueError(f"processors[{i}] ({type(processor).__name__}) keeps state between calls and "
+                                 "cannot be applied to speculative positions exactly; use plain `generate`")
+        if not isinstance(do_sample, bool):
+            raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+        self.processors = LogitsProcessorList(processors)
+        self.do_sample = do_sample
+        self.is_greedy = not do_sample
+        self.temperature = 1.0
+
+    @classmethod
+    def from_generation_config(cls, config) -> TransformersProcessor:
+        """The processors `generate` builds from a `GenerationConfig` (repetition penalty, no-repeat
+        n-grams, bad words, minimum length; when sampling: temperature, top-k, top-p, min-p,
+        typical-p, epsilon and eta cutoffs), in `generate`'s order. Unset fields add nothing."""
+        import transformers as hf
+
+        c = config
+        eos = c.eos_token_id
+        processors = []
+        if c.repetition_penalty not in (None, 1.0):
+            processors.append(hf.RepetitionPenaltyLogitsProcessor(penalty=c.repetition_penalty))
+        if c.no_repeat_ngram_size:
+            processors.append(hf.NoRepeatNGramLogitsProcessor(c.no_repeat_ngram_size))
+        if c.bad_words_ids:
+            processors.append(hf.NoBadWordsLogitsProcessor(c.bad_words_ids, eos_token_id=eos))
+        if c.min_length and eos is not None:
+            processors.append(hf.MinLengthLogitsProcessor(c.min_length, eos))
+        if c.do_sample:
+            if c.temperature not in (None, 1.0):
+                processors.append(hf.TemperatureLogitsWarper(c.temperature))
+            if c.top_k:
+                processors.append(hf.TopKLogitsWarper(c.top_k))
+            if c.top_p not in (None, 1.0):
+                processors.append(hf.TopPLogitsWarper(c.top_p))
+            if c.min_p:
+                processors.append(hf.MinPLogitsWarper(c.min_p))
+            if c.typical_p not in (None, 1.0):
+                processors.append(hf.TypicalLogitsWarper(c.typical_p))
+            if c.epsilon_cutoff:
+                processors.append(hf.EpsilonLogitsWarper(c.epsilon_cutoff))
+            if c.eta_cutoff:
+                processors.append(hf.EtaLogitsWarper(c.eta_cutoff))
+        return cls(processors, do_sample=bool(c.do_sample))
+
+    def scores(self, logits: Tensor, history: Sequence[int] | None = None) -> Tensor:
+        if history is None:
+            raise ValueError("TransformersProcessor needs the token history of the scored positions")
+        rows = logits.reshape(-1, logits.shape[-1])
+        ids = torch.tensor([list(history)], dtype=torch.long, device=logits.device)
+        first = ids.shape[1] - rows.shape[0] + 1  # length of the first row's prefix
+        assert first >= 1, "fewer history tokens than scored rows"
+        # transformers' processors work in float32 and may write into their input: give each a copy.
+        out = torch.stack([self.processors(ids[:, : first + i], rows[i : i + 1].float().clone())[0]
+                           for i in range(rows.shape[0])])
+        return out.to(logits.dtype).reshape(logits.shape)
+
+    def __call__(self, logits: Tensor, history: Sequence[int] | None = None) -> Tensor:
+        scores = self.scores(logits, history)
+        if self.is_greedy:
+            return torch.zeros_like(scores).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
+        return scores.softmax(dim=-1)
+
+    def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return probs.argmax(dim=-1) if self.is_greedy else super().sample(probs, generator)
+
+    def __repr__(self) -> str:
+        names = ", ".join(type(p).__name__ for p in self.processors)
+        return f"TransformersProcessor([{names}], do_sample={self.do_sample})"

@@ -79,8 +79,11 @@ def check_model(model: object, name: str, encoder_decoder: bool) -> PreTrainedMo
 
 def check_processor(value: object) -> LogitsProcessor:
     if not isinstance(value, LogitsProcessor):
+        hint = ""
+        if type(value).__module__.startswith("transformers") or isinstance(value, list):
+            hint = "; wrap transformers' processors as TransformersProcessor(processors, do_sample=...)"
         raise TypeError(
-            f"logits_processor must be a LogitsProcessor (e.g. GreedyProcessor()), got {_short(value)}"
+            f"logits_processor must be a LogitsProcessor (e.g. GreedyProcessor()), got {_short(value)}{hint}"
         )
     return value
 

@@ -1,0 +1,41 @@
+"""The notebook tour and the README's Python snippet run as they are, on the built-in model, so
+that neither can rot. They use the user's cache, as `make chat` does: the model is converted once."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from tests import conftest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def user_cache(monkeypatch):
+    if conftest.USER_CACHE is None:
+        monkeypatch.delenv("SPECDEC_CACHE")
+    else:
+        monkeypatch.setenv("SPECDEC_CACHE", conftest.USER_CACHE)
+
+
+def test_the_tour_notebook_runs_every_cell(user_cache):
+    notebook = nbformat.read(ROOT / "examples" / "tour.ipynb", as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code and not any(cell.outputs for cell in code), "commit the notebook without outputs"
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = [output for cell in code for output in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the acceptance plot
+    assert any("text/html" in o.get("data", {}) for o in outputs)  # the coloured drafts
+
+
+def test_the_readme_snippet_runs(user_cache, capsys):
+    readme = (ROOT / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()  # it prints the generated text
