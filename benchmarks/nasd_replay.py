@@ -57,16 +57,21 @@ def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
     drafter.start(sequence)
     position, cost = 0, 0.0
     while position < len(generated):
-        drafts, _ = drafter.draft(sequence, min(gamma, len(generated) - position - 1))
-        n = 0
-        while n < len(drafts) and drafts[n] == generated[position + n]:
-            n += 1
+        tree, _ = drafter.draft(sequence, min(gamma, len(generated) - position - 1))
+        path, node = [], -1  # greedy acceptance of the tree against the recorded output
+        while position + len(path) < len(generated):
+            wanted = generated[position + len(path)]
+            node = next((i for i, parent in enumerate(tree.parents) if parent == node and tree.tokens[i] == wanted), None)
+            if node is None:
+                break
+            path.append(node)
+        n = len(path)
         sequence += generated[position : position + n + 1]
         rows = torch.zeros(n + 1, trace["vocab"])  # stand-in logits with the recorded top-3 order
         for i, tokens in enumerate(top3[position : position + n + 1]):
             rows[i, tokens] = torch.tensor([3.0, 2.0, 1.0])
-        drafter.update(sequence, n, rows, None)
-        cost += prior_cost(len(drafts))
+        drafter.update(sequence, path, rows, None)
+        cost += prior_cost(len(tree))
         position += n + 1
     return len(generated) / cost
 

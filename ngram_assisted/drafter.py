@@ -1,4 +1,4 @@
-"""The n-gram drafter of NASD: drafts chains from a dynagram, only as long as they are likely to pay."""
+"""The n-gram drafter of NASD: drafts chains or trees from a dynagram, only as large as they are likely to pay."""
 
 from __future__ import annotations
 
@@ -8,20 +8,25 @@ import torch
 from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
-from sampling.draft_policy import best_draft_length
+from sampling.draft_policy import best_tree_size
+from sampling.drafters import DraftTree
 from utils.cost_model import prior_cost
 
 # Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4+ tokens), as
 # measured on held-out Spec-Bench prompts with SmolLM2-135M (greedy): longer matches are copies.
 MATCH_LENGTH_PRIOR = (0.25, 0.5, 0.7, 0.85)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed drafts
+RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of the first's prior
+AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
+
+Kind = tuple[int, int, bool, int]  # (match length, count, majority continuation, rank among siblings)
 
 
 class AcceptanceModel:
     """Online estimate of P(a draft is accepted | the drafts before it were), per kind of proposal.
 
-    A proposal's kind is (match length, count, whether it is the majority continuation), each
-    capped. Each kind starts from a prior set by its match length (`MATCH_LENGTH_PRIOR`, worth
+    A proposal's kind is (match length, count, whether it is the majority continuation, its rank
+    among the candidates of its context), each capped. Each kind starts from a prior set by its match length (`MATCH_LENGTH_PRIOR`, worth
     `PRIOR_WEIGHT` drafts) and moves to the acceptance rate actually observed. On top of that, a
     calibration factor (accepted / predicted over all judged drafts so far) scales every estimate,
     so that text where the pool is less reliable than usual stops the drafting after a few misses.
@@ -30,24 +35,25 @@ class AcceptanceModel:
     def __init__(self, prior: tuple[float, ...] = MATCH_LENGTH_PRIOR, weight: float = PRIOR_WEIGHT) -> None:
         self.prior = prior
         self.weight = weight
-        self.counts: dict[tuple[int, int, bool], list[float]] = {}  # kind -> [accepted, rejected]
+        self.counts: dict[Kind, list[float]] = {}  # kind -> [accepted, rejected]
         self.accepted = 0.0
         self.predicted = 0.0
 
     @staticmethod
-    def kind(prediction: Prediction) -> tuple[int, int, bool]:
-        return min(prediction.match_length, 8), min(prediction.count, 4), 2 * prediction.count > prediction.total
+    def kind(prediction: Prediction, rank: int = 0) -> Kind:
+        return (min(prediction.match_length, 8), min(prediction.count, 4), 2 * prediction.count > prediction.total,
+                min(rank, 2))
 
-    def _prior(self, kind: tuple[int, int, bool]) -> list[float]:
-        a = self.prior[min(kind[0], len(self.prior)) - 1]
+    def _prior(self, kind: Kind) -> list[float]:
+        a = self.prior[min(kind[0], len(self.prior)) - 1] * (RUNNER_UP_PRIOR if kind[3] else 1.0)
         return [a * self.weight, (1 - a) * self.weight]
 
-    def estimate(self, kind: tuple[int, int, bool]) -> float:
+    def estimate(self, kind: Kind) -> float:
         accepted, rejected = self.counts.get(kind) or self._prior(kind)
         calibration = (self.accepted + self.weight) / (self.predicted + self.weight)
         return min(0.99, calibration * accepted / (accepted + rejected))
 
-    def record(self, kind: tuple[int, int, bool], accepted: float, estimate: float) -> None:
+    def record(self, kind: Kind, accepted: float, estimate: float) -> None:
         """A judged draft of this kind, proposed with this `estimate`, was accepted (1.0), rejected
         (0.0), or accepted with this probability (sampling)."""
         counts = self.counts.setdefault(kind, self._prior(kind))
@@ -60,10 +66,13 @@ class AcceptanceModel:
 class NgramDrafter:
     """Drafts from a dynagram pool (deterministic drafts: q is one-hot, so `draft` returns q=None).
 
-    stop_if_unknown=True: a chain stops at the first unknown n-gram and is cut to the length that
-    maximises the expected tokens per unit of target cost (`draft_cost`, learned acceptance).
-    stop_if_unknown=False: every known continuation is drafted, up to gamma (ANPD's behaviour).
-    A miss always ends a chain: the pool never invents a token.
+    Up to `branching` candidates per node (most frequent first; 1 is a chain), grown best-first by
+    the estimated probability of reaching each node (the product of the acceptance estimates on
+    its path), up to `max_drafts` nodes. stop_if_unknown=True: the tree is then cut to the size
+    that maximises expected accepted tokens per unit of target cost (`draft_cost`); with
+    branching=1 that is a chain stopping at the first unknown n-gram. stop_if_unknown=False: every
+    known continuation is drafted, up to gamma nodes (ANPD's behaviour, widened). A miss always
+    ends a branch: the pool never invents a token.
     """
 
     forward_passes = 0  # an n-gram pool runs no model
@@ -77,6 +86,7 @@ class NgramDrafter:
         stop_if_unknown: bool = True,
         source_tokens: Sequence[int] = (),
         draft_cost: Callable[[int], float] = prior_cost,
+        branching: int = 1,
     ) -> None:
         self.pool = pool
         self.vocab_size = vocab_size
@@ -84,46 +94,61 @@ class NgramDrafter:
         self.stop_if_unknown = stop_if_unknown
         self.source_tokens = list(source_tokens)
         self.draft_cost = draft_cost
+        self.branching = branching
         self.acceptance = AcceptanceModel()
         self._base = 0  # len(sequence) when the last draft started
-        self._drafts: list[int] = []  # the last draft
-        self._judged: list[tuple[tuple[int, int, bool], float]] = []  # (kind, estimate) of each draft
+        self._tree = DraftTree.chain([])
+        self._judged: list[tuple[Kind, float]] = []  # (kind, estimate) of each node of the last tree
 
     def start(self, sequence: list[int]) -> None:
         self.pool.bind_vocabulary(self.vocab_size)
         self.pool.fill(self.source_tokens)  # encoder-decoder: the source text, where copying happens
         self.pool.learn(sequence)
 
-    def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], None]:
-        self._base = len(sequence)
-        history = list(sequence[-(self.pool.n - 1) :])
-        drafts, kinds, estimates = [], [], []
-        for _ in range(max(max_drafts, 0)):
-            prediction = self.pool.predict(history)
-            if prediction is None:
-                break  # unknown n-gram: nothing to propose
-            kind = AcceptanceModel.kind(prediction)
-            drafts.append(prediction.token)
-            kinds.append(kind)
-            estimates.append(self.acceptance.estimate(kind))
-            history.append(prediction.token)
-        if self.stop_if_unknown:
-            drafts = drafts[: best_draft_length(estimates, self.draft_cost)]
-        self._drafts = drafts
-        self._judged = list(zip(kinds, estimates, strict=True))[: len(drafts)]
-        return drafts, None
+    def _candidates(self, history: list[int], parent: int, reach: float) -> list[tuple[float, int, int, Prediction]]:
+        found = self.pool.candidates(history[len(history) - (self.pool.n - 1) :], self.branching)
+        return [(reach * self.acceptance.estimate(AcceptanceModel.kind(c, rank)), rank, parent, c)
+                for rank, c in enumerate(found)]
 
-    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor, p: Tensor | None) -> None:
-        # Learn how often each kind of proposal is accepted (drafts after a rejection were not judged).
-        # Sampling: a draft x was accepted with probability p(x), known now; learning p(x) rather
-        # than the coin's outcome learns the same mean with less noise, in the mode that runs.
-        judged = self._judged[: num_accepted + 1]
-        if p is not None and judged:
-            rows = torch.arange(len(judged), device=p.device)
-            chances = p[rows, torch.tensor(self._drafts[: len(judged)], device=p.device)].tolist()
+    def draft(self, sequence: list[int], max_drafts: int) -> tuple[DraftTree, None]:
+        self._base = len(sequence)
+        tokens, parents, reaches, judged = [], [], [], []
+        histories = {-1: list(sequence[-(self.pool.n - 1) :])}
+        frontier = self._candidates(histories[-1], -1, 1.0)
+        while frontier and len(tokens) < max_drafts:
+            best = max(range(len(frontier)), key=lambda i: frontier[i][0])  # best-first: most likely to be reached
+            reach, rank, parent, prediction = frontier.pop(best)
+            node = len(tokens)
+            kind = AcceptanceModel.kind(prediction, rank)
+            tokens.append(prediction.token)
+            parents.append(parent)
+            reaches.append(reach)
+            judged.append((kind, self.acceptance.estimate(kind)))
+            histories[node] = histories[parent] + [prediction.token]
+            frontier += self._candidates(histories[node], node, reach)
+        if self.stop_if_unknown:
+            # Nodes come in order of falling reach, parents first: a prefix is a tree.
+            size = best_tree_size(reaches, self.draft_cost)
+            tokens, parents, judged = tokens[:size], parents[:size], judged[:size]
+        self._tree = DraftTree(tokens, parents)
+        self._judged = judged
+        return self._tree, None
+
+    def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
+        # Learn how often each kind of proposal is accepted. Judged: the candidates at the root and
+        # at every accepted node (the nodes below a rejection were never reached). Greedy: whether
+        # it was the target's argmax. Sampling: its chance p(x) of being the emitted token, known
+        # now (the multi-candidate rule emits x with probability p(x)): the same mean, less noise.
+        row_of = {-1: 0, **{node: i + 1 for i, node in enumerate(path)}}  # parent -> its row in target_logits
+        judged_nodes = [node for node, parent in enumerate(self._tree.parents) if parent in row_of]
+        if p is not None and judged_nodes:
+            rows = torch.tensor([row_of[self._tree.parents[node]] for node in judged_nodes], device=p.device)
+            tokens = torch.tensor([self._tree.tokens[node] for node in judged_nodes], device=p.device)
+            chances = p[rows, tokens].tolist()
         else:
-            chances = [float(i < num_accepted) for i in range(len(judged))]
-        for (kind, estimate), chance in zip(judged, chances, strict=True):
+            chances = [float(node in path) for node in judged_nodes]
+        for node, chance in zip(judged_nodes, chances, strict=True):
+            kind, estimate = self._judged[node]
             self.acceptance.record(kind, chance, estimate)
         # The target's top-k at each verified position go in first, so that on equal counts the
         # token that was really generated (added last, most recent) stays the proposal.

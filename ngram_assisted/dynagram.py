@@ -127,6 +127,23 @@ class DynaGram:
                 return Prediction(token, continuations[token][0], total, length)
         return None
 
+    def candidates(self, history: Sequence[int], limit: int) -> list[Prediction]:
+        """Up to `limit` distinct proposals after `history`, most frequent first (ties: most recent):
+        the longest known context's continuations, then shorter contexts' (a MultiDynaGram) for
+        the tokens not proposed yet. `predict` is the first of them."""
+        found: list[Prediction] = []
+        for length in self.context_lengths:  # longest first
+            if len(found) >= limit or len(history) < length:
+                continue
+            continuations = self._table.get(tuple(history[len(history) - length :]))
+            if not continuations:
+                continue
+            total = sum(entry[0] for entry in continuations.values())
+            ranked = sorted(continuations, key=lambda t: continuations[t], reverse=True)
+            seen = {prediction.token for prediction in found}
+            found += [Prediction(t, continuations[t][0], total, length) for t in ranked if t not in seen]
+        return found[:limit]
+
     def __contains__(self, gram: Sequence[int]) -> bool:
         """Whether the n-gram `gram` (context + next token) is in the pool."""
         *context, token = gram

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from ngram_assisted.drafter import NgramDrafter
+from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import OnStep, prepare
 from sampling.draft_policy import DraftLength
@@ -26,7 +26,7 @@ from utils.validation import check_int, check_model
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
-          max_gen_len, end_tokens_id, use_cache, draft_cost, generator, stats, on_step):
+          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step):
     if not isinstance(ngram, DynaGram):
         raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram, got {type(ngram).__name__}")
     gamma = check_gamma(gamma)
@@ -37,6 +37,8 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     check_int(top_k_filler, "top_k_filler", 1)
     if top_k_filler > vocab:
         raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab}, got {top_k_filler}")
+    if branching is not None:
+        check_int(branching, "branching", 1)
     if draft_cost is not None and not callable(draft_cost):
         raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
     gen = prepare(
@@ -45,9 +47,15 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     )
     ngram.bind_vocabulary(vocab)
     # Unless the caller gave one, the draft length's cost is the target's, measured on this machine.
+    # Trees where the model can verify them in one pass (else chains, still exact); None: up to
+    # AUTO_BRANCHING candidates per node, kept only where they pay (a chain when none does).
+    if not gen.runner.supports_trees:
+        branching = 1
+    elif branching is None:
+        branching = AUTO_BRANCHING if stop_if_unknown else 1
     drafter = NgramDrafter(
         ngram, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
-        source_tokens=gen.encoder_input_ids or (), draft_cost=draft_cost or gen.runner.costs,
+        source_tokens=gen.encoder_input_ids or (), draft_cost=draft_cost or gen.runner.costs, branching=branching,
     )
     return speculative_loop(
         gen, drafter, logits_processor=logits_processor, draft_length=DraftLength(gamma),
@@ -70,6 +78,7 @@ def ngram_assisted_speculative_generate(
     stop_if_unknown: bool = True,
     *,
     draft_cost: Callable[[int], float] | None = None,
+    branching: int | None = None,
     generator: torch.Generator | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
@@ -81,14 +90,18 @@ def ngram_assisted_speculative_generate(
     position; it keeps what it learned across calls (call `ngram.reset()` to forget). Drafts are up
     to `gamma` tokens; with `stop_if_unknown` a draft stops at the first unknown n-gram and is cut
     to the length that pays under `draft_cost` (the cost of verifying k drafts relative to one plain
-    step; by default measured on this machine for this model, `utils.cost_model`). Greedy output
-    equals greedy `autoregressive_generate`; sampled output follows the target's processed
-    distribution exactly. `tokenizer`, `pad_token_id`: compatibility, unused.
+    step; by default measured on this machine for this model, `utils.cost_model`). `branching`:
+    the most candidate continuations drafted per node, verified as a token tree in one pass (1: a
+    chain; None: up to 3, kept only where the cost model says they pay; `gamma` then counts every
+    node). Models that cannot verify a tree (encoder-decoder, no cache, flash attention) draft
+    chains. Greedy output equals greedy `autoregressive_generate`; sampled output follows the
+    target's processed distribution exactly (multi-candidate speculative sampling on trees).
+    `tokenizer`, `pad_token_id`: compatibility, unused.
     """
     return _nasd(
         inputs, ngram, target, encoder_decoder=False, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
-        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, generator=generator,
+        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
         stats=stats, on_step=on_step,
     )
 
@@ -108,6 +121,7 @@ def ngram_assisted_speculative_generate_encoder_decoder(
     stop_if_unknown: bool = True,
     *,
     draft_cost: Callable[[int], float] | None = None,
+    branching: int | None = None,
     generator: torch.Generator | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
@@ -117,6 +131,6 @@ def ngram_assisted_speculative_generate_encoder_decoder(
     return _nasd(
         inputs, ngram, target, encoder_decoder=True, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
-        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, generator=generator,
+        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
         stats=stats, on_step=on_step,
     )

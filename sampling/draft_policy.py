@@ -1,4 +1,4 @@
-"""How many tokens to draft: the one cost-aware rule both drafters follow.
+"""How many tokens to draft: the one cost-aware rule both drafters follow (chains and trees).
 
 A step that drafts k tokens costs `cost(k)` (in one-token target passes: the verification pass over
 1 + k tokens, plus the drafter's own passes) and yields 1 + E_k tokens, where E_k is the expected
@@ -16,17 +16,28 @@ from collections.abc import Callable, Sequence
 from utils.cost_model import PassCosts
 
 
-def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) -> int:
-    """The chain length k maximising (1 + E_k) / cost(k), for k in [0, len(estimates)]."""
-    best_k, best_rate = 0, 1.0 / cost(0)
-    expected, survive = 0.0, 1.0
-    for k, a in enumerate(estimates, start=1):
-        survive *= a
-        expected += survive
-        rate = (1.0 + expected) / cost(k)
+def best_tree_size(reaches: Sequence[float], cost: Callable[[int], float]) -> int:
+    """The number of nodes n maximising (1 + E_n) / cost(n), for n in [0, len(reaches)], where
+    `reaches` are the nodes' probabilities of being accepted (of their whole path being accepted),
+    in the order they would be added, and E_n the sum of the first n: the expected accepted drafts."""
+    best_n, best_rate = 0, 1.0 / cost(0)
+    expected = 0.0
+    for n, reach in enumerate(reaches, start=1):
+        expected += reach
+        rate = (1.0 + expected) / cost(n)
         if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+            best_n, best_rate = n, rate
+    return best_n
+
+
+def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) -> int:
+    """The chain length k maximising (1 + E_k) / cost(k), for k in [0, len(estimates)]: a chain's
+    draft j is reached with probability prod_{i <= j} a_i."""
+    reaches, survive = [], 1.0
+    for a in estimates:
+        survive *= a
+        reaches.append(survive)
+    return best_tree_size(reaches, cost)
 
 
 class DraftLength:

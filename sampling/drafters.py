@@ -4,6 +4,7 @@ same draft -> verify -> accept loop."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -12,6 +13,41 @@ from transformers import PreTrainedModel
 
 from utils.caching import ModelRunner
 from utils.logits_processors import LogitsProcessor
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Drafted tokens as a tree: node i proposes `tokens[i]` after its parent, `parents[i]` < i
+    (-1: after the last accepted token). Siblings propose distinct tokens. A chain, what a model
+    drafter proposes, has parents [-1, 0, 1, ...]."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == node - 1 for node, parent in enumerate(self.parents))
+
+    def path_to(self, node: int) -> list[int]:
+        """The tokens from the root's first child down to `node` (none for -1)."""
+        path = []
+        while node >= 0:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
+
+    def depth(self) -> int:
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 + (depths[parent] if parent >= 0 else 0))
+        return max(depths, default=0)
 
 
 class Drafter(Protocol):
@@ -25,17 +61,18 @@ class Drafter(Protocol):
     def start(self, sequence: list[int]) -> None:
         """A new generation begins with `sequence` (the prompt)."""
 
-    def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], Tensor | None]:
-        """Propose up to `max_drafts` (possibly 0) tokens after `sequence` -> (drafts, q).
+    def draft(self, sequence: list[int], max_drafts: int) -> tuple[DraftTree, Tensor | None]:
+        """Propose up to `max_drafts` (possibly 0) tokens after `sequence` -> (tree, q).
 
-        q: (len(drafts), V) the processed distributions the drafts were sampled from, or None when
-        the drafts are deterministic (q one-hot) or the processor is greedy.
+        q: (len(tree), V) the processed distributions a chain's drafts were sampled from, or None
+        when the drafts are deterministic (q one-hot) or the processor is greedy. Only deterministic
+        drafters propose trees that are not chains.
         """
 
-    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor, p: Tensor | None) -> None:
-        """The target accepted `num_accepted` drafts; `sequence` now ends with them and the target's
-        own token. `target_logits`: (num_accepted + 1, V), the target's scores at those positions;
-        `p`: the same rows processed into the distributions sampled from (None when greedy)."""
+    def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
+        """The target accepted the nodes `path` (root to leaf) of the last tree; `sequence` now ends
+        with their tokens and the target's own. `target_logits`: (len(path) + 1, V), the target's
+        scores at the root and along the path; `p`: the same rows processed (None when greedy)."""
 
 
 class ModelDrafter:
@@ -80,10 +117,10 @@ class ModelDrafter:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-torch.inf)
         return self.processor(logits[None], history)[0]
 
-    def draft(self, sequence: list[int], max_drafts: int) -> tuple[list[int], Tensor | None]:
+    def draft(self, sequence: list[int], max_drafts: int) -> tuple[DraftTree, Tensor | None]:
         self._accepted_length = len(sequence)
         if max_drafts <= 0:
-            return [], None
+            return DraftTree.chain([]), None
         logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens
         drafts, qs = [], []
         for i in range(max_drafts):
@@ -94,9 +131,9 @@ class ModelDrafter:
             if i + 1 < max_drafts:  # the last draft is fed only if accepted (next round)
                 logits = self.runner.forward([token])
         q = None if self.processor.is_greedy else torch.stack(qs)
-        return drafts, q
+        return DraftTree.chain(drafts), q
 
-    def update(self, sequence: list[int], num_accepted: int, target_logits: Tensor, p: Tensor | None) -> None:
+    def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
         # Keep the accepted drafts the runner has seen; drop the rejected ones.
         seen_drafts = len(self.runner) - self._accepted_length
-        self.runner.rollback(self._accepted_length + min(num_accepted, seen_drafts))
+        self.runner.rollback(self._accepted_length + min(len(path), seen_drafts))

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedModel
 
-from sampling.acceptance import greedy_accept, speculative_accept
+from sampling.acceptance import greedy_accept, greedy_accept_tree, speculative_accept, speculative_accept_tree
 from sampling.common import Generation, OnStep, Step, prepare
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
-from sampling.drafters import Drafter, ModelDrafter
+from sampling.drafters import Drafter, DraftTree, ModelDrafter
 from utils.caching import vocab_size
 from utils.cost_model import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
@@ -48,17 +49,51 @@ class SpeculativeStats:
         """P(draft i accepted | draft i proposed), for i = 0, 1, ..."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=False)]
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, depth: int | None = None) -> None:
+        """One step: `num_drafts` drafted nodes (of a tree `depth` deep; a chain's depth is its
+        length), `num_accepted` of them accepted. Acceptance by position is by depth."""
+        depth = num_drafts if depth is None else depth
         self.steps += 1
         self.drafts_proposed += num_drafts
         self.drafts_accepted += num_accepted
-        grow = num_drafts - len(self.proposed_by_position)
+        grow = depth - len(self.proposed_by_position)
         if grow > 0:
             self.proposed_by_position += [0] * grow
             self.accepted_by_position += [0] * grow
-        for i in range(num_drafts):
+        for i in range(depth):
             self.proposed_by_position[i] += 1
             self.accepted_by_position[i] += i < num_accepted
+
+
+def accept(
+    logits: Tensor, tree: DraftTree, q: Tensor | None, sequence: list[int], processor: LogitsProcessor,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int, Tensor | None]:
+    """Step 3 of the loop -> (accepted nodes root to leaf, the target's next token, p or None).
+
+    Every row of `logits` (1 + len(tree), V) is processed with its own history: the accepted
+    sequence and the drafts on the path to it (what keeps history-dependent processors exact).
+    """
+    if tree.is_chain:
+        draft_ids = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
+        history = sequence + tree.tokens
+        if processor.is_greedy:
+            n, token = greedy_accept(processor.scores(logits, history), draft_ids)
+            return list(range(n)), token, None
+        p = processor(logits, history)
+        n, token = speculative_accept(p, q, draft_ids, processor, generator)
+        return list(range(n)), token, p
+    if processor.needs_history:
+        scores = torch.cat([processor.scores(logits[row : row + 1], sequence + tree.path_to(row - 1))
+                            for row in range(len(logits))])
+    else:
+        scores = processor.scores(logits)
+    if processor.is_greedy:
+        path, token = greedy_accept_tree(scores, tree.tokens, tree.parents)
+        return path, token, None
+    p = scores.softmax(dim=-1)
+    path, token = speculative_accept_tree(p, tree.tokens, tree.parents, generator)
+    return path, token, p
 
 
 def speculative_loop(
@@ -87,37 +122,39 @@ def speculative_loop(
     proposed = accepted = 0
     finished = False
     while not finished:
-        # 1. Draft, leaving room in the length budget for the target's own token.
+        # 1. Draft (a chain, or a tree from an n-gram pool), leaving room for the target's own token.
         room = gen.max_new_tokens - len(generated) - 1
-        drafts, q = drafter.draft(sequence, min(draft_length.gamma, room))
+        tree, q = drafter.draft(sequence, min(draft_length.gamma, room))
 
-        # 2. Verify: one target pass over the last accepted token and the drafts.
-        logits = target.forward([sequence[-1]] + drafts, num_logits=len(drafts) + 1)
-
-        # 3. Accept a prefix of the drafts, then take one token from the target.
-        # Row i is processed with its own history: the accepted sequence and the drafts before it.
-        draft_ids = torch.tensor(drafts, dtype=torch.long, device=logits.device)
-        history = sequence + drafts
-        if logits_processor.is_greedy:
-            p = None
-            n, token = greedy_accept(logits_processor.scores(logits, history), draft_ids)
+        # 2. Verify: one target pass over the last accepted token and every drafted node.
+        if tree.is_chain:
+            logits = target.forward([sequence[-1]] + tree.tokens, num_logits=len(tree) + 1)
         else:
-            p = logits_processor(logits, history)
-            n, token = speculative_accept(p, q, draft_ids, logits_processor, generator)
+            logits = target.forward_tree(sequence[-1], tree.tokens, tree.parents)
 
-        # 4. Roll back the target: keep the accepted drafts, forget the rejected ones.
-        target.rollback(len(sequence) + n)
-        new_tokens, finished = gen.trim(drafts[:n] + [token], len(generated))
+        # 3. Accept a path of drafts, then take one token from the target.
+        path, token, p = accept(logits, tree, q, sequence, logits_processor, generator)
+        n = len(path)
+
+        # 4. Roll back the target: keep the accepted path, forget the rest.
+        if tree.is_chain:
+            target.rollback(len(sequence) + n)
+        else:
+            target.keep_path(len(sequence) - 1, path)  # the root is the last accepted token
+        accepted_tokens = [tree.tokens[node] for node in path]
+        new_tokens, finished = gen.trim(accepted_tokens + [token], len(generated))
         sequence += new_tokens
         generated += new_tokens
 
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
-        drafter.update(sequence, n, logits[: n + 1], None if p is None else p[: n + 1])
-        draft_length.update(len(drafts), n)
-        proposed, accepted = proposed + len(drafts), accepted + n
-        stats.record(len(drafts), n)
+        rows = [0] + [1 + node for node in path]  # the root and the accepted path
+        drafter.update(sequence, path, logits[rows], None if p is None else p[rows])
+        draft_length.update(len(tree), n)
+        proposed, accepted = proposed + len(tree), accepted + n
+        stats.record(len(tree), n, tree.depth())
         if on_step is not None:
-            on_step(Step(drafts=tuple(drafts), accepted=n, tokens=tuple(new_tokens)))
+            rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
+            on_step(Step(drafts=tuple(accepted_tokens + rejected), accepted=n, tokens=tuple(new_tokens)))
 
     stats.generated_tokens += len(generated)
     stats.target_forwards += target.forward_passes - target_passes

@@ -87,7 +87,7 @@ def test_top_k_filler_adds_the_targets_alternatives():
     drafter.start([1, 2])
     drafter.draft([1, 2], 0)
     logits = torch.tensor([[0.0, 0, 0, 5, 4, 3, 0, 0, 0, 0]])  # target's top 3 after (.., 2): 3, 4, 5
-    drafter.update([1, 2, 4], 0, logits, None)  # it generated 4
+    drafter.update([1, 2, 4], [], logits, None)  # it generated 4
     assert [2, 3] in pool and [2, 4] in pool and [2, 5] in pool
     assert pool.predict([2]).token == 4  # the generated token wins the tie: most recent
 

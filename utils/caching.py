@@ -149,30 +149,101 @@ class ModelRunner:
             kwargs = {"use_cache": False}
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = num_logits
-        num_drafts = len(ids) - 1
-        if shortcuts is None and self.costs is not None and num_drafts < cpu_passes.MAX_ROWS:
-            shortcuts = self.costs.shortcuts_for(num_drafts)
-        timed = self.costs is not None and extends_cache and num_drafts < cpu_passes.MAX_ROWS
         ids = torch.tensor([ids], device=self.device)
-        start = time.perf_counter()
-        with self._few_token_pass.using(shortcuts or Shortcuts()):
-            outputs = self._call(ids, kwargs)
-        if timed:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # kernels run asynchronously: wait before reading the clock
-            self.costs.observe(num_drafts, time.perf_counter() - start)
-        self.forward_passes += 1
+        outputs = self._timed_call(ids, kwargs, timed=extends_cache, shortcuts=shortcuts)
         assert self._cached_positions() == len(self.tokens), "cache out of step with the tokens"
         logits = outputs.logits[0, -num_logits:]
         return logits if logits.dtype == torch.float64 else logits.float()
 
+    def _timed_call(self, ids: Tensor, kwargs: dict, *, timed: bool, shortcuts: Shortcuts | None = None):
+        """`_call` with the CPU shortcuts measured fastest for this many new tokens (unless given),
+        timed into `costs` when `timed` (a pass after the prefill: what a step costs)."""
+        num_drafts = ids.shape[1] - 1
+        few = self.costs is not None and num_drafts < cpu_passes.MAX_ROWS
+        if shortcuts is None and few:
+            shortcuts = self.costs.shortcuts_for(num_drafts)
+        start = time.perf_counter()
+        with self._few_token_pass.using(shortcuts or Shortcuts()):
+            outputs = self._call(ids, kwargs)
+        if timed and few:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # kernels run asynchronously: wait before reading the clock
+            self.costs.observe(num_drafts, time.perf_counter() - start)
+        self.forward_passes += 1
+        return outputs
+
     def _call(self, ids: Tensor, kwargs: dict):
-        """One forward pass of the model over `ids` (1, new) with the prepared cache kwargs."""
+        """One forward pass of the model over `ids` (1, new) with the prepared kwargs."""
         if self.encoder_decoder:
             return self.model(encoder_outputs=self._encoder_outputs, decoder_input_ids=ids, **kwargs)
-        # One unpadded sequence: an all-ones mask over past + new positions (GPT-2 warns without).
-        mask = torch.ones(1, len(self.tokens), dtype=torch.long, device=self.device)
-        return self.model(input_ids=ids, attention_mask=mask, **kwargs)
+        if "attention_mask" not in kwargs:
+            # One unpadded sequence: an all-ones mask over past + new positions (GPT-2 warns without).
+            kwargs["attention_mask"] = torch.ones(1, len(self.tokens), dtype=torch.long, device=self.device)
+        return self.model(input_ids=ids, **kwargs)
+
+    @property
+    def supports_trees(self) -> bool:
+        """Whether `forward_tree` is exact for this model: a decoder-only model with a cache whose
+        attention takes a custom 4D mask (eager or SDPA) and whose layers share one mask (no mix of
+        sliding and full attention). Others verify chains (`forward`)."""
+        config = _decoder_config(self.model)
+        layer_types = set(getattr(config, "layer_types", None) or [])
+        return (self.use_cache and not self.encoder_decoder and len(layer_types) <= 1
+                and getattr(config, "_attn_implementation", None) in ("eager", "sdpa"))
+
+    def _sliding_window(self) -> int | None:
+        config = _decoder_config(self.model)
+        window = getattr(config, "sliding_window", None)
+        if not window or getattr(config, "use_sliding_window", True) is False:
+            return None
+        return int(window)
+
+    @torch.no_grad()
+    def forward_tree(self, root: int, tokens: list[int], parents: list[int]) -> Tensor:
+        """Append the accepted token `root` and a tree of drafts, all in one pass -> (1 + n, vocab).
+
+        Node i proposes tokens[i] after its parent (parents[i] < i; -1 is `root`). Each node attends
+        to the cached sequence, the root and its own ancestors (a float 4D mask; a sliding window is
+        folded in) at position len(self) + depth. Row 0 scores the token after the root, row 1 + i
+        the token after node i. Until `keep_path`, the cache holds every node, in order.
+        """
+        assert self.supports_trees and all(parent < node for node, parent in enumerate(parents))
+        past = len(self.tokens)
+        q = 1 + len(tokens)
+        index_parents = [-1] + [parent + 1 for parent in parents]  # in the block: the root is 0, node i is 1 + i
+        depth = [0] * q
+        allowed = torch.zeros(q, q, dtype=torch.bool)
+        for j in range(q):
+            if j:
+                depth[j] = depth[index_parents[j]] + 1
+                allowed[j] = allowed[index_parents[j]]
+            allowed[j, j] = True
+        positions = torch.tensor([past + d for d in depth])
+        visible = torch.cat([torch.ones(q, past, dtype=torch.bool), allowed], dim=1)
+        window = self._sliding_window()
+        if window is not None:  # key position > query position - window, as the model's own mask
+            key_positions = torch.cat([torch.arange(past), positions])
+            visible &= key_positions[None, :] > positions[:, None] - window
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(1, 1, q, past + q, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+        self.tokens += [root, *tokens]
+        kwargs = {self._cache_kwarg: self._cache, "use_cache": True, "attention_mask": mask.to(self.device),
+                  "position_ids": positions[None].to(self.device)}
+        outputs = self._timed_call(torch.tensor([[root, *tokens]], device=self.device), kwargs, timed=True)
+        assert self._cached_positions() == len(self.tokens), "cache out of step with the tree"
+        logits = outputs.logits[0]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def keep_path(self, root_index: int, path: list[int]) -> None:
+        """After `forward_tree`, keep the root (at `root_index`) and the accepted nodes `path`
+        (root to leaf), forget every other node: a gather along the cache's sequence axis."""
+        keep = list(range(root_index + 1)) + [root_index + 1 + node for node in path]
+        self.tokens = [self.tokens[i] for i in keep]
+        index = torch.tensor(keep, device=self.device)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        assert self._cached_positions() == len(self.tokens), "cache out of step after keeping a path"
 
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on (the rejected drafts)."""

@@ -91,6 +91,7 @@ class LogitsProcessor:
     """
 
     is_greedy = False
+    needs_history = False  # whether `scores` reads the history (then each row is its own call)
 
     def __init__(self, temperature: float = 1.0) -> None:
         self.temperature = _check_temperature(temperature)
@@ -213,6 +214,7 @@ class TransformersProcessor(LogitsProcessor):
         self.processors = LogitsProcessorList(processors)
         self.do_sample = do_sample
         self.is_greedy = not do_sample
+        self.needs_history = True
         self.temperature = 1.0
 
     @classmethod
