@@ -35,7 +35,16 @@ from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_anpd", "hf_assisted", "ours_sd"]
+METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_chain", "ours_anpd",
+           "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd"]
+# NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
+NASD = {
+    "ours_nasd": dict(ngram=lambda: MultiDynaGram(3)),
+    "ours_nasd_chain": dict(ngram=lambda: MultiDynaGram(3), branching=1),
+    "ours_anpd": dict(ngram=lambda: SimpleDynaGram(3), gamma=5, top_k_filler=1, stop_if_unknown=False),
+    "ours_chain_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=1),
+    "ours_tree3_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=3),
+}
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench_dev.jsonl"
 
 
@@ -113,11 +122,10 @@ class Runner:
             return self.hf(ids, seed, assistant_model=self.drafter)
         if method == "ours_ar":
             return autoregressive_generate(ids, self.target, **common), None
-        if method == "ours_nasd":
-            out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(3), self.target, stats=stats, **common)
-        elif method == "ours_anpd":
-            out, _ = ngram_assisted_speculative_generate(ids, SimpleDynaGram(3), self.target, gamma=5, top_k_filler=1,
-                                                         stop_if_unknown=False, stats=stats, **common)
+        if method in NASD:
+            settings = dict(NASD[method])
+            pool = settings.pop("ngram")()
+            out, _ = ngram_assisted_speculative_generate(ids, pool, self.target, stats=stats, **settings, **common)
         elif method == "ours_sd":
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           **common)
