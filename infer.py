@@ -93,6 +93,7 @@ HELP = """\
 /top_k_filler <k>          target top-k tokens added to the n-gram pool
 /set_ngram <simple|multi> <n>                   a new n-gram pool
 /stop_if_unknown           n-gram drafts stop at unknown grams on/off
+/branching <n|auto>        n-gram candidates per node (token trees; 1: chains; auto: where they pay)
 /reset_in_between          reset the n-gram pool before each prompt on/off
 Ctrl-C stops a generation."""
 
@@ -111,6 +112,7 @@ class Settings:
     ngram_kind: str = "multi"
     ngram_n: int = 6  # MultiDynaGram(6): the benchmarked setting
     stop_if_unknown: bool = True
+    branching: int | None = None  # NASD's candidates per node; None: the cost model decides
     reset_in_between: bool = False
     seed: int | None = None
 
@@ -120,6 +122,42 @@ class Settings:
             return generate_processor(self.processor_args[1])
         name, t, k, p = self.processor_args
         return PROCESSORS[name](t, k, p)
+
+
+def run_method(method: str, inputs: list[int], s: Settings, *, target, drafter, pool, end_tokens: list[int],
+               on_step) -> tuple[list[int], SpeculativeStats | None]:
+    """Run one of the console's methods with its settings -> (generated ids, stats or None)."""
+    generator = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+    common = dict(max_gen_len=s.max_gen_len, end_tokens_id=end_tokens, use_cache=s.use_cache)
+    sampling = dict(logits_processor=s.processor, generator=generator, on_step=on_step)
+    encoder_decoder = is_encoder_decoder(target)
+    if method in ("target", "drafter"):
+        fn = autoregressive_generate_encoder_decoder if encoder_decoder else autoregressive_generate
+        return fn(inputs, target if method == "target" else drafter, **common, **sampling), None
+    if method == "beam":
+        return beam_search_generate(inputs, target, **common, num_beams=4, top_k=3), None
+    stats = SpeculativeStats()
+    if method == "speculative":
+        fn = speculative_generate_encoder_decoder if encoder_decoder else speculative_generate
+        ids, _ = fn(inputs, drafter, target, gamma=s.gamma, stats=stats, **common, **sampling)
+    else:
+        fn = nasd_ed if encoder_decoder else ngram_assisted_speculative_generate
+        ids, _ = fn(inputs, pool, target, gamma=s.gamma, top_k_filler=s.top_k_filler, stop_if_unknown=s.stop_if_unknown,
+                    branching=s.branching, stats=stats, **common, **sampling)
+    return ids, stats
+
+
+def render_step(step: Step, tokenizer) -> Text:
+    """Debug view of one step: accepted drafts green, rejected drafts (the rest of the chain, or the
+    other branches of a tree) red and struck, the target's own token blue."""
+    text = Text()
+    for token in step.tokens[: step.accepted]:
+        text.append(tokenizer.decode([token]), style="green")
+    for token in step.drafts[step.accepted :]:
+        text.append(tokenizer.decode([token]), style="red strike")
+    if len(step.tokens) > step.accepted:
+        text.append(tokenizer.decode([step.tokens[-1]]), style="blue")
+    return text
 
 
 class ChatConsole:
@@ -182,6 +220,11 @@ class ChatConsole:
             self.say(f"{attribute}: {value}")
         elif name == "/processor":
             self.set_processor(args)
+        elif name == "/branching":
+            if len(args) != 1 or not (args[0] == "auto" or (args[0].isdigit() and int(args[0]) >= 1)):
+                return self.error("usage: /branching <n|auto>, n an integer >= 1 (1: chains)")
+            s.branching = None if args[0] == "auto" else int(args[0])
+            self.say(f"branching: {args[0]}")
         elif name == "/set_ngram":
             if len(args) != 2 or args[0] not in ("simple", "multi") or not args[1].isdigit() or int(args[1]) < 2:
                 return self.error("usage: /set_ngram <simple|multi> <n>, n an integer >= 2")
@@ -228,6 +271,7 @@ class ChatConsole:
             "processor": repr(s.processor), "chat": s.chat, "cache": s.use_cache, "debug": s.debug,
             "length": s.max_gen_len, "gamma": s.gamma, "n-gram pool": repr(self.pool),
             "top_k_filler": s.top_k_filler, "stop_if_unknown": s.stop_if_unknown,
+            "branching": "auto" if s.branching is None else s.branching,
             "reset_in_between": s.reset_in_between, "seed": s.seed, "turns in history": len(self.history) // 2,
         }
         for key, value in rows.items():
@@ -252,28 +296,10 @@ class ChatConsole:
         return self.tokenizer(user_text)["input_ids"]
 
     def generate(self, method: str, inputs: list[int], on_step) -> tuple[list[int], SpeculativeStats | None]:
-        s = self.settings
-        generator = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
-        common = dict(max_gen_len=s.max_gen_len, end_tokens_id=self.end_tokens, use_cache=s.use_cache)
-        sampling = dict(logits_processor=s.processor, generator=generator, on_step=on_step)
-        ed = self.encoder_decoder
-        if method in ("target", "drafter"):
-            model = self.target if method == "target" else self.drafter
-            fn = autoregressive_generate_encoder_decoder if ed else autoregressive_generate
-            return fn(inputs, model, **common, **sampling), None
-        if method == "beam":
-            return beam_search_generate(inputs, self.target, **common, num_beams=4, top_k=3), None
-        stats = SpeculativeStats()
-        if method == "speculative":
-            fn = speculative_generate_encoder_decoder if ed else speculative_generate
-            ids, _ = fn(inputs, self.drafter, self.target, gamma=s.gamma, stats=stats, **common, **sampling)
-        else:
-            if s.reset_in_between:
-                self.pool.reset()
-            fn = nasd_ed if ed else ngram_assisted_speculative_generate
-            ids, _ = fn(inputs, self.pool, self.target, gamma=s.gamma, top_k_filler=s.top_k_filler,
-                        stop_if_unknown=s.stop_if_unknown, stats=stats, **common, **sampling)
-        return ids, stats
+        if method == "ngram" and self.settings.reset_in_between:
+            self.pool.reset()
+        return run_method(method, inputs, self.settings, target=self.target, drafter=self.drafter, pool=self.pool,
+                          end_tokens=self.end_tokens, on_step=on_step)
 
     def streamer(self, method: str):
         """An on_step callback that prints the new text (coloured by origin in debug mode)."""
@@ -282,14 +308,7 @@ class ChatConsole:
 
         def on_step(step: Step) -> None:
             if self.settings.debug and method in ("speculative", "ngram"):
-                text = Text()
-                for token in step.tokens[: step.accepted]:
-                    text.append(self.tokenizer.decode([token]), style="green")
-                for token in step.drafts[step.accepted :]:
-                    text.append(self.tokenizer.decode([token]), style="red strike")
-                if len(step.tokens) > step.accepted:
-                    text.append(self.tokenizer.decode([step.tokens[-1]]), style="blue")
-                self.console.print(text, end="")
+                self.console.print(render_step(step, self.tokenizer), end="")
                 return
             generated.extend(step.tokens)
             text = self.tokenizer.decode(generated, skip_special_tokens=True)

@@ -9,7 +9,6 @@ from transformers import PreTrainedModel
 
 from sampling.common import prepare
 from utils.caching import BeamRunner, is_encoder_decoder
-from utils.cost_model import pass_costs
 from utils.logits_processors import GreedyProcessor
 from utils.validation import check_int
 
@@ -54,7 +53,8 @@ def beam_search_generate(
         logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
     )
     max_len = gen.max_new_tokens
-    runner = BeamRunner(model, use_cache=use_cache, costs=pass_costs(model))  # CPU shortcuts measured here
+    runner = BeamRunner(model, use_cache=use_cache)
+    runner.costs = gen.runner.costs  # the CPU shortcuts measured fastest here
 
     def best_possible(score: float, length: int) -> float:
         # Log-probabilities only decrease a sum (<= 0); the penalty may still favour either end.

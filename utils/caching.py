@@ -158,7 +158,7 @@ class ModelRunner:
     def _timed_call(self, ids: Tensor, kwargs: dict, *, timed: bool, shortcuts: Shortcuts | None = None):
         """`_call` with the CPU shortcuts measured fastest for this many new tokens (unless given),
         timed into `costs` when `timed` (a pass after the prefill: what a step costs)."""
-        num_drafts = ids.shape[1] - 1
+        num_drafts = ids.numel() - 1  # rows through the linears: new tokens (of every beam) less one
         few = self.costs is not None and num_drafts < cpu_passes.MAX_ROWS
         if shortcuts is None and few:
             shortcuts = self.costs.shortcuts_for(num_drafts)
@@ -236,14 +236,17 @@ class ModelRunner:
 
     def keep_path(self, root_index: int, path: list[int]) -> None:
         """After `forward_tree`, keep the root (at `root_index`) and the accepted nodes `path`
-        (root to leaf), forget every other node: a gather along the cache's sequence axis."""
-        keep = list(range(root_index + 1)) + [root_index + 1 + node for node in path]
-        self.tokens = [self.tokens[i] for i in keep]
-        index = torch.tensor(keep, device=self.device)
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-        assert self._cached_positions() == len(self.tokens), "cache out of step after keeping a path"
+        (root to leaf), forget every other node: the path's keys and values are copied into the
+        positions right after the root (only those few rows move), then the rest is cropped."""
+        start = root_index + 1
+        source = [start + node for node in path]
+        if source != list(range(start, start + len(path))):
+            index = torch.tensor(source, device=self.device)
+            for layer in self._cache.layers:
+                layer.keys[..., start : start + len(path), :] = layer.keys.index_select(-2, index)
+                layer.values[..., start : start + len(path), :] = layer.values.index_select(-2, index)
+        self.tokens[start : start + len(path)] = [self.tokens[i] for i in source]
+        self.rollback(start + len(path))
 
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on (the rejected drafts)."""
@@ -260,42 +263,35 @@ class ModelRunner:
         assert self._cached_positions() == len(self.tokens), "cache out of step after rollback"
 
 
-class BeamRunner:
-    """A batch of equally long sequences (beams) over one decoder-only model and one cache.
+class BeamRunner(ModelRunner):
+    """A `ModelRunner` over a batch of equally long sequences (beams) of a decoder-only model.
 
     Invariant: `sequences` is (beams, length) and the cache holds `length` positions of each beam.
     """
 
-    def __init__(self, model: PreTrainedModel, *, use_cache: bool = True, costs: PassCosts | None = None) -> None:
-        self._runner = ModelRunner(model, use_cache=use_cache)  # reuses its cache handling
-        self.model = model
-        self.costs = costs  # which CPU shortcuts a pass over a few beams uses (none without)
-        self.sequences = torch.empty(1, 0, dtype=torch.long, device=self._runner.device)
+    def __init__(self, model: PreTrainedModel, *, use_cache: bool = True) -> None:
+        super().__init__(model, use_cache=use_cache)
+        self.sequences = torch.empty(1, 0, dtype=torch.long, device=self.device)
 
-    @torch.no_grad()
     def start(self, prefix: list[int]) -> Tensor:
         """Prefill one beam with `prefix` -> the logits of its next token, (1, vocab)."""
-        self.sequences = torch.tensor([prefix], device=self._runner.device)
-        return self._runner.forward(prefix)
+        self.sequences = torch.tensor([prefix], device=self.device)
+        return self.forward(prefix)
 
     @torch.no_grad()
     def step(self, beam_idx: Tensor, tokens: Tensor) -> Tensor:
         """Beam i continues beam `beam_idx[i]` with `tokens[i]` -> next-token logits (beams, vocab)."""
-        runner = self._runner
         self.sequences = torch.cat([self.sequences[beam_idx], tokens[:, None]], dim=1)
-        kwargs = {"use_cache": runner.use_cache}
-        if runner.use_cache:
-            runner._cache.reorder_cache(beam_idx)
-            kwargs[runner._cache_kwarg] = runner._cache
+        self.tokens = self.sequences[0].tolist()  # beam 0 stands for the length the cache holds
+        kwargs = {"use_cache": self.use_cache, "attention_mask": torch.ones_like(self.sequences)}
+        if self.use_cache:
+            self._cache.reorder_cache(beam_idx)
+            kwargs[self._cache_kwarg] = self._cache
             ids = tokens[:, None]
         else:
             ids = self.sequences
-        if runner._logits_to_keep:
+        if self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        mask = torch.ones_like(self.sequences)
-        few_rows = ids.numel() <= cpu_passes.MAX_ROWS  # a few beams: the CPU shortcuts measured for as many rows
-        choice = self.costs.shortcuts_for(ids.numel() - 1) if few_rows and self.costs is not None else Shortcuts()
-        with runner._few_token_pass.using(choice):
-            logits = self.model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -1]
-        runner.forward_passes += 1
+        logits = self._timed_call(ids, kwargs, timed=False).logits[:, -1]  # a few beams: the measured shortcuts
+        assert self._cached_positions() == len(self.tokens), "cache out of step with the beams"
         return logits if logits.dtype == torch.float64 else logits.float()
