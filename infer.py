@@ -110,7 +110,7 @@ class Settings:
     processor_args: tuple = ("greedy", 1.0, 50, 0.9)
     top_k_filler: int = 3
     ngram_kind: str = "multi"
-    ngram_n: int = 6  # MultiDynaGram(6): the benchmarked setting
+    ngram_n: int = 3  # MultiDynaGram(3): the benchmarked setting
     stop_if_unknown: bool = True
     branching: int | None = None  # NASD's candidates per node; None: the cost model decides
     reset_in_between: bool = False
