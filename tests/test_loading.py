@@ -4,6 +4,8 @@ dispatched by accelerate (offloaded to disk, in part or whole)."""
 import importlib.util
 
 import pytest
+import transformers
+from accelerate import disk_offload
 
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate, beam_search_generate, speculative_generate
@@ -78,13 +80,16 @@ def test_a_4bit_model_this_cpu_cannot_run_is_refused_clearly(folder):
 def test_models_offloaded_to_disk_give_the_same_tokens(folder, tmp_path, where):
     """accelerate's dispatch: part of the layers (or all: `model.device` is then `meta`) on disk."""
     plain, tokenizer = load_model(str(folder))
-    if where == "all":
-        device_map = {"": "disk"}
+    if where == "all" and int(transformers.__version__.split(".")[0]) < 5:
+        # 4.57's loader cannot place a whole model on disk (a SafetensorError): accelerate can.
+        offloaded, _ = load_model(str(folder))
+        disk_offload(offloaded, offload_dir=str(tmp_path), execution_device="cpu")
     else:
-        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
-                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
-    offloaded, _ = load_model(str(folder), device_map=device_map, offload_folder=tmp_path)
-    assert set(offloaded.hf_device_map.values()) >= {"disk"}
+        device_map = {"": "disk"} if where == "all" else {
+            "model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu",
+            "model.rotary_emb": "cpu", "lm_head": "disk"}
+        offloaded, _ = load_model(str(folder), device_map=device_map, offload_folder=tmp_path)
+    assert (offloaded.device.type == "meta") == (where == "all")  # all on disk: no data on any device
     inputs = tokenizer("w5 w6 w7 w5 w6 w7 w5")["input_ids"]
     common = dict(max_gen_len=10)
     assert autoregressive_generate(inputs, offloaded, **common) == autoregressive_generate(inputs, plain, **common)
