@@ -106,7 +106,7 @@ class ModelDrafter:
     def start(self, sequence: list[int]) -> None:
         self.runner.rollback(0)
 
-    def _distribution(self, logits: Tensor, history: list[int]) -> Tensor:
+    def _distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
         """Drafter logits (V_d,) after `history` -> q (V,) in the target's vocabulary, processed as
         the target's p is. Columns the target lacks (padding rows) are dropped; columns the drafter
         lacks get q = 0: still a valid proposal."""
@@ -124,7 +124,8 @@ class ModelDrafter:
         logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens
         drafts, qs = [], []
         for i in range(max_drafts):
-            q = self._distribution(logits[-1], sequence + drafts)  # its history: accepted tokens and its drafts
+            history = sequence + drafts if self.processor.needs_history else None  # accepted tokens, its drafts
+            q = self._distribution(logits[-1], history)
             token = int(self.processor.sample(q, self.generator))
             drafts.append(token)
             qs.append(q)

@@ -76,7 +76,7 @@ def accept(
     """
     if tree.is_chain:
         draft_ids = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
-        history = sequence + tree.tokens
+        history = sequence + tree.tokens if processor.needs_history else None  # no copy when unused
         if processor.is_greedy:
             n, token = greedy_accept(processor.scores(logits, history), draft_ids)
             return list(range(n)), token, None
