@@ -76,13 +76,14 @@ def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
     return len(generated) / cost
 
 
-def replay(traces_path: Path, pool: str, n: int, gamma: int, top_k_filler: int, stop_if_unknown: bool) -> dict:
+def replay(traces_path: Path, pool: str, n: int, gamma: int, top_k_filler: int, stop_if_unknown: bool,
+           branching: int = 1) -> dict:
     traces = json.loads(traces_path.read_text())
     by_task: dict[str, list[float]] = defaultdict(list)
     for trace in traces:
         ngram = (MultiDynaGram if pool == "multi" else SimpleDynaGram)(n)
         drafter = NgramDrafter(ngram, vocab_size=trace["vocab"], top_k_filler=top_k_filler,
-                               stop_if_unknown=stop_if_unknown)
+                               stop_if_unknown=stop_if_unknown, branching=branching)
         by_task[trace["task"]].append(replay_one(trace, drafter, gamma))
     speedups = {task: statistics.fmean(values) for task, values in by_task.items()}
     overall = math.exp(statistics.fmean(math.log(v) for v in speedups.values()))
@@ -106,11 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("--gamma", type=int, default=8)
     rep.add_argument("--top-k-filler", type=int, default=3)
     rep.add_argument("--no-stop-if-unknown", action="store_true")
+    rep.add_argument("--branching", type=int, default=1, help="candidates per node (token trees)")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.data, args.per_category, args.max_new_tokens, args.out, args.model)
     else:
-        replay(args.traces, args.pool, args.n, args.gamma, args.top_k_filler, not args.no_stop_if_unknown)
+        replay(args.traces, args.pool, args.n, args.gamma, args.top_k_filler, not args.no_stop_if_unknown,
+               args.branching)
 
 
 if __name__ == "__main__":

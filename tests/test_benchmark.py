@@ -91,6 +91,7 @@ def test_nasd_replay_estimates_a_speedup_on_copied_text():
     text = [5, 6, 7, 8, 9] * 4  # the answer copies the prompt: drafts are accepted
     trace = {"task": "rag", "prompt": text, "generated": text, "top3": [[t, 3, 4] for t in text], "vocab": 96}
     assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), gamma=8) > 1.5
+    assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96, branching=2), gamma=8) > 1.5  # trees
     novel = list(range(10, 30))  # nothing to copy: no draft, exactly the cost of plain decoding
     trace = {"task": "qa", "prompt": list(range(40, 60)), "generated": novel, "top3": [[t, 3, 4] for t in novel], "vocab": 96}
     assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), gamma=8) == 1.0
