@@ -116,15 +116,10 @@ def test_draft_length_pays_for_itself():
     assert best_draft_length([0.9] * 8, lambda k: cost_model._interpolate(expensive, k)) == 8
 
 
-def timed_costs(one_token_seconds: float, relative: dict[int, float]) -> PassCosts:
-    costs = PassCosts(relative=relative, one_token_seconds=one_token_seconds)
-    return costs
-
-
 def test_a_model_drafter_that_cannot_pay_stops_drafting_and_probes_later():
-    target = timed_costs(1.0, {0: 1.0, 1: 1.1, 16: 2.0, 32: 3.0})
-    as_slow = CostAwareDraftLength(8, target, timed_costs(1.0, {0: 1.0, 1: 1.1, 32: 3.0}))
-    cheap = CostAwareDraftLength(8, target, timed_costs(0.05, {0: 1.0, 1: 1.1, 32: 3.0}))
+    target = PassCosts(one_token_seconds=1.0, relative={0: 1.0, 1: 1.1, 16: 2.0, 32: 3.0})
+    as_slow = CostAwareDraftLength(8, target, PassCosts(one_token_seconds=1.0, relative={0: 1.0, 1: 1.1, 32: 3.0}))
+    cheap = CostAwareDraftLength(8, target, PassCosts(one_token_seconds=0.05, relative={0: 1.0, 1: 1.1, 32: 3.0}))
     for policy in (as_slow, cheap):
         for _ in range(20):
             policy.update(4, 2)  # alpha ~ 2/3

@@ -76,6 +76,12 @@ def input_device(model: PreTrainedModel) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously) before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @functools.cache
 def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
@@ -166,8 +172,7 @@ class ModelRunner:
         with self._few_token_pass.using(shortcuts or Shortcuts()):
             outputs = self._call(ids, kwargs)
         if timed and few:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # kernels run asynchronously: wait before reading the clock
+            synchronize(self.device)
             self.costs.observe(num_drafts, time.perf_counter() - start)
         self.forward_passes += 1
         return outputs

@@ -143,14 +143,9 @@ def prior_costs() -> PassCosts:
 # Calibration -----------------------------------------------------------------------------------
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_passes(model: PreTrainedModel, choices: list[Shortcuts], repeats: int) -> dict[tuple[int, Shortcuts], list[float]]:
     """Seconds of each (k, shortcuts) pass, `repeats` times each, interleaved."""
-    from utils.caching import ModelRunner, context_length, is_encoder_decoder, vocab_size
+    from utils.caching import ModelRunner, context_length, is_encoder_decoder, synchronize, vocab_size
 
     limit = context_length(model)
     context = CONTEXT if limit is None else max(1, min(CONTEXT, limit - max(DRAFT_SIZES) - 2))
@@ -165,10 +160,10 @@ def time_passes(model: PreTrainedModel, choices: list[Shortcuts], repeats: int) 
     plan = [(k, choice) for k in (0, *DRAFT_SIZES) for choice in choices]
     for _ in range(repeats + 1):  # the first round warms every shape up and is not kept
         for k, choice in plan:
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             runner.forward(tokens[context : context + k + 1], num_logits=k + 1, shortcuts=choice)
-            _synchronize(device)
+            synchronize(device)
             times.setdefault((k, choice), []).append(time.perf_counter() - start)
             runner.rollback(context)
     return {key: values[1:] for key, values in times.items()}
