@@ -5,7 +5,7 @@
 
 `record` decodes held-out Spec-Bench prompts (taken from the end of the file, so that they differ
 from the benchmark's, which come from the start) greedily and stores each output with the target's
-top-3 tokens at every position. `replay` runs the real `NgramDrafter` against those traces: in
+top-3 tokens and their probabilities at every position. `replay` runs the real `NgramDrafter` against those traces: in
 greedy mode a draft is accepted iff it equals the recorded token, so the replay is exact, and its
 speedup estimate is tokens / sum(cost of each verification pass) under the CPU cost table. It
 ignores Python overhead and noise: use it to compare policies, then confirm with spec_bench.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.spec_bench import DEFAULT_DATA, TASKS, encode, task_of
+from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from ngram_assisted.drafter import NgramDrafter
 from utils.cost_model import prior_cost
@@ -34,26 +34,35 @@ def record(data: Path, per_category: int, max_new_tokens: int, out: Path, model_
 
     model, tokenizer = load_model(model_name)
     end = end_token_ids(model, tokenizer)
-    by_task: dict[str, list[str]] = defaultdict(list)
-    for line in reversed(data.read_text().splitlines()):
-        if line.strip():
-            item = json.loads(line)
-            by_task[task_of(item["category"])].append(item["turns"][0])
     traces = []
-    for task in TASKS:
-        for text in by_task[task][:per_category]:
-            prompt = encode(tokenizer, text)
-            generated = autoregressive_generate(prompt, model, max_gen_len=max_new_tokens, end_tokens_id=end)
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
-            traces.append({"task": task, "prompt": prompt, "generated": generated,
-                           "top3": logits.topk(3, dim=-1).indices.tolist(), "vocab": logits.shape[-1]})
+    for task, text in load_prompts(data, per_category, held_out=True):
+        prompt = encode(tokenizer, text)
+        generated = autoregressive_generate(prompt, model, max_gen_len=max_new_tokens, end_tokens_id=end)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+        top3 = logits.float().softmax(dim=-1).topk(3, dim=-1)
+        traces.append({"task": task, "prompt": prompt, "generated": generated, "top3": top3.indices.tolist(),
+                       "top3_p": top3.values.tolist(), "vocab": logits.shape[-1]})
     out.write_text(json.dumps(traces))
+
+
+def stand_in_logits(trace: dict, position: int, path: list[int], num_nodes: int) -> torch.Tensor:
+    """The verification pass's logits as far as the trace knows them: on the accepted path, the
+    recorded top-3 probabilities (the rest of the mass spread evenly); off the path, where the trace
+    has no scores, -inf everywhere (a row the drafter cannot learn from)."""
+    rows = torch.full((1 + num_nodes, trace["vocab"]), -torch.inf)
+    for row, node in enumerate([-1, *path]):
+        tokens = trace["top3"][position + row]
+        probabilities = torch.tensor(trace.get("top3_p", [[0.5, 0.3, 0.1]] * len(trace["top3"]))[position + row])
+        rest = (1 - probabilities.sum()).clamp(min=1e-6) / (trace["vocab"] - 3)
+        rows[1 + node] = rest.log()
+        rows[1 + node, tokens] = probabilities.log()
+    return rows
 
 
 def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
     """Estimated speedup of NASD over plain decoding on one recorded greedy trace."""
-    sequence, generated, top3 = list(trace["prompt"]), trace["generated"], trace["top3"]
+    sequence, generated = list(trace["prompt"]), trace["generated"]
     drafter.start(sequence)
     position, cost = 0, 0.0
     while position < len(generated):
@@ -67,10 +76,7 @@ def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
             path.append(node)
         n = len(path)
         sequence += generated[position : position + n + 1]
-        rows = torch.zeros(n + 1, trace["vocab"])  # stand-in logits with the recorded top-3 order
-        for i, tokens in enumerate(top3[position : position + n + 1]):
-            rows[i, tokens] = torch.tensor([3.0, 2.0, 1.0])
-        drafter.update(sequence, path, rows, None)
+        drafter.update(sequence, path, stand_in_logits(trace, position, path, len(tree)), None)
         cost += prior_cost(len(tree))
         position += n + 1
     return len(generated) / cost

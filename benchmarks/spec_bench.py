@@ -52,10 +52,12 @@ def task_of(category: str) -> str:
     return "multi-turn conversation" if category in MT_BENCH else category
 
 
-def load_prompts(path: Path, per_category: int) -> list[tuple[str, str]]:
-    """(task, first turn) pairs, at most `per_category` per task, in file order."""
+def load_prompts(path: Path, per_category: int, *, held_out: bool = False) -> list[tuple[str, str]]:
+    """(task, first turn) pairs, at most `per_category` per task, in file order; `held_out`: from
+    the end of the file (prompts the benchmark, which reads from the start, never uses)."""
     chosen: dict[str, list[str]] = defaultdict(list)
-    for line in path.read_text().splitlines():
+    lines = path.read_text().splitlines()
+    for line in reversed(lines) if held_out else lines:
         if line.strip():
             record = json.loads(line)
             task = task_of(record["category"])

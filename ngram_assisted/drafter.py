@@ -18,16 +18,22 @@ MATCH_LENGTH_PRIOR = (0.25, 0.5, 0.7, 0.85)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed drafts
 RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of the first's prior
 AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
+CONFIDENCE_BUCKETS = (0.1, 0.3, 0.6, 0.9)  # the target's last probability of a proposal, bucketed
 
-Kind = tuple[int, int, bool, int]  # (match length, count, majority continuation, rank among siblings)
+# (match length, count, majority continuation, rank among siblings, confidence bucket or -1)
+Kind = tuple[int, int, bool, int, int]
 
 
 class AcceptanceModel:
     """Online estimate of P(a draft is accepted | the drafts before it were), per kind of proposal.
 
-    A proposal's kind is (match length, count, whether it is the majority continuation, its rank
-    among the candidates of its context), each capped. Each kind starts from a prior set by its match length (`MATCH_LENGTH_PRIOR`, worth
-    `PRIOR_WEIGHT` drafts) and moves to the acceptance rate actually observed. On top of that, a
+    A proposal the target has scored (a token of its top-k there) is judged by the probability the
+    target gave it the last time it saw that context: its kind is (match length, whether it is a
+    runner-up, the bucket of that probability), starting from the bucket's middle. A proposal only
+    seen in text (the prompt) is judged by (match length, count, whether it is the majority
+    continuation, its rank among its context's candidates), starting from a prior set by its
+    match length (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each kind moves to
+    the acceptance rate actually observed. On top of that, a
     calibration factor (accepted / predicted over all judged drafts so far) scales every estimate,
     so that text where the pool is less reliable than usual stops the drafting after a few misses.
     """
@@ -41,11 +47,18 @@ class AcceptanceModel:
 
     @staticmethod
     def kind(prediction: Prediction, rank: int = 0) -> Kind:
-        return (min(prediction.match_length, 8), min(prediction.count, 4), 2 * prediction.count > prediction.total,
-                min(rank, 2))
+        p = prediction.probability
+        match_length = min(prediction.match_length, 8)
+        if p is None:  # only seen in text: count and majority speak for it
+            return match_length, min(prediction.count, 4), 2 * prediction.count > prediction.total, min(rank, 2), -1
+        return match_length, 0, False, min(rank, 1), sum(p >= edge for edge in CONFIDENCE_BUCKETS)
 
     def _prior(self, kind: Kind) -> list[float]:
-        a = self.prior[min(kind[0], len(self.prior)) - 1] * (RUNNER_UP_PRIOR if kind[3] else 1.0)
+        if kind[4] >= 0:  # the target's own probability, the middle of its bucket
+            edges = (0.0, *CONFIDENCE_BUCKETS, 1.0)
+            a = (edges[kind[4]] + edges[kind[4] + 1]) / 2
+        else:
+            a = self.prior[min(kind[0], len(self.prior)) - 1] * (RUNNER_UP_PRIOR if kind[3] else 1.0)
         return [a * self.weight, (1 - a) * self.weight]
 
     def estimate(self, kind: Kind) -> float:
@@ -72,7 +85,9 @@ class NgramDrafter:
     that maximises expected accepted tokens per unit of target cost (`draft_cost`); with
     branching=1 that is a chain stopping at the first unknown n-gram. stop_if_unknown=False: every
     known continuation is drafted, up to gamma nodes (ANPD's behaviour, widened). A miss always
-    ends a branch: the pool never invents a token.
+    ends a branch: the pool never invents a token. After each step the pool learns the accepted
+    tokens and the target's top-k (with probabilities) after every verified node, rejected ones
+    included (token recycling).
     """
 
     forward_passes = 0  # an n-gram pool runs no model
@@ -135,30 +150,42 @@ class NgramDrafter:
         return self._tree, None
 
     def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
+        tree = self._tree
         # Learn how often each kind of proposal is accepted. Judged: the candidates at the root and
         # at every accepted node (the nodes below a rejection were never reached). Greedy: whether
         # it was the target's argmax. Sampling: its chance p(x) of being the emitted token, known
         # now (the multi-candidate rule emits x with probability p(x)): the same mean, less noise.
-        row_of = {-1: 0, **{node: i + 1 for i, node in enumerate(path)}}  # parent -> its row in target_logits
-        judged_nodes = [node for node, parent in enumerate(self._tree.parents) if parent in row_of]
+        reached = {-1, *path}
+        judged_nodes = [node for node, parent in enumerate(tree.parents) if parent in reached]
         if p is not None and judged_nodes:
-            rows = torch.tensor([row_of[self._tree.parents[node]] for node in judged_nodes], device=p.device)
-            tokens = torch.tensor([self._tree.tokens[node] for node in judged_nodes], device=p.device)
+            rows = torch.tensor([1 + tree.parents[node] for node in judged_nodes], device=p.device)
+            tokens = torch.tensor([tree.tokens[node] for node in judged_nodes], device=p.device)
             chances = p[rows, tokens].tolist()
         else:
             chances = [float(node in path) for node in judged_nodes]
         for node, chance in zip(judged_nodes, chances, strict=True):
             kind, estimate = self._judged[node]
             self.acceptance.record(kind, chance, estimate)
-        # The target's top-k at each verified position go in first, so that on equal counts the
-        # token that was really generated (added last, most recent) stays the proposal.
+        # Token recycling (Luo et al. 2024): the target's top-k after every verified position, on the
+        # accepted path and off it, go in the pool with their probabilities. They go in before the
+        # accepted tokens, so that on equal counts the token really generated (added last, most
+        # recent) stays the proposal; that one only gets its probability here.
         longest = self.pool.n - 1
-        positions = min(len(target_logits), len(sequence) - self._base)
-        top_k = target_logits[:positions].topk(self.top_k_filler, dim=-1).indices.tolist()
-        for i, candidates in enumerate(top_k):
-            end = self._base + i
-            context = sequence[max(0, end - longest) : end]
-            for token in candidates:
-                if token != sequence[end]:
-                    self.pool.add(context, token)
+        probabilities = p if p is not None else target_logits.float().softmax(dim=-1)
+        # A row scored nowhere (all -inf, as off the path in the offline replay) teaches nothing.
+        top = probabilities.nan_to_num(0.0).topk(self.top_k_filler, dim=-1)
+        top_k = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        prefix = sequence[max(0, self._base - longest) : self._base]
+        for row, node in enumerate([-1, *path]):
+            end = self._base + row
+            if end < len(sequence):
+                self._recycle(sequence[max(0, end - longest) : end], top_k[1 + node], generated=sequence[end])
+        for node in range(len(tree)):
+            if node not in reached:
+                self._recycle((prefix + tree.path_to(node))[-longest:], top_k[1 + node], generated=None)
         self.pool.learn(sequence)  # the accepted tokens and the target's own
+
+    def _recycle(self, context: list[int], top_k: tuple[list[int], list[float]], generated: int | None) -> None:
+        for token, probability in zip(*top_k, strict=True):
+            if probability > 0:  # zero: outside the processor's nucleus or top-k
+                self.pool.add(context, token, count=int(token != generated), probability=probability)

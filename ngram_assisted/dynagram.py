@@ -1,7 +1,8 @@
 """Dynagrams: pools of n-grams that learn from the prompt and from the target model while it decodes.
 
-A pool maps a context (the last i - 1 tokens) to the tokens seen after it, with counts. Its
-proposal for a context is the most frequent continuation (ties: the most recent). A context never
+A pool maps a context (the last i - 1 tokens) to the tokens seen after it, with counts and, where
+the target scored that context, the probability it gave each token. Its proposal for a context is
+the most frequent continuation (ties: the most recent). A context never
 seen is a miss: the pool never invents a token. Memory is bounded: at most `max_contexts` contexts
 (least recently used evicted first) and `max_continuations` continuations per context; every
 lookup and update costs O(1) per token.
@@ -23,6 +24,7 @@ class Prediction:
     count: int
     total: int
     match_length: int
+    probability: float | None = None  # the target's probability of `token` when it last scored this context
 
 
 class DynaGram:
@@ -45,8 +47,9 @@ class DynaGram:
 
     def reset(self) -> None:
         """Forget every n-gram (and the vocabulary the pool was bound to)."""
-        # context -> {token: [count, last time seen]}; the OrderedDict order is recency (LRU).
-        self._table: OrderedDict[tuple[int, ...], dict[int, list[int]]] = OrderedDict()
+        # context -> {token: [count, last time seen, target's probability or None]}; the
+        # OrderedDict order is recency (LRU).
+        self._table: OrderedDict[tuple[int, ...], dict[int, list]] = OrderedDict()
         self._clock = 0
         self._learned: tuple[list[int], int] | None = None  # (sequence learned last, its length then)
         self.vocab_size = None
@@ -64,14 +67,15 @@ class DynaGram:
                 f"cannot be used with a model of {vocab_size}: call reset() or use a new pool"
             )
 
-    def add(self, context: Sequence[int], token: int, count: int = 1) -> None:
-        """Record that `token` followed `context` (any length; only its last tokens are used)."""
+    def add(self, context: Sequence[int], token: int, count: int = 1, probability: float | None = None) -> None:
+        """Record that `token` followed `context` (any length; only its last tokens are used) `count`
+        times; `probability`: the target's probability of it there (kept until the next one)."""
         self._clock += 1
         for length in self.context_lengths:
             if len(context) >= length:
-                self._observe(tuple(context[len(context) - length :]), token, count)
+                self._observe(tuple(context[len(context) - length :]), token, count, probability)
 
-    def _observe(self, key: tuple[int, ...], token: int, count: int) -> None:
+    def _observe(self, key: tuple[int, ...], token: int, count: int, probability: float | None) -> None:
         continuations = self._table.get(key)
         if continuations is None:
             continuations = self._table[key] = {}
@@ -82,12 +86,14 @@ class DynaGram:
         entry = continuations.get(token)
         if entry is None:
             if len(continuations) >= self.max_continuations:
-                weakest = min(continuations, key=lambda t: continuations[t])
+                weakest = min(continuations, key=lambda t: continuations[t][:2])
                 del continuations[weakest]
-            continuations[token] = [count, self._clock]
+            continuations[token] = [count, self._clock, probability]
         else:
             entry[0] += count
             entry[1] = self._clock
+            if probability is not None:
+                entry[2] = probability
 
     def fill(self, tokens: Sequence[int], start: int = 0) -> None:
         """Add every n-gram of `tokens` whose next token is at index >= `start`."""
@@ -122,9 +128,9 @@ class DynaGram:
                 continue
             continuations = self._table.get(tuple(history[len(history) - length :]))
             if continuations:
-                token = max(continuations, key=lambda t: continuations[t])  # count, then recency
+                token = max(continuations, key=lambda t: continuations[t][:2])  # count, then recency
                 total = sum(entry[0] for entry in continuations.values())
-                return Prediction(token, continuations[token][0], total, length)
+                return Prediction(token, *continuations[token][:1], total, length, continuations[token][2])
         return None
 
     def candidates(self, history: Sequence[int], limit: int) -> list[Prediction]:
@@ -139,9 +145,10 @@ class DynaGram:
             if not continuations:
                 continue
             total = sum(entry[0] for entry in continuations.values())
-            ranked = sorted(continuations, key=lambda t: continuations[t], reverse=True)
+            ranked = sorted(continuations, key=lambda t: continuations[t][:2], reverse=True)
             seen = {prediction.token for prediction in found}
-            found += [Prediction(t, continuations[t][0], total, length) for t in ranked if t not in seen]
+            found += [Prediction(t, continuations[t][0], total, length, continuations[t][2])
+                      for t in ranked if t not in seen]
         return found[:limit]
 
     def __contains__(self, gram: Sequence[int]) -> bool:

@@ -71,8 +71,9 @@ class Drafter(Protocol):
 
     def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
         """The target accepted the nodes `path` (root to leaf) of the last tree; `sequence` now ends
-        with their tokens and the target's own. `target_logits`: (len(path) + 1, V), the target's
-        scores at the root and along the path; `p`: the same rows processed (None when greedy)."""
+        with their tokens and the target's own. `target_logits`: (1 + len(tree), V), the target's
+        scores at the root (row 0) and after every node i (row 1 + i), accepted or not; `p`: the
+        same rows processed (None when greedy)."""
 
 
 class ModelDrafter:

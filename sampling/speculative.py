@@ -147,8 +147,7 @@ def speculative_loop(
         generated += new_tokens
 
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
-        rows = [0] + [1 + node for node in path]  # the root and the accepted path
-        drafter.update(sequence, path, logits[rows], None if p is None else p[rows])
+        drafter.update(sequence, path, logits, p)
         draft_length.update(len(tree), n)
         proposed, accepted = proposed + len(tree), accepted + n
         stats.record(len(tree), n, tree.depth())

@@ -8,7 +8,8 @@ from ngram_assisted import (
     ngram_assisted_speculative_generate,
     ngram_assisted_speculative_generate_encoder_decoder,
 )
-from ngram_assisted.drafter import NgramDrafter
+from ngram_assisted.drafter import MATCH_LENGTH_PRIOR, AcceptanceModel, NgramDrafter
+from ngram_assisted.dynagram import Prediction
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
@@ -87,9 +88,36 @@ def test_top_k_filler_adds_the_targets_alternatives():
     drafter.start([1, 2])
     drafter.draft([1, 2], 0)
     logits = torch.tensor([[0.0, 0, 0, 5, 4, 3, 0, 0, 0, 0]])  # target's top 3 after (.., 2): 3, 4, 5
-    drafter.update([1, 2, 4], [], logits, None)  # it generated 4
+    drafter.update([1, 2, 4], [], logits, None)  # it generated 4 (nothing was drafted: one row)
     assert [2, 3] in pool and [2, 4] in pool and [2, 5] in pool
     assert pool.predict([2]).token == 4  # the generated token wins the tie: most recent
+    assert pool.predict([2]).count == 1  # counted once, not once more as a filler
+    expected = logits.softmax(dim=-1)[0]
+    assert {c.token: c.probability for c in pool.candidates([2], 3)} == pytest.approx(
+        {t: expected[t].item() for t in (3, 4, 5)})  # with the target's probabilities
+
+
+def test_the_targets_confidence_sets_a_proposals_estimate():
+    model = AcceptanceModel()
+    sure, unsure = (Prediction(5, count=1, total=1, match_length=2, probability=p) for p in (0.95, 0.2))
+    assert model.estimate(model.kind(sure)) > 0.9 and model.estimate(model.kind(unsure)) < 0.25
+    seen_in_text = Prediction(5, count=1, total=1, match_length=2)  # no score: the match-length prior
+    assert model.estimate(model.kind(seen_in_text)) == pytest.approx(MATCH_LENGTH_PRIOR[1])
+
+
+def test_rejected_branches_are_recycled_into_the_pool():
+    pool = SimpleDynaGram(2)
+    drafter = NgramDrafter(pool, vocab_size=10, top_k_filler=1, branching=2, stop_if_unknown=False)
+    drafter.start([1, 2, 3, 2, 4])  # after 2: 3 or 4
+    tree, _ = drafter.draft([1, 2, 3, 2, 4, 2], 2)
+    assert sorted(tree.tokens) == [3, 4] and tree.parents == [-1, -1]
+    rejected = tree.tokens.index(4)
+    logits = torch.zeros(3, 10)
+    logits[0, 3] = logits[1 + tree.tokens.index(3), 7] = logits[1 + rejected, 8] = 5.0
+    drafter.update([1, 2, 3, 2, 4, 2, 3, 7], [tree.tokens.index(3)], logits, None)  # accepted 3, then 7
+    after_4 = {c.token: c.probability for c in pool.candidates([4], 3)}  # the rejected branch's context
+    assert after_4[8] == pytest.approx(logits[1 + rejected].softmax(-1)[8].item())  # the target's choice there
+    assert pool.predict([3]).token == 7 and pool.predict([3]).count == 1
 
 
 # NASD generation
