@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=8)
     parser.add_argument("--branching", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--top-k-filler", type=int, default=3)
     parser.add_argument("--cut", action="store_true", help="stop_if_unknown=True (the cost cut)")
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             stats = SpeculativeStats()
             ngram_assisted_speculative_generate(
                 prompt, MultiDynaGram(3), model, gamma=args.gamma, max_gen_len=args.max_new_tokens,
-                end_tokens_id=end, stop_if_unknown=args.cut, branching=branching, stats=stats,
+                end_tokens_id=end, top_k_filler=args.top_k_filler, stop_if_unknown=args.cut, branching=branching, stats=stats,
             )
             tau[branching][task].append(stats.tau)
     first = args.branching[0]

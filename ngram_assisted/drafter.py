@@ -18,7 +18,7 @@ MATCH_LENGTH_PRIOR = (0.25, 0.5, 0.7, 0.85)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed drafts
 RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of the first's prior
 AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
-CONFIDENCE_BUCKETS = (0.1, 0.3, 0.6, 0.9)  # the target's last probability of a proposal, bucketed
+CONFIDENCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97)  # the target's last probability of a proposal, bucketed
 
 # (match length, count, majority continuation, rank among siblings, confidence bucket or -1)
 Kind = tuple[int, int, bool, int, int]
