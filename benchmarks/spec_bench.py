@@ -147,8 +147,9 @@ def write_chart(out: Path, summary: dict, methods: list[str], verdict: dict, mod
     for i, method in enumerate(methods):
         rows = [summary[method]["tasks"].get(name) for name in TASKS]
         heights = [row["speedup"] if row else 0 for row in rows]
-        errors = [[row["speedup"] - row["speedup_min"] if row else 0 for row in rows],
-                  [row["speedup_max"] - row["speedup"] if row else 0 for row in rows]]
+        # Whiskers: the range of single repeats' ratios (the bar, a median over prompts, may lie outside it).
+        errors = [[max(0.0, row["speedup"] - row["speedup_min"]) if row else 0 for row in rows],
+                  [max(0.0, row["speedup_max"] - row["speedup"]) if row else 0 for row in rows]]
         ax.bar([t + i * width for t in range(len(TASKS))], heights, width, yerr=errors, capsize=2, label=method)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([t + 0.4 - width / 2 for t in range(len(TASKS))], TASKS, fontsize=8)

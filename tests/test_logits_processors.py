@@ -43,6 +43,14 @@ def test_distribution_matches_transformers_warpers(processor, hf_args):
     torch.testing.assert_close(ours.sum(-1), torch.ones(4))
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.5], ids=["peaked: nucleus among the top candidates", "flat: full sort"])
+def test_top_p_over_a_large_vocabulary_matches_transformers(scale):
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(2)) * scale
+    logits[:, 0] += scale  # a clear favourite, as language models have
+    for top_p in (0.3, 0.9, 0.99):
+        torch.testing.assert_close(NucleusProcessor(top_p=top_p)(logits), hf_probs(logits, top_p=top_p))
+
+
 def test_greedy_is_one_hot_argmax_and_pure():
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
     original = logits.clone()

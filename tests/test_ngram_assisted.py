@@ -99,8 +99,9 @@ def test_top_k_filler_adds_the_targets_alternatives():
 
 def test_the_targets_confidence_sets_a_proposals_estimate():
     model = AcceptanceModel()
-    sure, unsure = (Prediction(5, count=1, total=1, match_length=2, probability=p) for p in (0.95, 0.2))
-    assert model.estimate(model.kind(sure)) > 0.9 and model.estimate(model.kind(unsure)) < 0.25
+    for probability in (0.03, 0.2, 0.5, 0.95):  # before any draft is judged: about that probability
+        scored = Prediction(5, count=1, total=1, match_length=2, probability=probability)
+        assert model.estimate(model.kind(scored)) == pytest.approx(probability, abs=0.06)
     seen_in_text = Prediction(5, count=1, total=1, match_length=2)  # no score: the match-length prior
     assert model.estimate(model.kind(seen_in_text)) == pytest.approx(MATCH_LENGTH_PRIOR[1])
 

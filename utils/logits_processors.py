@@ -67,6 +67,9 @@ def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
     return logits.masked_fill(logits < kth_value, -math.inf)
 
 
+NUCLEUS_CANDIDATES = 256  # top-p over a larger vocabulary first looks for the nucleus among this many
+
+
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches `top_p`.
 
@@ -75,6 +78,16 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     """
     if top_p >= 1.0:
         return logits
+    if logits.shape[-1] > NUCLEUS_CANDIDATES:
+        # A large vocabulary: the nucleus is almost always among the few most likely tokens, and
+        # then sorting those few is enough (the same rule, read from the top: a token is kept
+        # while the mass of the tokens before it is < top_p). Otherwise, the full sort below.
+        top = logits.topk(NUCLEUS_CANDIDATES, dim=-1)
+        probs = (top.values - logits.logsumexp(dim=-1, keepdim=True)).exp()  # their share of the whole softmax
+        if bool((probs.sum(dim=-1) > top_p).all()):
+            mass_before = probs.cumsum(dim=-1) - probs
+            keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top.indices, mass_before < top_p)
+            return logits.masked_fill(~keep, -math.inf)
     sorted_logits, sorted_indices = torch.sort(logits, descending=False, dim=-1)
     cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     sorted_to_remove = cumulative_probs <= (1 - top_p)
