@@ -129,8 +129,9 @@ class DynaGram:
             continuations = self._table.get(tuple(history[len(history) - length :]))
             if continuations:
                 token = max(continuations, key=lambda t: continuations[t][:2])  # count, then recency
+                count, _, probability = continuations[token]
                 total = sum(entry[0] for entry in continuations.values())
-                return Prediction(token, *continuations[token][:1], total, length, continuations[token][2])
+                return Prediction(token, count, total, length, probability)
         return None
 
     def candidates(self, history: Sequence[int], limit: int) -> list[Prediction]:
