@@ -171,10 +171,14 @@ class NgramDrafter:
         # accepted tokens, so that on equal counts the token really generated (added last, most
         # recent) stays the proposal; that one only gets its probability here.
         longest = self.pool.n - 1
-        probabilities = p if p is not None else target_logits.float().softmax(dim=-1)
+        if p is not None:
+            top = p.topk(self.top_k_filler, dim=-1)
+            probabilities = top.values
+        else:  # softmax of the top-k only (no full-vocabulary softmax per step)
+            top = target_logits.topk(self.top_k_filler, dim=-1)
+            probabilities = (top.values - target_logits.logsumexp(dim=-1, keepdim=True)).exp()
         # A row scored nowhere (all -inf, as off the path in the offline replay) teaches nothing.
-        top = probabilities.nan_to_num(0.0).topk(self.top_k_filler, dim=-1)
-        top_k = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        top_k = list(zip(top.indices.tolist(), probabilities.nan_to_num(0.0).tolist(), strict=True))
         prefix = sequence[max(0, self._base - longest) : self._base]
         for row, node in enumerate([-1, *path]):
             end = self._base + row
