@@ -5,10 +5,12 @@
 
 `record` decodes held-out Spec-Bench prompts (taken from the end of the file, so that they differ
 from the benchmark's, which come from the start) greedily and stores each output with the target's
-top-3 tokens and their probabilities at every position. `replay` runs the real `NgramDrafter` against those traces: in
-greedy mode a draft is accepted iff it equals the recorded token, so the replay is exact, and its
-speedup estimate is tokens / sum(cost of each verification pass) under the CPU cost table. It
-ignores Python overhead and noise: use it to compare policies, then confirm with spec_bench.
+top-3 tokens and their probabilities at every position. `replay` runs the real `NgramDrafter`
+against those traces: in greedy mode a draft is accepted iff it equals the recorded token, so the
+replay is exact, and its speedup estimate is tokens / sum(cost of each verification pass) under
+the prior cost table. Off the accepted path the trace has no scores, so recycling learns less than
+in a real run. It ignores Python overhead and noise: use it to compare policies, then confirm with
+`nasd_tau` (tau from real passes) and spec_bench.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ def stand_in_logits(trace: dict, position: int, path: list[int], num_nodes: int)
     recorded top-3 probabilities (the rest of the mass spread evenly); off the path, where the trace
     has no scores, -inf everywhere (a row the drafter cannot learn from)."""
     rows = torch.full((1 + num_nodes, trace["vocab"]), -torch.inf)
+    recorded = trace.get("top3_p")  # traces recorded before probabilities were: a stand-in
     for row, node in enumerate([-1, *path]):
         tokens = trace["top3"][position + row]
-        probabilities = torch.tensor(trace.get("top3_p", [[0.5, 0.3, 0.1]] * len(trace["top3"]))[position + row])
+        probabilities = torch.tensor(recorded[position + row] if recorded else [0.5, 0.3, 0.1])
         rest = (1 - probabilities.sum()).clamp(min=1e-6) / (trace["vocab"] - 3)
         rows[1 + node] = rest.log()
         rows[1 + node, tokens] = probabilities.log()

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> None:
         for branching in args.branching:
             stats = SpeculativeStats()
             ngram_assisted_speculative_generate(
-                prompt, MultiDynaGram(3), model, gamma=args.gamma, max_gen_len=args.max_new_tokens,
-                end_tokens_id=end, top_k_filler=args.top_k_filler, stop_if_unknown=args.cut, branching=branching, stats=stats,
+                prompt, MultiDynaGram(3), model, gamma=args.gamma, max_gen_len=args.max_new_tokens, end_tokens_id=end,
+                top_k_filler=args.top_k_filler, stop_if_unknown=args.cut, branching=branching, stats=stats,
             )
             tau[branching][task].append(stats.tau)
     first = args.branching[0]
