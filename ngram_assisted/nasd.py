@@ -19,6 +19,7 @@ from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import OnStep, prepare
 from sampling.draft_policy import DraftLength
+from sampling.randomness import PositionUniforms
 from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
 from utils.caching import vocab_size
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
@@ -59,7 +60,7 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     )
     return speculative_loop(
         gen, drafter, logits_processor=logits_processor, draft_length=DraftLength(gamma),
-        generator=generator, stats=stats, on_step=on_step,
+        uniforms=PositionUniforms(generator, prefix_length=len(gen.prefix)), stats=stats, on_step=on_step,
     )
 
 

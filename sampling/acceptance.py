@@ -1,76 +1,31 @@
 """The acceptance rules of speculative decoding: pure functions of the target's scores and the drafts.
 
-Shapes: k drafts, vocabulary V. `target_logits` / `p` hold k + 1 rows: row i scores the token after
-the accepted prefix and the first i drafts, so the last row gives the bonus token when every draft
-is accepted.
+Shapes: k drafts, vocabulary V. `p` holds k + 1 rows: row i scores the token after the accepted
+prefix and the first i drafts, so the last row gives the bonus token when every draft is accepted.
+Random numbers come by position (`sampling.randomness`): the token at generated position t uses
+the numbers of t, whichever step emits it.
+
+Token trees: several candidate continuations per node, verified in one pass. A tree of n nodes is
+`tokens` (n,) and `parents` (n,), parents[i] < i, -1 for a child of the root (the last accepted
+token); row 0 of the target's scores is at the root, row 1 + i after node i. A chain is the tree
+with parents = [-1, 0, 1, ...].
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from sampling.drafters import DraftTree
+from sampling.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
 from utils.logits_processors import LogitsProcessor
 
 
 def _leading_true(mask: Tensor) -> int:
     """Number of leading True values of a 1-D bool tensor."""
     return int(mask.long().cumprod(dim=0).sum())
-
-
-def greedy_accept(target_logits: Tensor, drafts: Tensor) -> tuple[int, int]:
-    """Greedy verification -> (n accepted drafts, the target's next token).
-
-    A draft is accepted iff it equals the target's argmax at its position; the token emitted after
-    the n accepted drafts is the target's argmax there (the correction, or the bonus token when all
-    k drafts pass). The output is token-identical to greedy autoregressive decoding.
-    target_logits: (k + 1, V); drafts: (k,) int64.
-    """
-    argmax = target_logits.argmax(dim=-1)
-    n = _leading_true(argmax[: len(drafts)] == drafts)
-    return n, int(argmax[n])
-
-
-def speculative_accept(
-    p: Tensor,
-    q: Tensor | None,
-    drafts: Tensor,
-    processor: LogitsProcessor,
-    generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023) -> (n, next token).
-
-    p: (k + 1, V) the target's processed distributions; q: (k, V) the drafter's processed
-    distributions, or None for a deterministic drafter (an n-gram pool), whose q is one-hot at each
-    draft. Draft x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
-    rejection the next token is drawn from normalize(max(0, p_i - q_i)), which for a one-hot q is p_i
-    with x_i removed; if all k pass, the bonus token is drawn from p_k. The output then follows p
-    exactly, whatever q is.
-    """
-    k = len(drafts)
-    rows = torch.arange(k, device=p.device)
-    p_x = p[rows, drafts]
-    q_x = q[rows, drafts] if q is not None else torch.ones_like(p_x)
-    r = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)
-    n = _leading_true(r * q_x < p_x)  # r < p/q, without dividing by q
-    if n == k:
-        return n, int(processor.sample(p[k], generator))
-    if q is not None:
-        q_n = q[n]
-    else:
-        q_n = torch.zeros_like(p[n])
-        q_n[drafts[n]] = 1.0
-    residual = (p[n] - q_n).clamp(min=0)
-    total = residual.sum()
-    # In exact arithmetic a rejection implies p_n != q_n, so the residual has mass; guard rounding.
-    residual = residual / total if total > 0 else p[n]
-    return n, int(torch.multinomial(residual, 1, generator=generator))
-
-
-# Token trees: several candidate continuations per node, verified in one pass. A tree of n nodes is
-# `tokens` (n,) and `parents` (n,), parents[i] < i, -1 for a child of the root (the last accepted
-# token); row 0 of the target's scores is at the root, row 1 + i after node i. A chain is the tree
-# with parents = [-1, 0, 1, ...].
 
 
 def _children(parents: list[int]) -> dict[int, list[int]]:
@@ -80,50 +35,97 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
     return children
 
 
-def greedy_accept_tree(target_logits: Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
-    """Greedy verification of a draft tree -> (accepted nodes from the root down, the target's next token).
+def walk_tree(tokens: list[int], parents: list[int], choose: Callable[[int, int], int]) -> tuple[list[int], int]:
+    """Verification of deterministic drafts -> (accepted nodes from the root down, the target's next token).
 
-    From the root, move to the child whose token is the target's argmax there, while there is one;
-    the next token is the argmax at the last node reached. Token-identical to greedy decoding.
-    target_logits: (1 + n, V).
+    `choose(row, depth)` is the token the target emits at a row of its scores (row 0 at the root,
+    1 + i after node i; depth 0 at the root): its argmax when greedy, its inverse-CDF sample at the
+    position's uniform when sampling. From the root, move to the child proposing that token while
+    there is one; the token chosen at the last node reached is the next token. Greedy: the output
+    is token-identical to greedy decoding. Sampling: a candidate x is accepted with probability
+    p(x), and otherwise the emitted token follows p without the candidates, renormalised: the law
+    of (multi-candidate) speculative sampling with one-hot q, coupled with plain sampling.
     """
-    argmax = target_logits.argmax(dim=-1).tolist()
     children = _children(parents)
     path, node = [], -1
     while True:
-        wanted = argmax[node + 1]
+        wanted = choose(node + 1, len(path))
         node = next((child for child in children.get(node, []) if tokens[child] == wanted), None)
         if node is None:
             return path, wanted
         path.append(node)
 
 
-def speculative_accept_tree(
-    p: Tensor, tokens: list[int], parents: list[int], generator: torch.Generator | None = None
-) -> tuple[list[int], int]:
-    """Multi-candidate speculative sampling of a tree of deterministic drafts (SpecInfer, Miao et al.
-    2024) -> (accepted nodes from the root down, next token).
+def greedy_accept_tree(target_logits: Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Greedy verification of a draft tree (`walk_tree` along the argmax). target_logits: (1 + n, V)."""
+    argmax = target_logits.argmax(dim=-1).tolist()
+    return walk_tree(tokens, parents, lambda row, depth: argmax[row])
 
-    At a node whose children propose distinct tokens x1, x2, ...: accept x1 with probability p(x1);
-    if rejected, remove x1 from p and renormalise, accept x2 with the new p(x2); and so on; if every
-    candidate is rejected, the next token is drawn from p with all of them removed. Each token y is
-    then emitted with probability p(y) (the rejections' (1 - p(x1)) factors cancel the
-    renormalisations), so the output follows p exactly; an accepted child continues in its subtree
-    with its own row of p. p: (1 + n, V) processed distributions.
+
+def coupled_accept_tree(
+    p: Tensor, tokens: list[int], parents: list[int], uniforms: PositionUniforms, position: int
+) -> tuple[list[int], int]:
+    """Sampling verification of a tree of deterministic drafts (`walk_tree`): the target's token at
+    depth d is F^{-1}(u_{position + d}) of its row of p (1 + n, V), as plain sampling would draw it."""
+    return walk_tree(tokens, parents, lambda row, depth: int(inverse_cdf(p[row], uniforms(position + depth))))
+
+
+def speculative_accept(
+    p: Tensor, q: Tensor, drafts: Tensor, uniforms: PositionUniforms, position: int
+) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023) -> (n, next token).
+
+    p: (k + 1, V) the target's processed distributions; q: (k, V) the drafter's, which its drafts
+    were sampled from. Draft x_i (at generated position `position` + i) is accepted with probability
+    min(1, p_i(x_i) / q_i(x_i)); at the first rejection the next token is drawn from
+    normalize(max(0, p_i - q_i)); if all k pass, the bonus token is drawn from p_k. The output then
+    follows p exactly, whatever q is.
     """
-    children = _children(parents)
-    path, node = [], -1
-    while True:
-        residual = p[node + 1].clone()
-        for child in children.get(node, []):
-            x = tokens[child]
-            if float(torch.rand((), generator=generator, dtype=p.dtype, device=p.device)) < float(residual[x]):
-                path.append(child)
-                node = child
-                break
-            residual[x] = 0.0
-            total = residual.sum()
-            # In exact arithmetic a rejection leaves mass elsewhere; guard rounding.
-            residual = residual / total if total > 0 else p[node + 1]
-        else:
-            return path, int(torch.multinomial(residual, 1, generator=generator))
+    k = len(drafts)
+    rows = torch.arange(k, device=p.device)
+    p_x, q_x = p[rows, drafts], q[rows, drafts]
+    r = uniforms.span(position, k, ACCEPT).to(device=p.device, dtype=p.dtype)
+    n = _leading_true(r * q_x < p_x)  # r < p/q, without dividing by q
+    if n == k:
+        return n, int(inverse_cdf(p[k], uniforms(position + k, TARGET)))
+    residual = (p[n] - q[n]).clamp(min=0)
+    # In exact arithmetic a rejection implies p_n != q_n, so the residual has mass; guard rounding.
+    residual = residual if residual.sum() > 0 else p[n]
+    return n, int(inverse_cdf(residual, uniforms(position + n, TARGET)))
+
+
+def row_scores(logits: Tensor, tree: DraftTree, sequence: list[int], processor: LogitsProcessor) -> Tensor:
+    """The processed scores (1 + n, V) of a verification pass: every row with its own history, the
+    accepted `sequence` and the drafts on the path to it (what keeps history-dependent processors
+    exact). The library's own processors read no history and process all rows at once."""
+    if not processor.needs_history:
+        return processor.scores(logits)
+    if tree.is_chain:
+        return processor.scores(logits, sequence + tree.tokens)
+    return torch.cat([processor.scores(logits[row : row + 1], sequence + tree.path_to(row - 1))
+                      for row in range(len(logits))])
+
+
+def accept(
+    logits: Tensor, tree: DraftTree, q: Tensor | None, sequence: list[int], processor: LogitsProcessor,
+    uniforms: PositionUniforms,
+) -> tuple[list[int], int, Tensor | None]:
+    """Step 3 of the loop -> (accepted nodes root to leaf, the target's next token, p or None).
+
+    logits: (1 + len(tree), V), the target's scores at the last accepted token and after every
+    node; `sequence`: the prefix and every token generated so far. Greedy: the argmax path.
+    Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q its
+    distributions) by speculative sampling. An empty tree is a plain decoding step.
+    """
+    position = len(sequence) - uniforms.prefix_length  # the generated position of row 0's token
+    scores = row_scores(logits, tree, sequence, processor)
+    if processor.is_greedy:
+        path, token = greedy_accept_tree(scores, tree.tokens, tree.parents)
+        return path, token, None
+    p = scores.softmax(dim=-1)
+    if q is None:
+        path, token = coupled_accept_tree(p, tree.tokens, tree.parents, uniforms, position)
+        return path, token, p
+    draft_ids = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
+    n, token = speculative_accept(p, q, draft_ids, uniforms, position)
+    return list(range(n)), token, p

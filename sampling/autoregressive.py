@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, prepare
+from sampling.drafters import DraftTree
+from sampling.randomness import PositionUniforms
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
+
+NO_DRAFTS = DraftTree.chain([])
 
 
 def _decode(
@@ -14,11 +19,12 @@ def _decode(
 ) -> list[int]:
     generated: list[int] = []
     sequence = list(gen.prefix)  # what the processor sees as history (the decoder's ids)
+    uniforms = PositionUniforms(generator, prefix_length=len(sequence))
     logits = gen.runner.forward(gen.prefix)  # prefill: the whole prompt in one pass
     while True:
-        # Sample from the processed distribution of the last position.
-        probs = logits_processor(logits[-1:], sequence)[0]
-        token = int(logits_processor.sample(probs, generator))
+        # The target's token: a speculative step with nothing drafted (argmax, or the inverse CDF
+        # of the processed distribution at this position's uniform number).
+        _, token, _ = accept(logits[-1:], NO_DRAFTS, None, sequence, logits_processor, uniforms)
         tokens, finished = gen.trim([token], len(generated))
         generated += tokens
         sequence += tokens

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from sampling.randomness import DRAFT, PositionUniforms
 from utils.caching import ModelRunner
-from utils.logits_processors import LogitsProcessor
+from utils.logits_processors import LogitsProcessor, inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,12 @@ class ModelDrafter:
         vocab_size: int,
         use_cache: bool = True,
         encoder_input_ids: list[int] | None = None,
-        generator: torch.Generator | None = None,
+        uniforms: PositionUniforms | None = None,
     ) -> None:
         self.runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids)
         self.processor = processor
         self.vocab_size = vocab_size  # the target's logit width: q must live in the same space as p
-        self.generator = generator
+        self.uniforms = uniforms or PositionUniforms()  # draft at position t: the inverse CDF of q at its DRAFT number
         self._accepted_length = 0  # len(sequence) when the last draft started
 
     @property
@@ -127,7 +128,11 @@ class ModelDrafter:
         for i in range(max_drafts):
             history = sequence + drafts if self.processor.needs_history else None  # accepted tokens, its drafts
             q = self._distribution(logits[-1], history)
-            token = int(self.processor.sample(q, self.generator))
+            if self.processor.is_greedy:
+                token = int(q.argmax())
+            else:
+                position = len(sequence) + i - self.uniforms.prefix_length
+                token = int(inverse_cdf(q, self.uniforms(position, DRAFT)))
             drafts.append(token)
             qs.append(q)
             if i + 1 < max_drafts:  # the last draft is fed only if accepted (next round)

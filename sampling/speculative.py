@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 from transformers import PreTrainedModel
 
-from sampling.acceptance import greedy_accept, greedy_accept_tree, speculative_accept, speculative_accept_tree
+from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, prepare
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
-from sampling.drafters import Drafter, DraftTree, ModelDrafter
+from sampling.drafters import Drafter, ModelDrafter
+from sampling.randomness import PositionUniforms
 from utils.caching import vocab_size
 from utils.cost_model import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
@@ -65,44 +65,13 @@ class SpeculativeStats:
             self.accepted_by_position[i] += i < num_accepted
 
 
-def accept(
-    logits: Tensor, tree: DraftTree, q: Tensor | None, sequence: list[int], processor: LogitsProcessor,
-    generator: torch.Generator | None,
-) -> tuple[list[int], int, Tensor | None]:
-    """Step 3 of the loop -> (accepted nodes root to leaf, the target's next token, p or None).
-
-    Every row of `logits` (1 + len(tree), V) is processed with its own history: the accepted
-    sequence and the drafts on the path to it (what keeps history-dependent processors exact).
-    """
-    if tree.is_chain:
-        draft_ids = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
-        history = sequence + tree.tokens if processor.needs_history else None  # no copy when unused
-        if processor.is_greedy:
-            n, token = greedy_accept(processor.scores(logits, history), draft_ids)
-            return list(range(n)), token, None
-        p = processor(logits, history)
-        n, token = speculative_accept(p, q, draft_ids, processor, generator)
-        return list(range(n)), token, p
-    if processor.needs_history:
-        scores = torch.cat([processor.scores(logits[row : row + 1], sequence + tree.path_to(row - 1))
-                            for row in range(len(logits))])
-    else:
-        scores = processor.scores(logits)
-    if processor.is_greedy:
-        path, token = greedy_accept_tree(scores, tree.tokens, tree.parents)
-        return path, token, None
-    p = scores.softmax(dim=-1)
-    path, token = speculative_accept_tree(p, tree.tokens, tree.parents, generator)
-    return path, token, p
-
-
 def speculative_loop(
     gen: Generation,
     drafter: Drafter,
     *,
     logits_processor: LogitsProcessor,
     draft_length: DraftLength | CostAwareDraftLength,
-    generator: torch.Generator | None = None,
+    uniforms: PositionUniforms,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float]:
@@ -110,6 +79,7 @@ def speculative_loop(
 
     Invariant: the target's cache holds every accepted token but the last one, which is fed
     together with the drafts, so one forward pass scores the last token and all drafts.
+    `uniforms` holds the random numbers of each generated position (`sampling.randomness`).
     """
     stats = stats if stats is not None else SpeculativeStats()
     target = gen.runner
@@ -133,7 +103,7 @@ def speculative_loop(
             logits = target.forward_tree(sequence[-1], tree.tokens, tree.parents)
 
         # 3. Accept a path of drafts, then take one token from the target.
-        path, token, p = accept(logits, tree, q, sequence, logits_processor, generator)
+        path, token, p = accept(logits, tree, q, sequence, logits_processor, uniforms)
         n = len(path)
 
         # 4. Roll back the target: keep the accepted path, forget the rest.
@@ -191,9 +161,10 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
     )
+    uniforms = PositionUniforms(generator, prefix_length=len(gen.prefix))
     model_drafter = ModelDrafter(
         drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
-        encoder_input_ids=gen.encoder_input_ids, generator=generator,
+        encoder_input_ids=gen.encoder_input_ids, uniforms=uniforms,
     )
     model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     if adaptive_gamma:
@@ -202,7 +173,7 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
         draft_length = DraftLength(gamma)
     return speculative_loop(
         gen, model_drafter, logits_processor=logits_processor, draft_length=draft_length,
-        generator=generator, stats=stats, on_step=on_step,
+        uniforms=uniforms, stats=stats, on_step=on_step,
     )
 
 

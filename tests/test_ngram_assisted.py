@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import sampling.speculative
+import sampling.acceptance
 from ngram_assisted import (
     MultiDynaGram,
     SimpleDynaGram,
@@ -11,6 +11,7 @@ from ngram_assisted import (
 from ngram_assisted.drafter import MATCH_LENGTH_PRIOR, AcceptanceModel, NgramDrafter
 from ngram_assisted.dynagram import Prediction
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
+from sampling.randomness import ACCEPT, TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
@@ -219,13 +220,13 @@ def test_nasd_sampling_follows_the_target_distribution(processor):
 def test_the_statistical_test_catches_the_original_rule(monkeypatch):
     """The original drew a fresh sample from p after a rejected n-gram draft: it over-produces the draft."""
 
-    def original_rule(p, q, drafts, processor, generator=None):
-        for i, x in enumerate(drafts.tolist()):
-            if float(torch.rand(1, generator=generator)) >= float(p[i, x]):
-                return i, int(torch.multinomial(p[i], 1, generator=generator))
-        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+    def original_rule(p, tokens, parents, uniforms, position):  # a chain: n-gram drafts
+        for i, x in enumerate(tokens):
+            if uniforms(position + i, ACCEPT) >= float(p[i, x]):
+                return list(range(i)), int(inverse_cdf(p[i], uniforms(position + i, TARGET)))
+        return list(range(len(tokens))), int(inverse_cdf(p[len(tokens)], uniforms(position + len(tokens), TARGET)))
 
-    monkeypatch.setattr(sampling.speculative, "speculative_accept", original_rule)
+    monkeypatch.setattr(sampling.acceptance, "coupled_accept_tree", original_rule)
     target = tiny_model("llama", vocab=8)
     processor = MultinomialProcessor(temperature=2.0)
     joint = exact_two_token_distribution(target, INPUTS, processor)

@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-import sampling.speculative
+import sampling.acceptance
 from sampling import (
     SpeculativeStats,
     autoregressive_generate,
@@ -11,6 +11,7 @@ from sampling import (
     speculative_generate,
     speculative_generate_encoder_decoder,
 )
+from sampling.randomness import ACCEPT, TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
@@ -129,17 +130,14 @@ def test_speculative_sampling_follows_the_target_distribution(processor):
 def test_the_statistical_test_catches_a_wrong_acceptance_rule(monkeypatch):
     """Resampling from p (instead of max(0, p - q)) after a rejection is biased: the test must see it."""
 
-    def wrong_accept(p, q, drafts, processor, generator=None):
+    def wrong_accept(p, q, drafts, uniforms, position):
         k = len(drafts)
-        if k == 0:
-            return 0, int(torch.multinomial(p[0], 1, generator=generator))
         rows = torch.arange(k)
-        r = torch.rand(k, generator=generator, dtype=p.dtype)
-        ok = (r * q[rows, drafts] < p[rows, drafts]).long().cumprod(0)
-        n = int(ok.sum())
-        return n, int(torch.multinomial(p[n], 1, generator=generator))
+        r = uniforms.span(position, k, ACCEPT)
+        n = int((r * q[rows, drafts] < p[rows, drafts]).long().cumprod(0).sum())
+        return n, int(inverse_cdf(p[n], uniforms(position + n, TARGET)))
 
-    monkeypatch.setattr(sampling.speculative, "speculative_accept", wrong_accept)
+    monkeypatch.setattr(sampling.acceptance, "speculative_accept", wrong_accept)
     target, drafter = close_pair()
     processor = SAMPLERS[0]
     joint = exact_two_token_distribution(target, INPUTS, processor)

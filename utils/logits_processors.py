@@ -6,6 +6,7 @@ At least one token is always kept, so the distribution is never empty.
 
     probs = processor(logits, history)         # (rows, vocab) -> (rows, vocab), rows sum to 1
     token = processor.sample(probs, generator) # (..., vocab) -> (...,) token ids
+    token = inverse_cdf(probs, u)              # the same, driven by given uniform numbers
 
 `history` is the token sequence the rows continue: row i of r rows scores the token after
 history[: len(history) - r + 1 + i] (a verification pass scores the last accepted token and each
@@ -30,6 +31,7 @@ __all__ = [
     "NucleusProcessor",
     "TopKNucleusProcessor",
     "TransformersProcessor",
+    "inverse_cdf",
 ]
 
 
@@ -65,6 +67,20 @@ def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
     top_k = min(top_k, logits.shape[-1])
     kth_value = torch.topk(logits, top_k, dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth_value, -math.inf)
+
+
+def inverse_cdf(probs: Tensor, u: Tensor | float) -> Tensor:
+    """The token y with F(y - 1) <= u * total < F(y) for each row: a sample of `probs` driven by u.
+
+    probs: (..., V) non-negative (rows need not sum exactly to 1); u: (...) or a float, in [0, 1).
+    Returns (...) int64. A token of probability zero is never returned (rounding included).
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.as_tensor(u, dtype=torch.float64, device=probs.device).expand(cdf.shape[:-1])
+    tokens = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0]
+    # u * total may round up to the total: fall back to the last token that has mass.
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(dim=-1)
+    return torch.minimum(tokens, last)
 
 
 NUCLEUS_CANDIDATES = 256  # top-p over a larger vocabulary first looks for the nucleus among this many
@@ -123,10 +139,11 @@ class LogitsProcessor:
         return self.scores(logits, history).softmax(dim=-1)
 
     def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Draw one token per row of `probs` (..., vocab) -> (...,) int64."""
-        flat = probs.reshape(-1, probs.shape[-1])
-        tokens = torch.multinomial(flat, num_samples=1, generator=generator)
-        return tokens.reshape(probs.shape[:-1])
+        """Draw one token per row of `probs` (..., vocab) -> (...,) int64 (inverse CDF of one
+        uniform number per row; the decoding loops draw theirs by position, `sampling.randomness`)."""
+        u = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float64,
+                       device=generator.device if generator is not None else "cpu")
+        return inverse_cdf(probs, u.to(probs.device))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in vars(self).items())
