@@ -69,7 +69,7 @@ def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
     drafter.start(sequence)
     position, cost = 0, 0.0
     while position < len(generated):
-        tree, _ = drafter.draft(sequence, min(gamma, len(generated) - position - 1))
+        tree, _ = drafter.draft(sequence, gamma, len(generated) - position - 1)
         path, node = [], -1  # greedy acceptance of the tree against the recorded output
         while position + len(path) < len(generated):
             wanted = generated[position + len(path)]

@@ -125,11 +125,12 @@ class NgramDrafter:
         return [(reach * self.acceptance.estimate(AcceptanceModel.kind(c, rank)), rank, parent, c)
                 for rank, c in enumerate(found)]
 
-    def draft(self, sequence: list[int], max_drafts: int) -> tuple[DraftTree, None]:
+    def draft(self, sequence: list[int], max_drafts: int, max_depth: int | None = None) -> tuple[DraftTree, None]:
         self._base = len(sequence)
-        tokens, parents, reaches, judged = [], [], [], []
+        max_depth = max_drafts if max_depth is None else max_depth
+        tokens, parents, reaches, judged, depths = [], [], [], [], []
         histories = {-1: list(sequence[-(self.pool.n - 1) :])}
-        frontier = self._candidates(histories[-1], -1, 1.0)
+        frontier = self._candidates(histories[-1], -1, 1.0) if max_depth > 0 else []
         while frontier and len(tokens) < max_drafts:
             best = max(range(len(frontier)), key=lambda i: frontier[i][0])  # best-first: most likely to be reached
             reach, rank, parent, prediction = frontier.pop(best)
@@ -140,7 +141,9 @@ class NgramDrafter:
             reaches.append(reach)
             judged.append((kind, self.acceptance.estimate(kind)))
             histories[node] = histories[parent] + [prediction.token]
-            frontier += self._candidates(histories[node], node, reach)
+            depths.append(1 + (depths[parent] if parent >= 0 else 0))
+            if depths[node] < max_depth:  # only a path's depth can become generated tokens
+                frontier += self._candidates(histories[node], node, reach)
         if self.stop_if_unknown:
             # Nodes come in order of falling reach, parents first: a prefix is a tree.
             size = best_tree_size(reaches, self.draft_cost)

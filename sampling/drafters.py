@@ -62,8 +62,9 @@ class Drafter(Protocol):
     def start(self, sequence: list[int]) -> None:
         """A new generation begins with `sequence` (the prompt)."""
 
-    def draft(self, sequence: list[int], max_drafts: int) -> tuple[DraftTree, Tensor | None]:
-        """Propose up to `max_drafts` (possibly 0) tokens after `sequence` -> (tree, q).
+    def draft(self, sequence: list[int], max_drafts: int, max_depth: int) -> tuple[DraftTree, Tensor | None]:
+        """Propose up to `max_drafts` (possibly 0) nodes, no path deeper than `max_depth` (the room
+        left before `max_gen_len`), after `sequence` -> (tree, q).
 
         q: (len(tree), V) the processed distributions a chain's drafts were sampled from, or None
         when the drafts are deterministic (q one-hot) or the processor is greedy. Only deterministic
@@ -119,8 +120,9 @@ class ModelDrafter:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-torch.inf)
         return self.processor(logits[None], history)[0]
 
-    def draft(self, sequence: list[int], max_drafts: int) -> tuple[DraftTree, Tensor | None]:
+    def draft(self, sequence: list[int], max_drafts: int, max_depth: int) -> tuple[DraftTree, Tensor | None]:
         self._accepted_length = len(sequence)
+        max_drafts = min(max_drafts, max_depth)  # a chain: every node is one deeper
         if max_drafts <= 0:
             return DraftTree.chain([]), None
         logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens

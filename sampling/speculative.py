@@ -92,9 +92,10 @@ def speculative_loop(
     proposed = accepted = 0
     finished = False
     while not finished:
-        # 1. Draft (a chain, or a tree from an n-gram pool), leaving room for the target's own token.
+        # 1. Draft (a chain, or a tree from an n-gram pool): gamma nodes at most, and no path longer
+        #    than the room left before max_gen_len once the target's own token is counted.
         room = gen.max_new_tokens - len(generated) - 1
-        tree, q = drafter.draft(sequence, min(draft_length.gamma, room))
+        tree, q = drafter.draft(sequence, draft_length.gamma, room)
 
         # 2. Verify: one target pass over the last accepted token and every drafted node.
         if tree.is_chain:

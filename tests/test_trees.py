@@ -17,7 +17,7 @@ from sampling.acceptance import greedy_accept_tree
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
 from utils.caching import ModelRunner
-from utils.logits_processors import MultinomialProcessor
+from utils.logits_processors import GreedyProcessor, MultinomialProcessor
 
 TOKENS = [10, 11, 12, 13, 14, 15]
 PARENTS = [-1, -1, 0, 0, 2, 1]  # two children at the root, two under node 0, chains below
@@ -144,6 +144,18 @@ def test_tree_sampling_follows_the_target_distribution():
     assert trees == 1000  # every first step verified a tree with the three candidates
     joint = exact_two_token_distribution(target, INPUTS, processor)
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("processor", [GreedyProcessor(), MultinomialProcessor(temperature=2.0)], ids=repr)
+def test_a_tree_is_drafted_when_one_token_of_room_is_left(processor):
+    """Only a path's depth can become generated tokens: with max_gen_len=2 the first step may
+    draft one level, and that level holds all three candidates the pool knows."""
+    target = tiny_model("llama", vocab=8)
+    steps = []
+    ngram_assisted_speculative_generate(INPUTS, SimpleDynaGram(2), target, gamma=3, max_gen_len=2, branching=3,
+                                        stop_if_unknown=False, logits_processor=processor, on_step=steps.append,
+                                        generator=torch.Generator().manual_seed(0))
+    assert sorted(steps[0].drafts) == [4, 5, 6]
 
 
 def test_bad_branching_is_explained():
