@@ -31,6 +31,7 @@ from sampling import (
     speculative_generate_encoder_decoder,
 )
 from utils.caching import is_encoder_decoder
+from utils.cost_model import is_measured, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import (
     GreedyProcessor,
@@ -41,13 +42,18 @@ from utils.logits_processors import (
     TransformersProcessor,
 )
 
+# `/processor NAME [values] [key=value ...]`: each processor's own parameters, in this order.
 PROCESSORS = {
-    "greedy": lambda t, k, p: GreedyProcessor(),
-    "multinomial": lambda t, k, p: MultinomialProcessor(t),
-    "topk": lambda t, k, p: TopKProcessor(t, k),
-    "nucleus": lambda t, k, p: NucleusProcessor(t, p),
-    "topknucleus": lambda t, k, p: TopKNucleusProcessor(t, k, p),
+    "greedy": (GreedyProcessor, ()),
+    "multinomial": (MultinomialProcessor, ("temperature",)),
+    "topk": (TopKProcessor, ("temperature", "top_k")),
+    "nucleus": (NucleusProcessor, ("temperature", "top_p")),
+    "topknucleus": (TopKNucleusProcessor, ("temperature", "top_k", "top_p")),
 }
+PROCESSOR_USAGE = ("usage: /processor greedy | multinomial [temperature] | topk [temperature] [top_k] | "
+                   "nucleus [temperature] [top_p] | topknucleus [temperature] [top_k] [top_p]\n"
+                   "   (or name key=value ..., e.g. nucleus temperature=0.7 top_p=0.9)\n"
+                   "   or: /processor key=value ... (transformers' processors) with keys ")
 
 # `/processor key=value ...`: transformers' processors, built as `generate` builds them.
 GENERATE_KEYS = ("repetition_penalty", "no_repeat_ngram_size", "min_length", "do_sample", "temperature", "top_k",
@@ -81,6 +87,47 @@ def generate_processor(settings: dict) -> TransformersProcessor:
     return TransformersProcessor.from_generation_config(GenerationConfig(**settings))
 
 
+def _number(key: str, value: str) -> int | float:
+    try:
+        return int(value) if key in ("top_k", "no_repeat_ngram_size", "min_length") else float(value)
+    except ValueError:
+        kind = "an integer" if key in ("top_k", "no_repeat_ngram_size", "min_length") else "a number"
+        raise ValueError(f"{key} must be {kind}, got {value!r}") from None
+
+
+def parse_processor(args: list[str]) -> tuple[str, dict]:
+    """`/processor` arguments -> (name, parameters), checked by building the processor.
+
+    `nucleus 0.7 0.9` (the processor's own parameters in order: `PROCESSORS`), `nucleus
+    temperature=0.7 top_p=0.9`, or `repetition_penalty=1.2 min_p=0.05 ...` (transformers'
+    processors: name "generate"). Unset parameters take the processor's defaults.
+    """
+    if not args:
+        raise ValueError("name a processor")
+    if "=" in args[0]:
+        settings = generate_settings(args)
+        generate_processor(settings)  # validates
+        return "generate", settings
+    name, values = args[0], args[1:]
+    if name not in PROCESSORS:
+        raise ValueError(f"unknown processor {name!r}")
+    processor_class, names = PROCESSORS[name]
+    count = next((i for i, value in enumerate(values) if "=" in value), len(values))  # values in order, then key=value
+    positional = values[:count]
+    if len(positional) > len(names):
+        raise ValueError(f"{name} takes {', '.join(names) or 'no parameters'}, got {len(positional)} values")
+    if any("=" not in value for value in values[count:]):
+        raise ValueError("give values in order first, then key=value")
+    parameters = {key: _number(key, value) for key, value in zip(names, positional, strict=False)}
+    for item in values[len(positional) :]:
+        key, _, value = item.partition("=")
+        if key not in names:
+            raise ValueError(f"{name} has no parameter {key!r}; it takes {', '.join(names) or 'none'}")
+        parameters[key] = _number(key, value)
+    processor_class(**parameters)  # validates: errors name the parameter
+    return name, parameters
+
+
 HELP = """\
 /help                      this list            /status               current settings
 /quit (or Ctrl-D)          exit                 /clear                forget the conversation
@@ -88,7 +135,7 @@ HELP = """\
 /chat                      chat template on/off /debug                colour drafts: accepted, rejected, target
 /cache                     KV cache on/off      /length <n>           max new tokens
 /gamma <n>                 draft length         /seed <n>             sampling seed
-/processor <greedy|multinomial|topk|nucleus|topknucleus> [temperature] [top_k] [top_p]
+/processor nucleus [temperature] [top_p]        also greedy, multinomial [t], topk [t] [top_k], topknucleus [t] [top_k] [top_p]
 /processor key=value ...   transformers' processors, e.g. repetition_penalty=1.2 no_repeat_ngram_size=3 min_p=0.05
 /top_k_filler <k>          target top-k tokens added to the n-gram pool
 /set_ngram <simple|multi> <n>                   a new n-gram pool
@@ -107,7 +154,7 @@ class Settings:
     use_cache: bool = True
     max_gen_len: int = 128
     gamma: int = 4
-    processor_args: tuple = ("greedy", 1.0, 50, 0.9)
+    processor_spec: tuple[str, dict] = ("greedy", {})  # `parse_processor`'s (name, parameters)
     top_k_filler: int = 3
     ngram_kind: str = "multi"
     ngram_n: int = 3  # MultiDynaGram(3): the benchmarked setting
@@ -118,10 +165,10 @@ class Settings:
 
     @property
     def processor(self):
-        if self.processor_args[0] == "generate":
-            return generate_processor(self.processor_args[1])
-        name, t, k, p = self.processor_args
-        return PROCESSORS[name](t, k, p)
+        name, parameters = self.processor_spec
+        if name == "generate":
+            return generate_processor(parameters)
+        return PROCESSORS[name][0](**parameters)
 
 
 def run_method(method: str, inputs: list[int], s: Settings, *, target, drafter, pool, end_tokens: list[int],
@@ -236,31 +283,11 @@ class ChatConsole:
         return True
 
     def set_processor(self, args: list[str]) -> None:
-        usage = ("usage: /processor <greedy|multinomial|topk|nucleus|topknucleus> [temperature] [top_k] [top_p]\n"
-                 "   or: /processor key=value ... with keys " + ", ".join(GENERATE_KEYS))
-        if args and "=" in args[0]:
-            try:
-                settings = generate_settings(args)
-                generate_processor(settings)  # validates
-            except (ValueError, TypeError) as error:
-                self.error(f"{error}\n{usage}")
-                return
-            self.settings.processor_args = ("generate", settings)
-            self.say(f"processor: {self.settings.processor}")
-            return
-        if not args or args[0] not in PROCESSORS:
-            self.error(usage)
-            return
-        _, t, k, p = Settings.processor_args if self.settings.processor_args[0] == "generate" else self.settings.processor_args
         try:
-            t = float(args[1]) if len(args) > 1 else t
-            k = int(args[2]) if len(args) > 2 else k
-            p = float(args[3]) if len(args) > 3 else p
-            PROCESSORS[args[0]](t, k, p)  # validates
+            self.settings.processor_spec = parse_processor(args)
         except (ValueError, TypeError) as error:
-            self.error(f"{error}; {usage}")
+            self.error(f"{error}\n{PROCESSOR_USAGE}{', '.join(GENERATE_KEYS)}")
             return
-        self.settings.processor_args = (args[0], t, k, p)
         self.say(f"processor: {self.settings.processor}")
 
     def status(self) -> None:
@@ -341,7 +368,10 @@ class ChatConsole:
                              {"role": "assistant", "content": self.tokenizer.decode(first, skip_special_tokens=True)}]
 
     def report(self, results) -> None:
-        baseline = next((elapsed / max(len(ids), 1) for m, ids, elapsed, _ in results if m == "target"), None)
+        """Speed of each method against the target's plain decoding, then which methods produced
+        the target's very tokens: all of them when greedy, NASD too under a seed (coupled sampling)."""
+        target = next((r for r in results if r[0] == "target"), None)
+        baseline = target[2] / max(len(target[1]), 1) if target else None
         table = Table("method", "tokens", "time (s)", "tokens/s", "alpha", "tau", "speedup vs target")
         for method, ids, elapsed, stats in results:
             per_token = elapsed / max(len(ids), 1)
@@ -351,6 +381,11 @@ class ChatConsole:
                 f"{baseline / per_token:.2f}x" if baseline and method != "target" else "-",
             )
         self.console.print(table)
+        if target is not None and (self.settings.processor.is_greedy or self.settings.seed is not None):
+            verdicts = [f"{method} {'yes' if ids == target[1] else 'no'}" for method, ids, _, _ in results
+                        if method not in ("target", "beam")]
+            if verdicts:
+                self.say("same tokens as target: " + ", ".join(verdicts))
 
     def run(self) -> None:
         self.say("Type a prompt, or /help for the commands.")
@@ -377,6 +412,16 @@ class ChatConsole:
             except Exception as error:  # nothing crashes the console
                 self.error(f"generation failed: {type(error).__name__}: {error}")
         self.say("bye")
+
+
+def measure_pass_costs(console: Console, models: list) -> None:
+    """The first run on a machine measures what a forward pass costs (`utils.cost_model`): say so
+    and show its progress (stderr) now, rather than stall silently on the first prompt."""
+    for model in models:
+        if not is_measured(model):
+            console.print(Text("First run with this model here: measuring what a forward pass costs on this machine, "
+                               "once (cached; about 10-30 s for a 135M model).", style="yellow"))
+            pass_costs(model)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -413,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     app = ChatConsole(target, tokenizer, drafter, console, args.system)
     app.settings.seed = args.seed
+    measure_pass_costs(console, [model for model in (target, drafter) if model is not None])
     # Ctrl-C stops a generation even when the console was started with SIGINT ignored (a shell
     # script's background job inherits that, and Python then never raises KeyboardInterrupt).
     signal.signal(signal.SIGINT, signal.default_int_handler)

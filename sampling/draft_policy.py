@@ -55,20 +55,23 @@ class CostAwareDraftLength:
 
     The acceptance rate alpha of the drafter's tokens is learned online (a running count that
     forgets old steps, from a weak prior), so it follows the text and the sampling mode it runs in;
-    the costs are the target's measured pass costs plus `k` drafter passes, each costing
-    drafter seconds / target seconds of a one-token pass (both measured). After `PROBE_AFTER`
-    plain steps in a row one token is drafted anyway, so that a drafter that became useful again
-    is noticed.
+    the cost of k drafts is the target's measured pass over 1 + k tokens plus k times what a drafted
+    token really costs, in one-token target passes: `draft_seconds()` (the drafter's timed
+    drafting steps, catch-up pass included), or before any was timed the drafter's measured pass.
+    After `PROBE_AFTER` plain steps in a row one token is drafted anyway, so that a drafter that
+    became useful again is noticed (and its timing stays current).
     """
 
     PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0
     FORGET = 0.97  # per judged draft: the estimate follows roughly the last 30 drafts
     PROBE_AFTER = 16
 
-    def __init__(self, max_gamma: int, target_costs: PassCosts, drafter_costs: PassCosts) -> None:
+    def __init__(self, max_gamma: int, target_costs: PassCosts, drafter_costs: PassCosts,
+                 draft_seconds: Callable[[], float | None] = lambda: None) -> None:
         self.max_gamma = max_gamma
         self.target_costs = target_costs
         self.drafter_costs = drafter_costs
+        self.draft_seconds = draft_seconds
         self.accepted, self.judged = self.PRIOR_ALPHA * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
         self.plain_steps = 0
 
@@ -77,8 +80,9 @@ class CostAwareDraftLength:
         return self.accepted / self.judged
 
     def drafter_step_cost(self) -> float:
-        """One drafter pass in units of one target pass (1.0 until both have been timed)."""
-        target, drafter = self.target_costs.seconds(0), self.drafter_costs.seconds(0)
+        """One drafted token in units of one target pass (1.0 until something has been timed)."""
+        target = self.target_costs.seconds(0)
+        drafter = self.draft_seconds() or self.drafter_costs.seconds(0)
         return drafter / target if target and drafter else 1.0
 
     def cost(self, k: int) -> float:

@@ -4,6 +4,7 @@ same draft -> verify -> accept loop."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -12,7 +13,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from sampling.randomness import DRAFT, PositionUniforms
-from utils.caching import ModelRunner
+from utils.caching import ModelRunner, synchronize
 from utils.logits_processors import LogitsProcessor, inverse_cdf
 
 
@@ -78,6 +79,9 @@ class Drafter(Protocol):
         same rows processed (None when greedy)."""
 
 
+DRAFT_TIME_WEIGHT = 0.2  # weight of one drafting step's timing in the running average
+
+
 class ModelDrafter:
     """A small language model as drafter (Leviathan et al. 2023): drafts are sampled from q, the
     drafter's distribution under the same logits processor as the target's p.
@@ -101,6 +105,9 @@ class ModelDrafter:
         self.vocab_size = vocab_size  # the target's logit width: q must live in the same space as p
         self.uniforms = uniforms or PositionUniforms()  # draft at position t: the inverse CDF of q at its DRAFT number
         self._accepted_length = 0  # len(sequence) when the last draft started
+        # Seconds a drafting step costs per drafted token, timed (the catch-up pass over the
+        # target's token, every drafter pass, the processing and sampling): a running average.
+        self.seconds_per_draft: float | None = None
 
     @property
     def forward_passes(self) -> int:
@@ -125,6 +132,7 @@ class ModelDrafter:
         max_drafts = min(max_drafts, max_depth)  # a chain: every node is one deeper
         if max_drafts <= 0:
             return DraftTree.chain([]), None
+        start = time.perf_counter()
         logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens
         drafts, qs = [], []
         for i in range(max_drafts):
@@ -140,6 +148,10 @@ class ModelDrafter:
             if i + 1 < max_drafts:  # the last draft is fed only if accepted (next round)
                 logits = self.runner.forward([token])
         q = None if self.processor.is_greedy else torch.stack(qs)
+        synchronize(self.runner.device)
+        seconds = (time.perf_counter() - start) / max_drafts
+        previous = self.seconds_per_draft
+        self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)
         return DraftTree.chain(drafts), q
 
     def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:

@@ -36,7 +36,7 @@ def send(child, line, *expected):
 
 def test_commands_and_bad_values(model_dir):
     child = start(model_dir)
-    send(child, "/help", "/processor <greedy")
+    send(child, "/help", "/processor nucleus")
     send(child, "/status", "methods", "processor")
     for toggle, name in [("/debug", "debug"), ("/cache", "use_cache"), ("/chat", "chat"),
                          ("/stop_if_unknown", "stop_if_unknown"), ("/reset_in_between", "reset_in_between"),
@@ -52,7 +52,14 @@ def test_commands_and_bad_values(model_dir):
     send(child, "/seed 7", "seed: 7")
     send(child, "/top_k_filler 2", "top_k_filler: 2")
     send(child, "/top_k_filler 100000", "at most the vocabulary size")
-    send(child, "/processor nucleus 0.8 10 0.9", "NucleusProcessor(temperature=0.8, top_p=0.9)")
+    send(child, "/processor nucleus 0.7 0.9", "NucleusProcessor(temperature=0.7, top_p=0.9)")
+    send(child, "/processor topk 0.8 40", "TopKProcessor(temperature=0.8, top_k=40)")
+    send(child, "/processor topknucleus 0.8 40 0.9", "TopKNucleusProcessor(temperature=0.8, top_k=40, top_p=0.9)")
+    send(child, "/processor nucleus temperature=0.7 top_p=0.8", "NucleusProcessor(temperature=0.7, top_p=0.8)")
+    send(child, "/processor topk 0.8 0.9", "top_k must be an integer, got '0.9'")
+    send(child, "/processor nucleus 0.8 10 0.9", "nucleus takes temperature, top_p, got 3 values")
+    send(child, "/processor nucleus top_k=3", "nucleus has no parameter 'top_k'")
+    send(child, "/processor nucleus 0.7 1.5", "top_p must be in (0, 1]")
     send(child, "/processor nucleus 0", "temperature must be")
     send(child, "/processor banana", "usage: /processor")
     send(child, "/processor repetition_penalty=1.2 no_repeat_ngram_size=3 min_p=0.05",
@@ -75,13 +82,17 @@ def test_chat_of_two_turns_compares_methods(model_dir):
     child = start(model_dir)
     send(child, "/length 12")
     send(child, "/beam")
-    send(child, "w5 w6 w7 w5 w6", "[target]", "[ngram]", "[beam]", "tokens/s", "speedup vs target")
+    send(child, "w5 w6 w7 w5 w6", "[target]", "[ngram]", "[beam]", "tokens/s", "speedup vs target",
+         "same tokens as target: ngram yes")  # greedy
     send(child, "/debug")
     send(child, "w8 w9 w5 w6", "[target]", "[ngram]", "tau")
     send(child, "/processor repetition_penalty=1.3 no_repeat_ngram_size=2")
     send(child, "/branching 3")
     send(child, "w5 w6 w7 w5 w6 w7", "[target]", "[ngram]", "tau")
     send(child, "/status", "turns in history  3")
+    send(child, "/processor nucleus 1.5 0.95")
+    send(child, "/seed 3")
+    send(child, "w5 w6 w7", "[target]", "[ngram]", "same tokens as target: ngram yes")  # seeded: coupled sampling
     child.sendeof()  # Ctrl-D exits
     child.expect_exact("bye")
     child.expect(pexpect.EOF)

@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -35,18 +36,20 @@ from pathlib import Path
 
 import torch
 import transformers
+from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from utils import cpu_passes
 from utils.cpu_passes import Shortcuts
 
-__all__ = ["DRAFT_SIZES", "PRIOR", "PassCosts", "calibrate", "pass_costs", "prior_cost"]
+__all__ = ["DRAFT_SIZES", "PRIOR", "PassCosts", "calibrate", "is_measured", "pass_costs", "prior_cost"]
 
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 31)  # each small k measured: the 1 -> 2 step can jump
 CONTEXT = 256  # tokens already in the cache when a calibration pass runs
 REPEATS = 3
 MAX_SPREAD = 0.25  # (max - min) / median of the one-token pass's repeats above this: a busy machine
 CALIBRATE_ENV = "SPECDEC_CALIBRATE"  # "0": use PRIOR, measure nothing up front
+PROGRESS_ENV = "SPECDEC_PROGRESS"  # "0": no progress bar while calibrating
 
 # Cost of a pass over 1 + k tokens / a one-token pass: SmolLM2-135M, fp32, 2 cores of one CPU
 # (with the CPU shortcuts). Only a prior: another CPU measured 1.84x at k = 1.
@@ -158,14 +161,20 @@ def time_passes(model: PreTrainedModel, choices: list[Shortcuts], repeats: int) 
     device = runner.device
     times: dict[tuple[int, Shortcuts], list[float]] = {}
     plan = [(k, choice) for k in (0, *DRAFT_SIZES) for choice in choices]
+    # The one wait a user sees (seconds, once per machine and model): say so on stderr, as
+    # transformers does while it loads weights.
+    progress = tqdm(total=(repeats + 1) * len(plan), desc=f"Measuring {type(model).__name__}'s pass costs here (once, cached)",
+                    unit="pass", leave=False, file=sys.stderr, disable=os.environ.get(PROGRESS_ENV) == "0")
     for _ in range(repeats + 1):  # the first round warms every shape up and is not kept
         for k, choice in plan:
+            progress.update()
             synchronize(device)
             start = time.perf_counter()
             runner.forward(tokens[context : context + k + 1], num_logits=k + 1, shortcuts=choice)
             synchronize(device)
             times.setdefault((k, choice), []).append(time.perf_counter() - start)
             runner.rollback(context)
+    progress.close()
     return {key: values[1:] for key, values in times.items()}
 
 
@@ -258,16 +267,31 @@ def pass_costs(model: PreTrainedModel) -> PassCosts:
     return costs
 
 
-def _cached_or_calibrated(model: PreTrainedModel) -> PassCosts:
+def _cache_path(model: PreTrainedModel) -> tuple[dict, Path]:
     from utils.loading import cache_dir
 
     key = calibration_key(model)
-    path = cache_dir() / "costs" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
-    if path.exists():
-        try:
-            return PassCosts.from_json(json.loads(path.read_text())["costs"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # an unreadable cache entry is measured again
+    return key, cache_dir() / "costs" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
+
+
+def _load(path: Path) -> PassCosts | None:
+    try:
+        return PassCosts.from_json(json.loads(path.read_text())["costs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or unreadable: measured again
+
+
+def is_measured(model: PreTrainedModel) -> bool:
+    """Whether `pass_costs(model)` answers without measuring anything (known in memory, cached on
+    disk, or calibration switched off): a console can say what it is about to wait for."""
+    return model in _COSTS or os.environ.get(CALIBRATE_ENV) == "0" or _load(_cache_path(model)[1]) is not None
+
+
+def _cached_or_calibrated(model: PreTrainedModel) -> PassCosts:
+    key, path = _cache_path(model)
+    costs = _load(path)
+    if costs is not None:
+        return costs
     for _ in range(2):  # a burst of load: measure once more
         costs, spread = calibrate(model)
         if spread <= MAX_SPREAD:
