@@ -31,7 +31,7 @@ from sampling import (
     speculative_generate_encoder_decoder,
 )
 from utils.caching import is_encoder_decoder
-from utils.cost_model import is_measured, pass_costs
+from utils.calibration import is_measured, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import (
     GreedyProcessor,
@@ -415,7 +415,7 @@ class ChatConsole:
 
 
 def measure_pass_costs(console: Console, models: list) -> None:
-    """The first run on a machine measures what a forward pass costs (`utils.cost_model`): say so
+    """The first run on a machine measures what a forward pass costs (`utils.calibration`): say so
     and show its progress (stderr) now, rather than stall silently on the first prompt."""
     for model in models:
         if not is_measured(model):

@@ -4,7 +4,7 @@
 
 Prints the machine, then for each k the cost under every combination of the CPU shortcuts
 (median and min-max over interleaved repeats), which one is fastest, and the table the library
-will use here (`utils.cost_model.pass_costs`: from the calibration cache, or calibrated now).
+will use here (`utils.calibration.pass_costs`: from the calibration cache, or calibrated now).
 A draft of k tokens pays only if its expected accepted tokens + 1 exceed this ratio.
 """
 
@@ -16,8 +16,9 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from utils import cost_model, cpu_passes
-from utils.cost_model import DRAFT_SIZES, calibration_key, machine, pass_costs
+from utils import calibration, cpu_passes
+from utils.calibration import calibration_key, machine, pass_costs
+from utils.cost_model import DRAFT_SIZES
 from utils.loading import load_model
 
 
@@ -37,9 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     console.print(f"machine: {machine()}")
     choices = cpu_passes.available_shortcuts(model)
-    times = cost_model.time_passes(model, choices, args.repeats)
+    times = calibration.time_passes(model, choices, args.repeats)
     base = statistics.median(times[(0, cpu_passes.Shortcuts())])
-    console.print(f"one-token pass after {cost_model.CONTEXT} tokens: {base * 1000:.1f} ms (median of {args.repeats})")
+    console.print(f"one-token pass after {calibration.CONTEXT} tokens: {base * 1000:.1f} ms (median of {args.repeats})")
     table = Table("k", *[describe(c) for c in choices], "fastest",
                   title="cost of 1 + k tokens / one-token pass without shortcuts: median [min-max]")
     for k in (0, *DRAFT_SIZES):

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from benchmarks.summary import BASELINE, CONTROL, TASKS, goal_lines, noise_verdict, report, summarise
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from utils.cost_model import machine, pass_costs
+from utils.calibration import machine, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
 

@@ -27,6 +27,9 @@ class Prediction:
     probability: float | None = None  # the target's probability of `token` when it last scored this context
 
 
+LEARNED_SEQUENCES = 64  # sequences whose learned length a pool remembers (the rows of a batch)
+
+
 class DynaGram:
     """Base pool over contexts of the lengths in `context_lengths`, looked up longest first."""
 
@@ -51,7 +54,9 @@ class DynaGram:
         # OrderedDict order is recency (LRU).
         self._table: OrderedDict[tuple[int, ...], dict[int, list]] = OrderedDict()
         self._clock = 0
-        self._learned: tuple[list[int], int] | None = None  # (sequence learned last, its length then)
+        # Sequences learned from, most recent last: id -> (sequence, its length then). Several at
+        # once when a pool is shared by the rows of a batch.
+        self._learned: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
         self.vocab_size = None
 
     def __len__(self) -> int:
@@ -110,16 +115,19 @@ class DynaGram:
         last are added (compared once), so earlier turns are not counted again.
         """
         known = 0
-        if self._learned is not None:
-            last, length = self._learned
-            if last is sequence and len(sequence) >= length:
-                known = length
-            else:
-                shared = zip(last[:length], sequence, strict=False)
-                known = next((i for i, (a, b) in enumerate(shared) if a != b), min(length, len(sequence)))
+        same = self._learned.get(id(sequence))
+        if same is not None and same[0] is sequence and len(sequence) >= same[1]:
+            known = same[1]  # the same decoding, one step later (each row of a batch has its own list)
+        elif self._learned:
+            last, length = next(reversed(self._learned.values()))
+            shared = zip(last[:length], sequence, strict=False)
+            known = next((i for i, (a, b) in enumerate(shared) if a != b), min(length, len(sequence)))
         longest = max(self.context_lengths)
         self.fill(sequence[max(0, known - longest) :], start=min(known, longest))
-        self._learned = (sequence, len(sequence))
+        self._learned[id(sequence)] = (sequence, len(sequence))
+        self._learned.move_to_end(id(sequence))
+        if len(self._learned) > LEARNED_SEQUENCES:
+            self._learned.popitem(last=False)
 
     def predict(self, history: Sequence[int]) -> Prediction | None:
         """The proposal after `history` (longest known context first), or None on a miss."""

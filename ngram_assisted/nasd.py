@@ -19,17 +19,20 @@ from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import OnStep, prepare
 from sampling.draft_policy import DraftLength
-from sampling.randomness import PositionUniforms
+from sampling.drafters import PerRow
 from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
 from utils.caching import vocab_size
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import check_int, check_model
+from utils.validation import check_batch, check_int, check_model, check_rows_argument
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
           max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step):
-    if not isinstance(ngram, DynaGram):
-        raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram, got {type(ngram).__name__}")
+    pools = ngram if isinstance(ngram, (list, tuple)) else [ngram]
+    for i, pool in enumerate(pools):
+        if not isinstance(pool, DynaGram):
+            where = f"ngram[{i}]" if isinstance(ngram, (list, tuple)) else "ngram"
+            raise TypeError(f"{where} must be a SimpleDynaGram or MultiDynaGram, got {type(pool).__name__}")
     gamma = check_gamma(gamma)
     if not isinstance(stop_if_unknown, bool):
         raise TypeError(f"stop_if_unknown must be a bool, got {stop_if_unknown!r}")
@@ -42,31 +45,56 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
         check_int(branching, "branching", 1)
     if draft_cost is not None and not callable(draft_cost):
         raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
+    rows, batched = check_batch(inputs, "inputs", target)
+    if isinstance(ngram, (list, tuple)):
+        if not batched:
+            raise TypeError("ngram must be one pool for one sequence; a list of pools is for a batch")
+        pools = check_rows_argument(list(ngram), "ngram", len(rows), DynaGram)
+    else:
+        pools = [ngram] * len(rows)  # one pool shared by every row: each drafts from it and teaches it
     gen = prepare(
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
     )
-    ngram.bind_vocabulary(vocab)
-    # Unless the caller gave one, the draft length's cost is the target's, measured on this machine.
+    for pool in pools:
+        pool.bind_vocabulary(vocab)
+    # Unless the caller gave one, the draft length's cost is the target's, measured on this machine,
+    # for a pass over every row (a step of B rows drafting k nodes each feeds B x (1 + k) tokens).
     # Trees where the model can verify them in one pass (else chains, still exact); None: up to
     # AUTO_BRANCHING candidates per node, kept only where they pay (a chain when none does).
     if not gen.runner.supports_trees:
         branching = 1
     elif branching is None:
         branching = AUTO_BRANCHING if stop_if_unknown else 1
-    drafter = NgramDrafter(
-        ngram, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
-        source_tokens=gen.encoder_input_ids or (), draft_cost=draft_cost or gen.runner.costs, branching=branching,
-    )
+    draft_length = DraftLength(gamma)
+    cost = draft_cost or BatchCost(gen.runner.costs, draft_length)
+    drafter = PerRow([
+        NgramDrafter(pool, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
+                     source_tokens=source, draft_cost=cost, branching=branching)
+        for pool, source in zip(pools, gen.encoder_input_ids or [()] * len(pools), strict=True)
+    ])
     return speculative_loop(
-        gen, drafter, logits_processor=logits_processor, draft_length=DraftLength(gamma),
-        uniforms=PositionUniforms(generator, prefix_length=len(gen.prefix)), stats=stats, on_step=on_step,
+        gen, drafter, logits_processor=logits_processor, draft_length=draft_length, stats=stats, on_step=on_step,
     )
+
+
+class BatchCost:
+    """The relative cost of drafting k nodes in a row of a step of `draft_length.rows` rows: a pass
+    over rows x (1 + k) tokens against a plain step's pass over one token per row (the measured
+    table of `costs`). One row: `costs(k)`."""
+
+    def __init__(self, costs, draft_length: DraftLength) -> None:
+        self.costs = costs
+        self.draft_length = draft_length
+
+    def __call__(self, k: int) -> float:
+        rows = self.draft_length.rows
+        return self.costs(rows * (1 + k) - 1) / self.costs(rows - 1) if rows > 1 else self.costs(k)
 
 
 def ngram_assisted_speculative_generate(
-    inputs: list[int],
-    ngram: DynaGram,
+    inputs: list[int] | list[list[int]],
+    ngram: DynaGram | list[DynaGram],
     target: PreTrainedModel,
     tokenizer=None,
     gamma: int = 8,
@@ -80,7 +108,7 @@ def ngram_assisted_speculative_generate(
     *,
     draft_cost: Callable[[int], float] | None = None,
     branching: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float]:
@@ -91,7 +119,7 @@ def ngram_assisted_speculative_generate(
     position; it keeps what it learned across calls (call `ngram.reset()` to forget). Drafts are up
     to `gamma` tokens; with `stop_if_unknown` a draft stops at the first unknown n-gram and is cut
     to the length that pays under `draft_cost` (the cost of verifying k drafts relative to one plain
-    step; by default measured on this machine for this model, `utils.cost_model`). `branching`:
+    step; by default measured on this machine for this model, `utils.calibration`). `branching`:
     the most candidate continuations drafted per node, verified as a token tree in one pass (1: a
     chain; None: up to 3, kept only where the cost model says they pay; `gamma` then counts every
     node). Models that cannot verify a tree (encoder-decoder, no cache, flash attention) draft
@@ -108,8 +136,8 @@ def ngram_assisted_speculative_generate(
 
 
 def ngram_assisted_speculative_generate_encoder_decoder(
-    inputs: list[int],
-    ngram: DynaGram,
+    inputs: list[int] | list[list[int]],
+    ngram: DynaGram | list[DynaGram],
     target: PreTrainedModel,
     tokenizer=None,
     gamma: int = 8,
@@ -123,7 +151,7 @@ def ngram_assisted_speculative_generate_encoder_decoder(
     *,
     draft_cost: Callable[[int], float] | None = None,
     branching: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float]:

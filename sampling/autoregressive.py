@@ -8,35 +8,41 @@ from transformers import PreTrainedModel
 from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, prepare
 from sampling.drafters import DraftTree
-from sampling.randomness import PositionUniforms
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 
 NO_DRAFTS = DraftTree.chain([])
 
 
-def _decode(
-    gen: Generation, logits_processor: LogitsProcessor, generator: torch.Generator | None, on_step: OnStep | None
-) -> list[int]:
-    generated: list[int] = []
-    sequence = list(gen.prefix)  # what the processor sees as history (the decoder's ids)
-    uniforms = PositionUniforms(generator, prefix_length=len(sequence))
-    logits = gen.runner.forward(gen.prefix)  # prefill: the whole prompt in one pass
+def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep | None) -> list:
+    """The plain loop over every row of `gen`; rows that finish leave the batch."""
+    sequences = [list(prefix) for prefix in gen.prefixes]  # what the processor sees as history (the decoder's ids)
+    generated: list[list[int]] = [[] for _ in sequences]
+    active = list(range(len(sequences)))  # the rows still decoding, in the runner's order
+    logits = gen.runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(active))  # prefill
     while True:
-        # The target's token: a speculative step with nothing drafted (argmax, or the inverse CDF
-        # of the processed distribution at this position's uniform number).
-        _, token, _ = accept(logits[-1:], NO_DRAFTS, None, sequence, logits_processor, uniforms)
-        tokens, finished = gen.trim([token], len(generated))
-        generated += tokens
-        sequence += tokens
-        if on_step is not None:
-            on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens)))
-        if finished:
-            return generated
-        logits = gen.runner.forward([token])  # the cache holds everything else
+        feeds, running = [], []
+        for i, row in enumerate(active):
+            # The target's token: a speculative step with nothing drafted (argmax, or the inverse
+            # CDF of the processed distribution at this position's uniform number).
+            _, token, _ = accept(logits[i], NO_DRAFTS, None, sequences[row], logits_processor, gen.uniforms[row])
+            tokens, finished = gen.trim(row, [token], len(generated[row]))
+            generated[row] += tokens
+            sequences[row] += tokens
+            if on_step is not None:
+                on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens), row=row))
+            if not finished:
+                running.append(i)
+                feeds.append(([token], None))
+        if not running:
+            return gen.results(generated)
+        if len(running) < len(active):
+            gen.runner.select_rows(running)  # finished rows stop costing compute
+            active = [active[i] for i in running]
+        logits = gen.runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
 
 
 def autoregressive_generate(
-    inputs: list[int],
+    inputs: list[int] | list[list[int]],
     model: PreTrainedModel,
     use_cache: bool = True,
     max_gen_len: int = 40,
@@ -44,25 +50,28 @@ def autoregressive_generate(
     end_tokens_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     *,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     on_step: OnStep | None = None,
-) -> list[int]:
+) -> list[int] | list[list[int]]:
     """Generate up to `max_gen_len` tokens after `inputs` with a decoder-only model.
 
     Returns the generated ids only, ending with the end token when one was produced. Generation
-    also stops when the model's context is full. `pad_token_id` is accepted for compatibility with
-    the seed README and unused (one sequence needs no padding). `generator` makes sampling
-    reproducible; `on_step` receives each new token as a `Step` (streaming).
+    also stops when the model's context is full. `inputs` may be a batch (a list of token-id
+    lists, rows of any lengths): then a list with each row's ids, each what the single call returns
+    for that row, decoded together (one pass per step for all running rows). `pad_token_id` is
+    accepted for compatibility with the seed README and unused. `generator` (one, or one per row)
+    makes sampling reproducible (`sampling.randomness`); `on_step` receives each new token as a
+    `Step` (streaming; `Step.row` says which row).
     """
     gen = prepare(
         inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
     )
-    return _decode(gen, logits_processor, generator, on_step)
+    return _decode(gen, logits_processor, on_step)
 
 
 def autoregressive_generate_encoder_decoder(
-    inputs: list[int],
+    inputs: list[int] | list[list[int]],
     model: PreTrainedModel,
     use_cache: bool = True,
     max_gen_len: int = 40,
@@ -70,9 +79,9 @@ def autoregressive_generate_encoder_decoder(
     end_tokens_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     *,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     on_step: OnStep | None = None,
-) -> list[int]:
+) -> list[int] | list[list[int]]:
     """`autoregressive_generate` for encoder-decoder models (T5, BART, ...).
 
     `inputs` are the encoder's ids; the encoder runs once. Returns the decoder's generated ids,
@@ -80,6 +89,6 @@ def autoregressive_generate_encoder_decoder(
     """
     gen = prepare(
         inputs, model, encoder_decoder=True, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
     )
-    return _decode(gen, logits_processor, generator, on_step)
+    return _decode(gen, logits_processor, on_step)

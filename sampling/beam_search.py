@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from sampling.common import prepare
 from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
-from utils.validation import check_int
+from utils.validation import check_int, is_batch
 
 
 def length_penalty(length: int, min_length: int, alpha: float) -> float:
@@ -48,11 +48,14 @@ def beam_search_generate(
     check_int(min_length, "min_length", 0)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a number, got {alpha!r}")
+    if is_batch(inputs):
+        raise ValueError("beam_search_generate decodes one sequence: inputs must be a list of token ids, not a batch "
+                         "(call it once per row)")
     gen = prepare(
         inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
     )
-    max_len = gen.max_new_tokens
+    max_len = gen.max_new_tokens[0]
     runner = BeamRunner(model, use_cache=use_cache)
     runner.costs = gen.runner.costs  # the CPU shortcuts measured fastest here
 

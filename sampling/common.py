@@ -5,19 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedModel
 
+from sampling.randomness import PositionUniforms
 from utils.caching import ModelRunner, context_length
-from utils.cost_model import pass_costs
+from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
 from utils.validation import (
+    check_batch,
     check_decoder_start,
     check_end_tokens,
     check_fits,
     check_int,
     check_model,
     check_processor,
-    check_token_ids,
+    check_rows_argument,
 )
 
 
@@ -28,12 +31,13 @@ class Step:
     drafts: the tokens the drafter proposed (empty for autoregressive decoding);
     accepted: how many leading drafts the target accepted;
     tokens: the tokens appended to the output this step (accepted drafts, then the target's own
-    token; cut after an end token or at `max_gen_len`).
+    token; cut after an end token or at `max_gen_len`). A batch streams one Step per row and step.
     """
 
     drafts: tuple[int, ...]
     accepted: int
     tokens: tuple[int, ...]
+    row: int = 0  # the row of a batch this step belongs to (0 for one sequence)
 
 
 OnStep = Callable[[Step], None]
@@ -41,24 +45,59 @@ OnStep = Callable[[Step], None]
 
 @dataclass
 class Generation:
-    """A checked request: the target's runner, the decoder prefix and the stopping rules."""
+    """A checked request over one or more rows: the target's runner, each row's decoder prefix,
+    random numbers and length budget, and the stopping rules."""
 
-    runner: ModelRunner
-    prefix: list[int]  # decoder-only: the prompt; encoder-decoder: [decoder_start_token_id]
-    encoder_input_ids: list[int] | None
+    runner: ModelRunner  # every row (`ModelRunner.rows`)
+    prefixes: list[list[int]]  # decoder-only: the prompts; encoder-decoder: [decoder_start_token_id] each
+    encoder_input_ids: list[list[int]] | None
     end_tokens: frozenset[int]
-    max_new_tokens: int  # max_gen_len, capped so that the sequence fits the model's context
+    max_new_tokens: list[int]  # max_gen_len, capped so that each row fits the model's context
+    uniforms: list[PositionUniforms]  # each row's random numbers by position
+    batched: bool  # the inputs were a batch: results come back as a list, one per row
 
-    def trim(self, tokens: list[int], generated: int) -> tuple[list[int], bool]:
-        """Cut `tokens` after the first end token and at the length budget -> (tokens, finished)."""
-        budget = self.max_new_tokens - generated
+    @property
+    def prefix(self) -> list[int]:
+        """The one row's prefix (a single-sequence request)."""
+        assert len(self.prefixes) == 1
+        return self.prefixes[0]
+
+    def trim(self, row: int, tokens: list[int], generated: int) -> tuple[list[int], bool]:
+        """Cut row `row`'s new `tokens` after the first end token and at its length budget ->
+        (tokens, finished)."""
+        budget = self.max_new_tokens[row] - generated
         for i, token in enumerate(tokens[:budget]):
             if token in self.end_tokens:
                 return tokens[: i + 1], True
         return tokens[:budget], len(tokens) >= budget
 
+    def results(self, per_row: list):
+        """What the caller gets: the one row's result, or the list of every row's."""
+        return per_row if self.batched else per_row[0]
+
+
+def row_generators(generator: object, rows: int, batched: bool) -> list[torch.Generator | None]:
+    """`generator=`: None, a torch.Generator, or (batches) a list of one per row -> one per row.
+
+    One generator (or None: torch's global one) for a batch gives each row its own stream, seeded
+    from it in row order; a list gives row i exactly the numbers the single call gets from
+    generator[i]."""
+    if isinstance(generator, (list, tuple)):
+        if not batched:
+            raise TypeError("generator must be a torch.Generator or None for one sequence; a list is for a batch")
+        return check_rows_argument(generator, "generator", rows, torch.Generator)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, a list of them (a batch) or None, got {generator!r}")
+    if not batched:
+        return [generator]
+    seeds = torch.randint(0, 2**62, (rows,), generator=generator,
+                          device=generator.device if generator is not None else "cpu").tolist()
+    device = generator.device if generator is not None else "cpu"
+    return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+
 def prepare(
-    inputs: list[int],
+    inputs: list[int] | list[list[int]],
     model: PreTrainedModel,
     *,
     encoder_decoder: bool,
@@ -66,24 +105,30 @@ def prepare(
     max_gen_len: int,
     logits_processor: LogitsProcessor,
     end_tokens_id: int | list[int] | None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     model_name: str = "model",
 ) -> Generation:
-    """Validate a request (before any forward pass) and build the target's runner. Callers check
-    their own arguments first: the runner's pass costs may be calibrated here, running the model."""
+    """Validate a request (before any forward pass) and build the target's runner over its rows.
+    Callers check their own arguments first: the runner's pass costs may be calibrated here,
+    running the model."""
     check_model(model, model_name, encoder_decoder)
-    inputs = check_token_ids(inputs, "inputs", model)
+    rows, batched = check_batch(inputs, "inputs", model)
     check_int(max_gen_len, "max_gen_len", 1)
     check_processor(logits_processor)
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
     end_tokens = check_end_tokens(end_tokens_id, model)
-    check_fits(len(inputs), model, "inputs")
+    for i, row in enumerate(rows):
+        check_fits(len(row), model, f"inputs[{i}]" if batched else "inputs")
+    generators = row_generators(generator, len(rows), batched)
     if encoder_decoder:
-        prefix, encoder_input_ids = [check_decoder_start(model)], inputs
+        prefixes, encoder_input_ids = [[check_decoder_start(model)] for _ in rows], rows
     else:
-        prefix, encoder_input_ids = inputs, None
+        prefixes, encoder_input_ids = rows, None
     limit = context_length(model)
-    max_new = max_gen_len if limit is None else min(max_gen_len, limit - len(prefix))
-    runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids)
+    max_new = [max_gen_len if limit is None else min(max_gen_len, limit - len(prefix)) for prefix in prefixes]
+    uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(generators, prefixes, strict=True)]
+    runner = ModelRunner(model, use_cache=use_cache, rows=len(rows),
+                         encoder_input_ids=encoder_input_ids if batched or encoder_input_ids is None else encoder_input_ids[0])
     runner.costs = pass_costs(model)  # the kernels measured fastest here (calibrated once per machine)
-    return Generation(runner, prefix, encoder_input_ids, end_tokens, max_new)
+    return Generation(runner, prefixes, encoder_input_ids, end_tokens, max_new, uniforms, batched)

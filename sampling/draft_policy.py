@@ -45,6 +45,7 @@ class DraftLength:
 
     def __init__(self, gamma: int) -> None:
         self.gamma = gamma
+        self.rows = 1
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
         pass
@@ -58,13 +59,16 @@ class CostAwareDraftLength:
     the cost of k drafts is the target's measured pass over 1 + k tokens plus k times what a drafted
     token really costs, in one-token target passes: `draft_seconds()` (the drafter's timed
     drafting steps, catch-up pass included), or before any was timed the drafter's measured pass.
-    After `PROBE_AFTER` plain steps in a row one token is drafted anyway, so that a drafter that
-    became useful again is noticed (and its timing stays current).
+    After `probe_after` plain steps in a row one token is drafted anyway, so that a drafter that
+    became useful again is noticed, but only if drafting could pay at all (at an acceptance rate of
+    0.99 under the measured costs: a drafter too dear to pay even then is never probed), and every
+    probe that is not followed by drafting doubles the wait (up to `MAX_PROBE_AFTER`): a probe
+    costs a catch-up pass over every token the drafter missed.
     """
 
     PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0
     FORGET = 0.97  # per judged draft: the estimate follows roughly the last 30 drafts
-    PROBE_AFTER = 16
+    PROBE_AFTER, MAX_PROBE_AFTER = 16, 256
 
     def __init__(self, max_gamma: int, target_costs: PassCosts, drafter_costs: PassCosts,
                  draft_seconds: Callable[[], float | None] = lambda: None) -> None:
@@ -74,6 +78,8 @@ class CostAwareDraftLength:
         self.draft_seconds = draft_seconds
         self.accepted, self.judged = self.PRIOR_ALPHA * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
         self.plain_steps = 0
+        self.probe_after = self.PROBE_AFTER
+        self.rows = 1  # rows verified together: a step's pass covers rows x (1 + k) tokens
 
     @property
     def alpha(self) -> float:
@@ -86,13 +92,16 @@ class CostAwareDraftLength:
         return drafter / target if target and drafter else 1.0
 
     def cost(self, k: int) -> float:
-        return self.target_costs(k) + k * self.drafter_step_cost()
+        return self.target_costs(self.rows * (1 + k) - 1) + k * self.drafter_step_cost()
 
     @property
     def gamma(self) -> int:
         k = best_draft_length([min(self.alpha, 0.99)] * self.max_gamma, self.cost)
-        if k == 0 and self.plain_steps >= self.PROBE_AFTER:
+        if k == 0 and self.plain_steps >= self.probe_after and best_draft_length([0.99] * self.max_gamma, self.cost):
+            self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
             return 1
+        if k:
+            self.probe_after = self.PROBE_AFTER
         return k
 
     def update(self, num_drafts: int, num_accepted: int) -> None:

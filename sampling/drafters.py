@@ -53,30 +53,62 @@ class DraftTree:
 
 
 class Drafter(Protocol):
-    """What the speculative loop needs from a source of drafts.
+    """What the speculative loop needs from a source of drafts, for the rows of a batch (one row:
+    one sequence). Lists go by row, in the order of the rows still decoding.
 
-    `sequence` is always the whole accepted sequence (decoder prefix + generated tokens).
+    `sequences[b]` is always row b's whole accepted sequence (decoder prefix + generated tokens).
     """
 
     forward_passes: int  # model forward passes spent drafting (0 for an n-gram pool)
 
-    def start(self, sequence: list[int]) -> None:
-        """A new generation begins with `sequence` (the prompt)."""
+    def start(self, sequences: list[list[int]]) -> None:
+        """A new generation begins with these prompts."""
 
-    def draft(self, sequence: list[int], max_drafts: int, max_depth: int) -> tuple[DraftTree, Tensor | None]:
-        """Propose up to `max_drafts` (possibly 0) nodes, no path deeper than `max_depth` (the room
-        left before `max_gen_len`), after `sequence` -> (tree, q).
+    def draft(self, sequences: list[list[int]], max_drafts: int, max_depths: list[int]) -> list[tuple[DraftTree, Tensor | None]]:
+        """For each row, up to `max_drafts` (possibly 0) nodes, no path deeper than `max_depths[b]`
+        (the room left before `max_gen_len`) -> (tree, q) per row.
 
         q: (len(tree), V) the processed distributions a chain's drafts were sampled from, or None
         when the drafts are deterministic (q one-hot) or the processor is greedy. Only deterministic
         drafters propose trees that are not chains.
         """
 
-    def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
-        """The target accepted the nodes `path` (root to leaf) of the last tree; `sequence` now ends
-        with their tokens and the target's own. `target_logits`: (1 + len(tree), V), the target's
-        scores at the root (row 0) and after every node i (row 1 + i), accepted or not; `p`: the
-        same rows processed (None when greedy)."""
+    def update(self, sequences: list[list[int]], paths: list[list[int]], target_logits: list[Tensor],
+               p: list[Tensor | None]) -> None:
+        """Row b's target accepted the nodes `paths[b]` (root to leaf) of its last tree; its sequence
+        now ends with their tokens and the target's own. `target_logits[b]`: (1 + len(tree), V), the
+        target's scores at the root (row 0) and after every node i (row 1 + i), accepted or not;
+        `p[b]`: the same rows processed (None when greedy)."""
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Only the rows `keep` go on decoding."""
+
+
+class PerRow:
+    """A batch `Drafter` made of one single-row drafter per row (the n-gram drafters: each row
+    drafts from its own pool, or all from one shared pool, and teaches it)."""
+
+    def __init__(self, drafters: list) -> None:
+        self.drafters = drafters
+
+    @property
+    def forward_passes(self) -> int:
+        return sum(drafter.forward_passes for drafter in self.drafters)
+
+    def start(self, sequences: list[list[int]]) -> None:
+        for drafter, sequence in zip(self.drafters, sequences, strict=True):
+            drafter.start(sequence)
+
+    def draft(self, sequences, max_drafts, max_depths):
+        return [drafter.draft(sequence, max_drafts, depth)
+                for drafter, sequence, depth in zip(self.drafters, sequences, max_depths, strict=True)]
+
+    def update(self, sequences, paths, target_logits, p) -> None:
+        for drafter, *row in zip(self.drafters, sequences, paths, target_logits, p, strict=True):
+            drafter.update(*row)
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.drafters = [self.drafters[b] for b in keep]
 
 
 DRAFT_TIME_WEIGHT = 0.2  # weight of one drafting step's timing in the running average
@@ -84,10 +116,11 @@ DRAFT_TIME_WEIGHT = 0.2  # weight of one drafting step's timing in the running a
 
 class ModelDrafter:
     """A small language model as drafter (Leviathan et al. 2023): drafts are sampled from q, the
-    drafter's distribution under the same logits processor as the target's p.
+    drafter's distribution under the same logits processor as the target's p. The rows of a batch
+    draft in lockstep, one drafter pass per drafted token for all rows.
 
-    The drafter's cache always holds a prefix of the accepted sequence: what it has not seen yet
-    (the target's token, and the last draft when all were accepted) is fed at the next `draft`.
+    Each row's cache always holds a prefix of its accepted sequence: what it has not seen yet (the
+    target's token, and the last draft when all were accepted) is fed at the next `draft`.
     """
 
     def __init__(
@@ -96,25 +129,29 @@ class ModelDrafter:
         processor: LogitsProcessor,
         *,
         vocab_size: int,
+        uniforms: list[PositionUniforms],
         use_cache: bool = True,
-        encoder_input_ids: list[int] | None = None,
-        uniforms: PositionUniforms | None = None,
+        encoder_input_ids: list[list[int]] | None = None,
     ) -> None:
-        self.runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids)
+        rows = len(uniforms)
+        if encoder_input_ids is not None and rows == 1:
+            encoder_input_ids = encoder_input_ids[0]
+        self.runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids, rows=rows)
         self.processor = processor
         self.vocab_size = vocab_size  # the target's logit width: q must live in the same space as p
-        self.uniforms = uniforms or PositionUniforms()  # draft at position t: the inverse CDF of q at its DRAFT number
-        self._accepted_length = 0  # len(sequence) when the last draft started
-        # Seconds a drafting step costs per drafted token, timed (the catch-up pass over the
-        # target's token, every drafter pass, the processing and sampling): a running average.
+        self.uniforms = uniforms  # row b's draft at position t: the inverse CDF of q at its DRAFT number
+        self._accepted_lengths = [0] * rows  # len(sequence) of each row when the last draft started
+        # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
+        # the target's tokens, every drafter pass, the processing and sampling. A running average.
         self.seconds_per_draft: float | None = None
 
     @property
     def forward_passes(self) -> int:
         return self.runner.forward_passes
 
-    def start(self, sequence: list[int]) -> None:
-        self.runner.rollback(0)
+    def start(self, sequences: list[list[int]]) -> None:
+        for row in range(len(sequences)):
+            self.runner.rollback_row(row, 0)
 
     def _distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
         """Drafter logits (V_d,) after `history` -> q (V,) in the target's vocabulary, processed as
@@ -127,34 +164,49 @@ class ModelDrafter:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-torch.inf)
         return self.processor(logits[None], history)[0]
 
-    def draft(self, sequence: list[int], max_drafts: int, max_depth: int) -> tuple[DraftTree, Tensor | None]:
-        self._accepted_length = len(sequence)
-        max_drafts = min(max_drafts, max_depth)  # a chain: every node is one deeper
-        if max_drafts <= 0:
-            return DraftTree.chain([]), None
+    def _sample(self, q: Tensor, row: int, position: int) -> int:
+        if self.processor.is_greedy:
+            return int(q.argmax())
+        return int(inverse_cdf(q, self.uniforms[row](position - self.uniforms[row].prefix_length, DRAFT)))
+
+    def draft(self, sequences, max_drafts, max_depths):
+        self._accepted_lengths = [len(sequence) for sequence in sequences]
+        lengths = [max(0, min(max_drafts, depth)) for depth in max_depths]  # a chain: every node is one deeper
+        if not any(lengths):
+            return [(DraftTree.chain([]), None) for _ in sequences]
         start = time.perf_counter()
-        logits = self.runner.forward(sequence[len(self.runner) :])  # catch up on unseen tokens
-        drafts, qs = [], []
-        for i in range(max_drafts):
-            history = sequence + drafts if self.processor.needs_history else None  # accepted tokens, its drafts
-            q = self._distribution(logits[-1], history)
-            if self.processor.is_greedy:
-                token = int(q.argmax())
-            else:
-                position = len(sequence) + i - self.uniforms.prefix_length
-                token = int(inverse_cdf(q, self.uniforms(position, DRAFT)))
-            drafts.append(token)
-            qs.append(q)
-            if i + 1 < max_drafts:  # the last draft is fed only if accepted (next round)
-                logits = self.runner.forward([token])
-        q = None if self.processor.is_greedy else torch.stack(qs)
+        # Catch up on what each drafting row has not seen; then one pass per draft, rows in lockstep.
+        feeds = [(sequence[self.runner.row_length(b) :] if k else [], None)
+                 for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True))]
+        logits = self.runner.forward_rows(feeds, [int(k > 0) for k in lengths])
+        drafts: list[list[int]] = [[] for _ in sequences]
+        qs: list[list[Tensor]] = [[] for _ in sequences]
+        for i in range(max(lengths)):
+            feeds = []
+            for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True)):
+                if i >= k:
+                    feeds.append(([], None))
+                    continue
+                history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
+                q = self._distribution(logits[b][-1], history)
+                drafts[b].append(self._sample(q, b, len(sequence) + i))
+                qs[b].append(q)
+                feeds.append(([drafts[b][-1]] if i + 1 < k else [], None))  # the last draft is fed only if accepted
+            if any(tokens for tokens, _ in feeds):
+                logits = self.runner.forward_rows(feeds, [int(bool(tokens)) for tokens, _ in feeds])
         synchronize(self.runner.device)
-        seconds = (time.perf_counter() - start) / max_drafts
+        seconds = (time.perf_counter() - start) / max(lengths)
         previous = self.seconds_per_draft
         self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)
-        return DraftTree.chain(drafts), q
+        return [(DraftTree.chain(tokens), None if self.processor.is_greedy or not tokens else torch.stack(q))
+                for tokens, q in zip(drafts, qs, strict=True)]
 
-    def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
-        # Keep the accepted drafts the runner has seen; drop the rejected ones.
-        seen_drafts = len(self.runner) - self._accepted_length
-        self.runner.rollback(self._accepted_length + min(len(path), seen_drafts))
+    def update(self, sequences, paths, target_logits, p) -> None:
+        # Keep the accepted drafts each row's cache has seen; drop the rejected ones.
+        for b, path in enumerate(paths):
+            self.runner.rollback_row(b, min(self.runner.row_length(b), self._accepted_lengths[b] + len(path)))
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.runner.select_rows(keep)
+        self.uniforms = [self.uniforms[b] for b in keep]
+        self._accepted_lengths = [self._accepted_lengths[b] for b in keep]

@@ -15,9 +15,8 @@ from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, prepare
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
 from sampling.drafters import Drafter, ModelDrafter
-from sampling.randomness import PositionUniforms
 from utils.caching import vocab_size
-from utils.cost_model import pass_costs
+from utils.calibration import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import check_int, check_model
 
@@ -71,65 +70,79 @@ def speculative_loop(
     *,
     logits_processor: LogitsProcessor,
     draft_length: DraftLength | CostAwareDraftLength,
-    uniforms: PositionUniforms,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
-) -> tuple[list[int], float]:
-    """The draft -> verify -> accept -> roll back loop. Returns (generated ids, alpha).
+):
+    """The draft -> verify -> accept -> roll back loop, over every row of `gen` (one row: one
+    sequence). Returns (generated ids, alpha), or for a batch a list with one such pair per row.
 
-    Invariant: the target's cache holds every accepted token but the last one, which is fed
-    together with the drafts, so one forward pass scores the last token and all drafts.
-    `uniforms` holds the random numbers of each generated position (`sampling.randomness`).
+    Invariant: the target's cache holds every accepted token of a row but the last one, which is
+    fed together with the row's drafts, so one forward pass scores the last token and all drafts
+    of every row. Each row accepts its own drafts (ragged acceptance); a finished row leaves the
+    batch. Random numbers come from each row's `gen.uniforms` (`sampling.randomness`).
     """
     stats = stats if stats is not None else SpeculativeStats()
     target = gen.runner
-    sequence = list(gen.prefix)
-    drafter.start(sequence)
+    sequences = [list(prefix) for prefix in gen.prefixes]
+    rows = list(range(len(sequences)))  # the rows still decoding, in the runner's (and drafter's) order
+    drafter.start(sequences)
     drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
-    if len(sequence) > 1:
-        target.forward(sequence[:-1])  # prefill
-    generated: list[int] = []
-    proposed = accepted = 0
-    finished = False
-    while not finished:
-        # 1. Draft (a chain, or a tree from an n-gram pool): gamma nodes at most, and no path longer
-        #    than the room left before max_gen_len once the target's own token is counted.
-        room = gen.max_new_tokens - len(generated) - 1
-        tree, q = drafter.draft(sequence, draft_length.gamma, room)
+    if any(len(sequence) > 1 for sequence in sequences):  # prefill
+        target.forward_rows([(sequence[:-1], None) for sequence in sequences], [int(len(s) > 1) for s in sequences])
+    generated: list[list[int]] = [[] for _ in sequences]
+    proposed, accepted = [0] * len(sequences), [0] * len(sequences)
+    while rows:
+        active = [sequences[row] for row in rows]
+        draft_length.rows = len(rows)
+        # 1. Draft (a chain, or a tree from an n-gram pool) for every row: gamma nodes at most, and no
+        #    path longer than the room left before max_gen_len once the target's own token is counted.
+        rooms = [gen.max_new_tokens[row] - len(generated[row]) - 1 for row in rows]
+        drafts = drafter.draft(active, draft_length.gamma, rooms)
 
-        # 2. Verify: one target pass over the last accepted token and every drafted node.
-        if tree.is_chain:
-            logits = target.forward([sequence[-1]] + tree.tokens, num_logits=len(tree) + 1)
-        else:
-            logits = target.forward_tree(sequence[-1], tree.tokens, tree.parents)
+        # 2. Verify: one target pass over each row's last accepted token and every drafted node.
+        blocks = [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
+                  for sequence, (tree, _) in zip(active, drafts, strict=True)]
+        logits = target.forward_rows(blocks, [len(tokens) for tokens, _ in blocks])
 
-        # 3. Accept a path of drafts, then take one token from the target.
-        path, token, p = accept(logits, tree, q, sequence, logits_processor, uniforms)
-        n = len(path)
+        paths, ps, running = [], [], []
+        for i, row in enumerate(rows):
+            (tree, q), sequence = drafts[i], sequences[row]
+            # 3. Accept a path of drafts, then take one token from the target.
+            path, token, p = accept(logits[i], tree, q, sequence, logits_processor, gen.uniforms[row])
+            n = len(path)
 
-        # 4. Roll back the target: keep the accepted path, forget the rest.
-        if tree.is_chain:
-            target.rollback(len(sequence) + n)
-        else:
-            target.keep_path(len(sequence) - 1, path)  # the root is the last accepted token
-        accepted_tokens = [tree.tokens[node] for node in path]
-        new_tokens, finished = gen.trim(accepted_tokens + [token], len(generated))
-        sequence += new_tokens
-        generated += new_tokens
+            # 4. Roll back the target: keep the accepted path, forget the rest.
+            if tree.is_chain:
+                target.rollback_row(i, len(sequence) + n)
+            else:
+                target.keep_path_row(i, len(sequence) - 1, path)  # the root is the last accepted token
+            accepted_tokens = [tree.tokens[node] for node in path]
+            new_tokens, finished = gen.trim(row, accepted_tokens + [token], len(generated[row]))
+            sequence += new_tokens
+            generated[row] += new_tokens
+            paths.append(path)
+            ps.append(p)
+            if not finished:
+                running.append(i)
+
+            draft_length.update(len(tree), n)
+            proposed[row], accepted[row] = proposed[row] + len(tree), accepted[row] + n
+            stats.record(len(tree), n, tree.depth())
+            if on_step is not None:
+                rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
+                on_step(Step(drafts=tuple(accepted_tokens + rejected), accepted=n, tokens=tuple(new_tokens), row=row))
 
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
-        drafter.update(sequence, path, logits, p)
-        draft_length.update(len(tree), n)
-        proposed, accepted = proposed + len(tree), accepted + n
-        stats.record(len(tree), n, tree.depth())
-        if on_step is not None:
-            rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
-            on_step(Step(drafts=tuple(accepted_tokens + rejected), accepted=n, tokens=tuple(new_tokens)))
+        drafter.update(active, paths, logits, ps)
+        if 0 < len(running) < len(rows):  # finished rows stop costing compute
+            target.select_rows(running)
+            drafter.select_rows(running)
+        rows = [rows[i] for i in running]
 
-    stats.generated_tokens += len(generated)
+    stats.generated_tokens += sum(len(tokens) for tokens in generated)
     stats.target_forwards += target.forward_passes - target_passes
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
-    return generated, (accepted / proposed if proposed else 0.0)
+    return gen.results([(tokens, a / p if p else 0.0) for tokens, a, p in zip(generated, accepted, proposed, strict=True)])
 
 
 MAX_ADAPTIVE_GAMMA = 16  # with adaptive_gamma, each step drafts 0 .. max(gamma, this) tokens
@@ -160,12 +173,11 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     check_same_vocabulary(drafter, target)
     gen = prepare(
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, model_name="target",
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
     )
-    uniforms = PositionUniforms(generator, prefix_length=len(gen.prefix))
     model_drafter = ModelDrafter(
         drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
-        encoder_input_ids=gen.encoder_input_ids, uniforms=uniforms,
+        encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms,
     )
     model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     if adaptive_gamma:
@@ -175,12 +187,12 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
         draft_length = DraftLength(gamma)
     return speculative_loop(
         gen, model_drafter, logits_processor=logits_processor, draft_length=draft_length,
-        uniforms=uniforms, stats=stats, on_step=on_step,
+        stats=stats, on_step=on_step,
     )
 
 
 def speculative_generate(
-    inputs: list[int],
+    inputs: list[int] | list[list[int]],
     drafter: PreTrainedModel,
     target: PreTrainedModel,
     tokenizer=None,
@@ -192,7 +204,7 @@ def speculative_generate(
     use_cache: bool = True,
     *,
     adaptive_gamma: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float]:
@@ -216,7 +228,7 @@ def speculative_generate(
 
 
 def speculative_generate_encoder_decoder(
-    inputs: list[int],
+    inputs: list[int] | list[list[int]],
     drafter: PreTrainedModel,
     target: PreTrainedModel,
     tokenizer=None,
@@ -228,7 +240,7 @@ def speculative_generate_encoder_decoder(
     use_cache: bool = True,
     *,
     adaptive_gamma: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float]:

@@ -9,15 +9,16 @@ import torch
 
 from sampling.draft_policy import CostAwareDraftLength, best_draft_length
 from tests.models import tiny_model
-from utils import cost_model
-from utils.cost_model import DRAFT_SIZES, PassCosts, calibrate, calibration_key, pass_costs, prior_cost
+from utils import calibration, cost_model
+from utils.calibration import calibrate, calibration_key, pass_costs
+from utils.cost_model import DRAFT_SIZES, PassCosts, prior_cost
 from utils.cpu_passes import Shortcuts
 
 NONE, LINEAR = Shortcuts(), Shortcuts(few_row_linear=True)
 
 
 def fake_timings(seconds_of, spread: float = 0.0):
-    """A stand-in for cost_model.time_passes: seconds_of(k, choice) for every pass, repeats varied by `spread`."""
+    """A stand-in for calibration.time_passes: seconds_of(k, choice) for every pass, repeats varied by `spread`."""
 
     def timings(model, choices, repeats):
         return {(k, choice): [seconds_of(k, choice) * (1 + spread * i) for i in range(repeats)]
@@ -32,8 +33,8 @@ def test_calibration_picks_the_faster_kernel_for_each_size(monkeypatch):
         base = 1.0 + 0.05 * k
         return base * (0.8 if k >= 4 else 1.5) if choice.few_row_linear else base
 
-    monkeypatch.setattr(cost_model, "time_passes", fake_timings(seconds))
-    monkeypatch.setattr(cost_model.cpu_passes, "available_shortcuts", lambda model: [NONE, LINEAR])
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(seconds))
+    monkeypatch.setattr(calibration.cpu_passes, "available_shortcuts", lambda model: [NONE, LINEAR])
     costs, spread = calibrate(tiny_model("llama"))
     assert spread == 0.0 and costs.measured
     assert costs.shortcuts_for(2) == NONE and costs.shortcuts_for(4) == LINEAR and costs.shortcuts_for(5) == LINEAR
@@ -45,23 +46,23 @@ def test_calibration_picks_the_faster_kernel_for_each_size(monkeypatch):
 def test_a_noisy_calibration_is_not_cached_and_a_clean_one_is(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     model = copy.deepcopy(tiny_model("qwen2"))
-    monkeypatch.setattr(cost_model, "time_passes", fake_timings(lambda k, c: 1.0 + k / 10, spread=0.5))
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k, c: 1.0 + k / 10, spread=0.5))
     costs = pass_costs(model)
     assert not costs.measured and costs(8) == prior_cost(8)  # a burst: the prior, online refinement takes over
     assert not list(tmp_path.rglob("*.json"))
 
-    del cost_model._COSTS[model]
-    monkeypatch.setattr(cost_model, "time_passes", fake_timings(lambda k, c: 1.0 + k / 10))
+    del calibration._COSTS[model]
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k, c: 1.0 + k / 10))
     costs = pass_costs(model)
     assert costs.measured and costs(8) == pytest.approx(1.8)
     assert len(list(tmp_path.rglob("*.json"))) == 1
 
-    del cost_model._COSTS[model]  # a new process: read from disk, nothing measured
+    del calibration._COSTS[model]  # a new process: read from disk, nothing measured
 
     def no_timing(*args):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(cost_model, "time_passes", no_timing)
+    monkeypatch.setattr(calibration, "time_passes", no_timing)
     assert pass_costs(model).relative == costs.relative
     assert pass_costs(model) is pass_costs(model)  # one object per model: online refinement is shared
 
@@ -118,17 +119,26 @@ def test_draft_length_pays_for_itself():
 
 def test_a_model_drafter_that_cannot_pay_stops_drafting_and_probes_later():
     target = PassCosts(one_token_seconds=1.0, relative={0: 1.0, 1: 1.1, 16: 2.0, 32: 3.0})
-    as_slow = CostAwareDraftLength(8, target, PassCosts(one_token_seconds=1.0, relative={0: 1.0, 1: 1.1, 32: 3.0}))
+    drafter = PassCosts(one_token_seconds=1.0, relative={0: 1.0, 1: 1.1, 32: 3.0})
+    as_slow = CostAwareDraftLength(8, target, drafter)
+    middling = CostAwareDraftLength(8, target, drafter, draft_seconds=lambda: 0.3)  # timed drafting steps
     cheap = CostAwareDraftLength(8, target, PassCosts(one_token_seconds=0.05, relative={0: 1.0, 1: 1.1, 32: 3.0}))
-    for policy in (as_slow, cheap):
+    for policy in (as_slow, middling, cheap):
         for _ in range(20):
-            policy.update(4, 2)  # alpha ~ 2/3
-    assert as_slow.gamma == 0 and cheap.gamma > 2
-    for _ in range(as_slow.PROBE_AFTER):
-        as_slow.update(0, 0)
-    assert as_slow.gamma == 1  # one probe after a run of plain steps
-    as_slow.update(1, 0)
-    assert as_slow.gamma == 0
+            policy.update(4, 0)  # the drafts were all wrong
+    assert as_slow.gamma == 0 and middling.gamma == 0 and cheap.gamma == 0
+    for policy in (as_slow, middling):
+        for _ in range(policy.PROBE_AFTER):
+            policy.update(0, 0)
+    assert as_slow.gamma == 0  # as dear as the target: it could not pay even if always right, never probed
+    assert middling.gamma == 1  # could pay if right: one probe after a run of plain steps
+    middling.update(1, 0)
+    for _ in range(middling.PROBE_AFTER):
+        middling.update(0, 0)
+    assert middling.gamma == 0  # a probe that found nothing: the next one waits twice as long
+    for _ in range(middling.PROBE_AFTER):
+        middling.update(0, 0)
+    assert middling.gamma == 1
     for _ in range(50):
-        cheap.update(cheap.gamma, 0)  # the drafter stopped matching: cheap or not, it stops
-    assert cheap.gamma == 0
+        cheap.update(max(cheap.gamma, 4), 4)  # the cheap drafter matches again: it drafts
+    assert cheap.gamma > 2

@@ -11,7 +11,7 @@ from torch import nn
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate
 from tests.models import prompt, tiny_model
-from utils import cost_model
+from utils import calibration
 from utils.cost_model import PassCosts
 from utils.cpu_passes import FewTokenPass, Shortcuts, available_shortcuts
 
@@ -93,7 +93,7 @@ def forced_choice(monkeypatch):
 
     def force(model, choice: Shortcuts) -> None:
         costs = PassCosts(relative={0: 1.0, 1: 1.1, 31: 2.0}, one_token_seconds=None, shortcuts={1: choice})
-        monkeypatch.setitem(cost_model._COSTS, model, costs)
+        monkeypatch.setitem(calibration._COSTS, model, costs)
 
     return force
 

@@ -14,6 +14,8 @@ from sampling import (
 from sampling.randomness import ACCEPT, TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from utils import calibration
+from utils.cost_model import PassCosts
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
 
 
@@ -69,8 +71,10 @@ def test_drafter_is_target_accepts_everything(name):
     assert stats.generated_tokens == len(out) == 31
 
 
-def test_adaptive_gamma_keeps_output_and_counts_statistics():
+def test_adaptive_gamma_keeps_output_and_counts_statistics(monkeypatch):
     target, drafter = pair("llama")
+    # A drafter that looks nearly free until its drafting steps are timed: the policy drafts.
+    monkeypatch.setitem(calibration._COSTS, drafter, PassCosts(relative={0: 1.0, 31: 2.0}, one_token_seconds=1e-9))
     reference = autoregressive_generate(prompt(3), target, max_gen_len=40)
     stats = SpeculativeStats()
     out, alpha = speculative_generate(prompt(3), drafter, target, gamma=2, max_gen_len=40, adaptive_gamma=True,

@@ -11,6 +11,13 @@ This is the only module that knows how transformers releases differ (4.56+ and 5
 
 Invariant (checked after every call): the cache holds exactly `len(runner)` positions, the first
 `len(runner)` entries of `runner.tokens`.
+
+Batches (`rows` > 1). Where the model takes a custom 4D mask and position ids (decoder-only, eager
+or SDPA attention, one kind of layer, with a cache), the rows share one cache and every pass: the
+rows' slots and blocks are laid out by `utils/batch_layout.py` (dead slots for padding and
+rejected drafts, compacted when they pile up). Other models (encoder-decoder, flash attention,
+use_cache=False) keep each row in its own one-row runner, one pass per row: the same tokens, no
+shared passes. A batch whose rows have all finished but one goes back to the one-row layout.
 """
 
 from __future__ import annotations
@@ -18,17 +25,15 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
 from utils import cpu_passes
+from utils.batch_layout import Block, attention_mask, compaction
+from utils.cost_model import PassCosts
 from utils.cpu_passes import Shortcuts
-
-if TYPE_CHECKING:
-    from utils.cost_model import PassCosts
 
 __all__ = ["ModelRunner", "context_length", "input_device", "is_encoder_decoder", "vocab_size"]
 
@@ -100,26 +105,42 @@ class ModelRunner:
         model: PreTrainedModel,
         *,
         use_cache: bool = True,
-        encoder_input_ids: list[int] | None = None,
+        encoder_input_ids: list[int] | list[list[int]] | None = None,
+        rows: int = 1,
     ) -> None:
         self.model = model
         self.use_cache = use_cache
         self.device = input_device(model)
-        self.tokens: list[int] = []
+        self.rows: list[list[int]] = [[] for _ in range(rows)]  # each row's tokens in the cache
         self.forward_passes = 0
+        # Several rows: one shared cache with live slots (`_live`, `_positions`: (rows, slots)), or
+        # one one-row runner per row (`_solo`) for models that cannot take a custom mask.
+        self._live: Tensor | None = None
+        self._positions: Tensor | None = None
+        self._solo: list[ModelRunner] | None = None
+        if rows > 1:
+            if self._shares_passes(model, use_cache):
+                self._live = torch.zeros(rows, 0, dtype=torch.bool)
+                self._positions = torch.zeros(rows, 0, dtype=torch.long)
+                encoder_input_ids = None
+            else:
+                self._solo = [ModelRunner(model, use_cache=use_cache, encoder_input_ids=ids)
+                              for ids in (encoder_input_ids or [None] * rows)]
+                encoder_input_ids = None
+                use_cache = False  # the solo runners hold the caches
         parameters = _forward_parameters(type(model))
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         self._logits_to_keep = "logits_to_keep" in parameters
         self.encoder_decoder = is_encoder_decoder(model)
         self._encoder_outputs = None
-        if self.encoder_decoder:
+        if self.encoder_decoder and self._solo is None:
             assert encoder_input_ids is not None, "an encoder-decoder runner needs encoder_input_ids"
             with torch.no_grad():
                 ids = torch.tensor([encoder_input_ids], device=self.device)
                 self._encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
         self._cache = self._new_cache() if use_cache else None
         self._few_token_pass = cpu_passes.FewTokenPass(model)
-        # Set by the decoding functions (`utils.cost_model.pass_costs`): each pass over a few tokens
+        # Set by the decoding functions (`utils.calibration.pass_costs`): each pass over a few tokens
         # uses the CPU shortcuts measured fastest here, and every cached pass is timed to refine it.
         self.costs: PassCosts | None = None
 
@@ -129,8 +150,23 @@ class ModelRunner:
             return EncoderDecoderCache(DynamicCache(), DynamicCache())
         return DynamicCache()
 
+    @property
+    def tokens(self) -> list[int]:
+        """The one row's tokens (a one-row runner)."""
+        assert len(self.rows) == 1 and self._solo is None, "a batch has one token list per row: runner.rows"
+        return self.rows[0]
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        assert len(self.rows) == 1 and self._solo is None
+        self.rows[0] = value
+
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def row_length(self, row: int) -> int:
+        """How many tokens of row `row` the cache holds."""
+        return len(self._solo[row].tokens) if self._solo is not None else len(self.rows[row])
 
     def _cached_positions(self) -> int:
         return self._cache.get_seq_length() if self._cache is not None else len(self.tokens)
@@ -186,15 +222,20 @@ class ModelRunner:
             kwargs["attention_mask"] = torch.ones(1, len(self.tokens), dtype=torch.long, device=self.device)
         return self.model(input_ids=ids, **kwargs)
 
+    @staticmethod
+    def _shares_passes(model: PreTrainedModel, use_cache: bool) -> bool:
+        """Whether the model takes a custom 4D mask with per-row positions exactly: decoder-only, with
+        a cache, eager or SDPA attention, layers that share one mask (no mix of sliding and full)."""
+        config = _decoder_config(model)
+        layer_types = set(getattr(config, "layer_types", None) or [])
+        return (use_cache and not is_encoder_decoder(model) and len(layer_types) <= 1
+                and getattr(config, "_attn_implementation", None) in ("eager", "sdpa"))
+
     @property
     def supports_trees(self) -> bool:
-        """Whether `forward_tree` is exact for this model: a decoder-only model with a cache whose
-        attention takes a custom 4D mask (eager or SDPA) and whose layers share one mask (no mix of
-        sliding and full attention). Others verify chains (`forward`)."""
-        config = _decoder_config(self.model)
-        layer_types = set(getattr(config, "layer_types", None) or [])
-        return (self.use_cache and not self.encoder_decoder and len(layer_types) <= 1
-                and getattr(config, "_attn_implementation", None) in ("eager", "sdpa"))
+        """Whether `forward_tree` (and tree blocks in `forward_rows`) is exact for this model (see
+        `_shares_passes`). Others verify chains (`forward`)."""
+        return self._solo is None and self._shares_passes(self.model, self.use_cache)
 
     def _sliding_window(self) -> int | None:
         config = _decoder_config(self.model)
@@ -266,6 +307,123 @@ class ModelRunner:
             else:
                 self._cache.crop(-removed)  # negative: "remove this many" on every release
         assert self._cached_positions() == len(self.tokens), "cache out of step after rollback"
+
+
+    # Batches: one block per row per pass ----------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_rows(self, blocks: list[tuple[list[int], list[int] | None]], num_logits: list[int]) -> list[Tensor]:
+        """Feed each row its block in one pass (one pass per row for a `_solo` batch) -> per row the
+        logits of the block's last `num_logits[b]` tokens, (num_logits[b], vocab).
+
+        `blocks[b]` = (tokens, parents): parents None for a chain, else a tree (-1 for the block's
+        first token, the root; `forward_tree`'s rows). An empty block feeds nothing to that row.
+        """
+        if self._solo is not None:
+            out = []
+            for runner, (tokens, parents), num in zip(self._solo, blocks, num_logits, strict=True):
+                assert parents is None, "a one-pass-per-row batch verifies chains"
+                runner.costs = self.costs
+                out.append(runner.forward(tokens, num) if tokens else self._no_logits())
+            return out
+        if self._live is None:  # one row: the one-sequence passes
+            (tokens, parents), num = blocks[0], num_logits[0]
+            if not tokens:
+                return [self._no_logits()]
+            if parents is None:
+                return [self.forward(tokens, num)]
+            return [self.forward_tree(tokens[0], tokens[1:], [parent - 1 for parent in parents[1:]])[-num:]]
+        return self._forward_shared(blocks, num_logits)
+
+    def _no_logits(self) -> Tensor:
+        return torch.empty(0, 0, device=self.device)
+
+    def _forward_shared(self, blocks, num_logits: list[int]) -> list[Tensor]:
+        self._tidy()
+        block = Block.build(blocks, [len(row) for row in self.rows])
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = attention_mask(self._live, self._positions, block, self._sliding_window(), dtype)
+        kwargs = {self._cache_kwarg: self._cache, "use_cache": True, "attention_mask": mask.to(self.device),
+                  "position_ids": block.positions.to(self.device)}
+        width = block.ids.shape[1]
+        keep = max(1, max(num_logits))  # blocks are left-padded: the last positions line up
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        outputs = self._timed_call(block.ids.to(self.device), kwargs, timed=True)
+        self._live = torch.cat([self._live, block.live], dim=1)
+        self._positions = torch.cat([self._positions, block.positions], dim=1)
+        for row, (tokens, _) in zip(self.rows, blocks, strict=True):
+            row += tokens
+        assert self._cache.get_seq_length() == self._live.shape[1], "cache out of step with the slots"
+        logits = outputs.logits[:, -keep:] if outputs.logits.shape[1] == width else outputs.logits
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        return [logits[b, keep - num :] if num else self._no_logits() for b, num in enumerate(num_logits)]
+
+    def _tidy(self) -> None:
+        """Crop slots dead in every row at the end; compact when dead slots are a quarter of the cache."""
+        columns = self._live.any(dim=0).nonzero()
+        dead_tail = self._live.shape[1] - (int(columns.max()) + 1 if len(columns) else 0)
+        if dead_tail:
+            self._cache.crop(-dead_tail)
+            self._live, self._positions = self._live[:, :-dead_tail], self._positions[:, :-dead_tail]
+        if self._live.shape[1] > 1.25 * int(self._live.sum(dim=1).max()) + 16:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Move each row's live slots together (left padding): a gather over the whole cache."""
+        index, live = compaction(self._live)
+        positions = self._positions.gather(1, index)
+        gather = index.to(self.device)[:, None, :, None]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.gather(2, gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, gather.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        self._live, self._positions = live, positions
+
+    def _row_slots(self, row: int) -> Tensor:
+        return self._live[row].nonzero()[:, 0]
+
+    def rollback_row(self, row: int, length: int) -> None:
+        """Forget row `row`'s tokens from `length` on (its rejected drafts)."""
+        if self._solo is not None:
+            self._solo[row].rollback(length)
+        elif self._live is None:
+            self.rollback(length)
+        else:
+            assert 0 <= length <= len(self.rows[row])
+            self._live[row, self._row_slots(row)[length:]] = False
+            del self.rows[row][length:]
+
+    def keep_path_row(self, row: int, root_index: int, path: list[int]) -> None:
+        """`keep_path` for row `row` after a tree block: its other nodes become dead slots."""
+        if self._live is None:
+            self.keep_path(root_index, path)
+            return
+        nodes = self._row_slots(row)[root_index + 1 :]
+        dead = [slot for node, slot in enumerate(nodes.tolist()) if node not in set(path)]
+        self._live[row, dead] = False
+        tokens = self.rows[row]
+        self.rows[row] = tokens[: root_index + 1] + [tokens[root_index + 1 + node] for node in path]
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep only the rows `keep` (finished rows stop costing compute); one row left goes back
+        to the one-row layout."""
+        if self._solo is not None:
+            self._solo = [self._solo[row] for row in keep]
+            self.rows = [[] for _ in keep]
+            return
+        if self._live is None:
+            assert keep == [0], "a one-row runner keeps its row"
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, index.to(layer.values.device))
+        self._live, self._positions = self._live[index], self._positions[index]
+        self.rows = [self.rows[row] for row in keep]
+        if len(keep) == 1:
+            self._compact()
+            self._live = self._positions = None
+            assert self._cached_positions() == len(self.tokens), "cache out of step after the batch"
 
 
 class BeamRunner(ModelRunner):

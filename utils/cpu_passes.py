@@ -23,7 +23,7 @@ Measured on SmolLM2-135M (2 cores, `python -m benchmarks.draft_cost`): a pass ov
 Those figures are one CPU's. On another (a Xeon with AVX-512 and AMX) the few-row linear made a
 pass over 2 tokens 1.7x *dearer* than transformers' own path while the GQA change still helped; on
 a third (AMD EPYC, AVX-512) it made a pass over 2 tokens cheaper than transformers' one-token pass. So
-neither is switched on by default: `utils/cost_model.py` times every combination for each number
+neither is switched on by default: `utils/calibration.py` times every combination for each number
 of new tokens on the machine in use and picks the fastest (`Shortcuts`), and the runner asks for
 that choice at each pass.
 

@@ -41,6 +41,38 @@ def check_token_ids(value: object, name: str, model: PreTrainedModel) -> list[in
     return list(value)
 
 
+def is_batch(value: object) -> bool:
+    """Whether `inputs` is a batch: a list (or tuple) whose first item is itself a sequence."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        return getattr(value, "ndim", 1) == 2
+    return (isinstance(value, (list, tuple)) and len(value) > 0 and not isinstance(value[0], (str, bytes))
+            and (isinstance(value[0], Sequence) or hasattr(value[0], "tolist")))
+
+
+def check_batch(value: object, name: str, model: PreTrainedModel) -> tuple[list[list[int]], bool]:
+    """One sequence of token ids, or a batch (a list of them) -> (rows, whether it was a batch).
+    Errors name the row: an empty batch, an empty row, a row that is not token ids, a token outside
+    the vocabulary."""
+    if isinstance(value, (list, tuple)) and len(value) == 0:
+        raise ValueError(f"{name} must hold at least one token id (or, for a batch, one row), got an empty list")
+    if not is_batch(value):
+        return [check_token_ids(value, name, model)], False
+    rows = value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple)) else list(value)
+    return [check_token_ids(row, f"{name}[{i}]", model) for i, row in enumerate(rows)], True
+
+
+def check_rows_argument(value: object, name: str, rows: int, kind: type | tuple[type, ...]) -> list:
+    """A per-row argument: one value for every row, or a list of `rows` values -> a list per row."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != rows:
+            raise ValueError(f"{name} is a list of {len(value)} items, but the batch has {rows} rows: give one per row")
+        for i, item in enumerate(value):
+            if not isinstance(item, kind):
+                raise TypeError(f"{name}[{i}] must be a {getattr(kind, '__name__', kind)}, got {_short(item)}")
+        return list(value)
+    return [value] * rows
+
+
 def check_end_tokens(value: object, model: PreTrainedModel) -> frozenset[int]:
     """`end_tokens_id`: None, an int, or a list of ints -> the set of end tokens."""
     if value is None:

@@ -1,0 +1,179 @@
+"""Batches: every row of a batch gets what the single call returns for it (greedy: the same tokens;
+sampling: its own law, and with one generator per row the very tokens), rows of different lengths
+ending at different steps, decoded in shared passes."""
+
+import pytest
+import torch
+
+from ngram_assisted import (
+    MultiDynaGram,
+    SimpleDynaGram,
+    ngram_assisted_speculative_generate,
+    ngram_assisted_speculative_generate_encoder_decoder,
+)
+from sampling import (
+    SpeculativeStats,
+    autoregressive_generate,
+    autoregressive_generate_encoder_decoder,
+    beam_search_generate,
+    speculative_generate,
+    speculative_generate_encoder_decoder,
+)
+from tests.models import DECODER_ONLY, ENCODER_DECODER, VOCAB, prompt, tiny_model
+from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from utils.logits_processors import MultinomialProcessor, NucleusProcessor
+
+ROWS = [prompt(0, length=8), prompt(1, length=15) * 2, prompt(2, length=5)]  # ragged lengths, one repetitive
+
+
+def functions(name):
+    if name in ENCODER_DECODER:
+        return (autoregressive_generate_encoder_decoder, speculative_generate_encoder_decoder,
+                ngram_assisted_speculative_generate_encoder_decoder)
+    return autoregressive_generate, speculative_generate, ngram_assisted_speculative_generate
+
+
+def end_token_of(model, ar, rows) -> int:
+    """A token that ends the first row early, so that rows finish at different steps."""
+    return ar(rows[0], model, max_gen_len=30)[3]
+
+
+@pytest.mark.parametrize("name", DECODER_ONLY + ENCODER_DECODER)
+def test_every_row_gets_the_single_call_output(name):
+    target, drafter = tiny_model(name, seed=0), tiny_model(name, seed=1)
+    ar, sd, nasd = functions(name)
+    end = end_token_of(target, ar, ROWS)
+    for use_cache in (True, False):
+        common = dict(max_gen_len=24, end_tokens_id=end, use_cache=use_cache)
+        single = [ar(row, target, **common) for row in ROWS]
+        assert len({len(out) for out in single}) > 1  # rows end at different steps
+        assert ar(ROWS, target, **common) == single
+        assert [out for out, _ in sd(ROWS, drafter, target, gamma=3, **common)] == single
+        for branching in (1, 3, None):
+            batch = nasd(ROWS, MultiDynaGram(3), target, gamma=6, branching=branching, **common)
+            assert [out for out, _ in batch] == single, (branching, use_cache)
+            assert all(0.0 <= alpha <= 1.0 for _, alpha in batch)
+
+
+def test_a_batch_of_one_is_the_single_call_in_a_list():
+    model = tiny_model("llama")
+    row = ROWS[1]
+    assert autoregressive_generate([row], model, max_gen_len=12) == [autoregressive_generate(row, model, max_gen_len=12)]
+    single = ngram_assisted_speculative_generate(row, MultiDynaGram(3), model, max_gen_len=12)
+    assert ngram_assisted_speculative_generate([row], MultiDynaGram(3), model, max_gen_len=12) == [single]
+
+
+def count_calls(model) -> list[int]:
+    calls = [0]
+    model.register_forward_hook(lambda *args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_plain_decoding_of_three_rows_shares_its_passes():
+    model = tiny_model("qwen2", seed=3)
+    calls = count_calls(model)
+    for row in ROWS:
+        autoregressive_generate(row, model, max_gen_len=20)
+    one_by_one, calls[0] = calls[0], 0
+    autoregressive_generate(ROWS, model, max_gen_len=20)
+    assert calls[0] <= one_by_one / 2, (calls[0], one_by_one)
+
+
+def test_ragged_acceptance_keeps_every_accepted_token():
+    """A pool that knows row 1's continuation: row 1 accepts long drafts while the others accept
+    few, and still every row's tokens are the single call's, in fewer passes than plain decoding."""
+    model = tiny_model("llama")
+    single = [autoregressive_generate(row, model, max_gen_len=24) for row in ROWS]
+    pools = [MultiDynaGram(3), MultiDynaGram(3), MultiDynaGram(3)]
+    pools[1].fill(ROWS[1] + single[1])
+    stats, steps = SpeculativeStats(), []
+    batch = ngram_assisted_speculative_generate(ROWS, pools, model, gamma=8, max_gen_len=24, stop_if_unknown=False,
+                                                stats=stats, on_step=steps.append)
+    assert [out for out, _ in batch] == single
+    accepted = [sum(step.accepted for step in steps if step.row == row) for row in range(3)]
+    assert accepted[1] >= 12 and accepted[1] > 2 * max(accepted[0], accepted[2]), accepted
+    for row in range(3):  # each row's stream: its own tokens, in order
+        assert [t for step in steps if step.row == row for t in step.tokens] == single[row]
+    assert stats.generated_tokens == sum(map(len, single))
+    assert stats.target_forwards < 24  # one pass per step for all rows, and the rows finish early
+
+
+def test_one_pool_shared_by_every_row_learns_from_all_of_them():
+    model = tiny_model("gpt2")
+    pool = SimpleDynaGram(2)
+    ngram_assisted_speculative_generate(ROWS, pool, model, max_gen_len=10)
+    for row in ROWS:
+        assert tuple(row[-2:]) in pool  # every row's prompt went into the shared pool
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_sampling_with_one_generator_per_row_gives_the_single_calls_tokens(name):
+    model = tiny_model(name)
+    ar, _, nasd = functions(name)
+    processor = NucleusProcessor(temperature=1.2, top_p=0.95)
+    seeds = [3, 4, 5]
+    single = [ar(row, model, max_gen_len=16, logits_processor=processor, generator=torch.Generator().manual_seed(s))
+              for row, s in zip(ROWS, seeds, strict=True)]
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    assert ar(ROWS, model, max_gen_len=16, logits_processor=processor, generator=generators) == single
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    batch = nasd(ROWS, MultiDynaGram(3), model, max_gen_len=16, logits_processor=processor, generator=generators,
+                 stop_if_unknown=False)
+    assert [out for out, _ in batch] == single  # coupled sampling, row by row
+
+
+TWO_ROWS = [[3, 4, 5, 3], [6, 2, 7]]
+SAMPLES = 1000
+
+
+@pytest.mark.slow
+def test_each_row_of_a_sampled_batch_follows_its_own_law():
+    target = tiny_model("llama", vocab=8)
+    drafter = tiny_model("llama", seed=1, vocab=8)
+    processor = MultinomialProcessor(temperature=2.0)
+    generator = torch.Generator().manual_seed(0)  # one generator: each row gets a stream derived from it
+    pairs = {"nasd": ([], []), "speculative": ([], [])}
+    for _ in range(SAMPLES):
+        nasd = ngram_assisted_speculative_generate(TWO_ROWS, MultiDynaGram(2), target, gamma=2, max_gen_len=2,
+                                                   logits_processor=processor, generator=generator,
+                                                   stop_if_unknown=False)
+        spec = speculative_generate(TWO_ROWS, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor,
+                                    generator=generator)
+        for method, batch in (("nasd", nasd), ("speculative", spec)):
+            for row, (out, _) in enumerate(batch):
+                pairs[method][row].append(tuple(out))
+    for row, inputs in enumerate(TWO_ROWS):
+        joint = exact_two_token_distribution(target, inputs, processor)
+        for method in pairs:
+            assert chi_square_p_value(pairs[method][row], joint) > P_VALUE_THRESHOLD, (method, row)
+
+
+def test_bad_batches_are_refused_before_any_model_runs(monkeypatch):
+    from utils.caching import ModelRunner
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model ran")
+
+    monkeypatch.setattr(ModelRunner, "forward_rows", forbidden)
+    model = tiny_model("llama")
+    cases = [
+        ([[3, 4], []], ValueError, r"inputs\[1\] must hold at least one token id"),
+        ([[3, 4], [5, "a"]], TypeError, r"inputs\[1\] must be a list of token ids"),
+        ([[3, 4], [5, VOCAB + 3]], ValueError, r"inputs\[1\] holds token id"),
+        ([[3, 4], 5], TypeError, r"inputs\[1\] must be a list of token ids"),
+    ]
+    for inputs, error, message in cases:
+        with pytest.raises(error, match=message):
+            autoregressive_generate(inputs, model)
+        with pytest.raises(error, match=message):
+            ngram_assisted_speculative_generate(inputs, MultiDynaGram(3), model)
+    with pytest.raises(ValueError, match="empty list"):
+        autoregressive_generate([], model)
+    with pytest.raises(ValueError, match="ngram is a list of 2 items, but the batch has 3 rows"):
+        ngram_assisted_speculative_generate(ROWS, [MultiDynaGram(3)] * 2, model)
+    with pytest.raises(ValueError, match="generator is a list of 1 items, but the batch has 3 rows"):
+        autoregressive_generate(ROWS, model, generator=[torch.Generator()])
+    with pytest.raises(TypeError, match="a list of pools is for a batch"):
+        ngram_assisted_speculative_generate(ROWS[0], [MultiDynaGram(3)], model)
+    with pytest.raises(ValueError, match="beam_search_generate decodes one sequence"):
+        beam_search_generate(ROWS, model)
