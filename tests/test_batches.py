@@ -59,8 +59,9 @@ def test_a_batch_of_one_is_the_single_call_in_a_list():
     model = tiny_model("llama")
     row = ROWS[1]
     assert autoregressive_generate([row], model, max_gen_len=12) == [autoregressive_generate(row, model, max_gen_len=12)]
-    single = ngram_assisted_speculative_generate(row, MultiDynaGram(3), model, max_gen_len=12)
-    assert ngram_assisted_speculative_generate([row], MultiDynaGram(3), model, max_gen_len=12) == [single]
+    single, alpha = ngram_assisted_speculative_generate(row, MultiDynaGram(3), model, max_gen_len=12)
+    [(out, alpha)] = ngram_assisted_speculative_generate([row], MultiDynaGram(3), model, max_gen_len=12)
+    assert out == single and isinstance(alpha, float)  # alpha follows the measured costs: not compared
 
 
 def count_calls(model) -> list[int]:
@@ -81,7 +82,7 @@ def test_plain_decoding_of_three_rows_shares_its_passes():
 
 def test_ragged_acceptance_keeps_every_accepted_token():
     """A pool that knows row 1's continuation: row 1 accepts long drafts while the others accept
-    few, and still every row's tokens are the single call's, in fewer passes than plain decoding."""
+    few, and still every row's tokens are the single call's, with one pass per step for all rows."""
     model = tiny_model("llama")
     single = [autoregressive_generate(row, model, max_gen_len=24) for row in ROWS]
     pools = [MultiDynaGram(3), MultiDynaGram(3), MultiDynaGram(3)]
@@ -95,7 +96,9 @@ def test_ragged_acceptance_keeps_every_accepted_token():
     for row in range(3):  # each row's stream: its own tokens, in order
         assert [t for step in steps if step.row == row for t in step.tokens] == single[row]
     assert stats.generated_tokens == sum(map(len, single))
-    assert stats.target_forwards < 24  # one pass per step for all rows, and the rows finish early
+    steps_per_row = [sum(step.row == row for step in steps) for row in range(3)]
+    assert stats.target_forwards == 1 + max(steps_per_row)  # the prefill, then one pass per step for all rows
+    assert steps_per_row[1] < steps_per_row[0]  # row 1 finished first and left the batch
 
 
 def test_one_pool_shared_by_every_row_learns_from_all_of_them():
@@ -177,3 +180,33 @@ def test_bad_batches_are_refused_before_any_model_runs(monkeypatch):
         ngram_assisted_speculative_generate(ROWS[0], [MultiDynaGram(3)], model)
     with pytest.raises(ValueError, match="beam_search_generate decodes one sequence"):
         beam_search_generate(ROWS, model)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gpt2"])
+def test_the_shared_cache_keeps_rows_apart_through_rollbacks_compaction_and_dropped_rows(name):
+    """Runner level: after ragged rollbacks, a compaction and a dropped row, each row's logits are
+    those of a one-row runner fed the row's tokens (Mistral: the sliding window counts positions)."""
+    from utils.caching import ModelRunner
+
+    model = tiny_model(name)
+    rows = [prompt(10 + b, length=6 + 7 * b) for b in range(3)]
+    batch = ModelRunner(model, rows=3)
+    batch.forward_rows([(row, None) for row in rows], [1, 1, 1])
+    for step in range(6):  # each row feeds 4 tokens and keeps 1, 2 or 3 of them: holes everywhere
+        new = [prompt(20 + step + b, length=4) for b in range(3)]
+        batch.forward_rows([(tokens, None) for tokens in new], [4, 4, 4])
+        for b in range(3):
+            batch.rollback_row(b, len(rows[b]) + 1 + (b + step) % 3)
+            rows[b] += new[b][: 1 + (b + step) % 3]
+    assert batch._live.shape[1] > max(map(len, rows))  # dead slots in the cache
+    batch._compact()
+    batch.select_rows([0, 2])
+    rows = [rows[0], rows[2]]
+    tail = [[5, 6, 7], [8, 9]]
+    logits = batch.forward_rows([(t, None) for t in tail], [3, 2])
+    for row, extra, mine in zip(rows, tail, logits, strict=True):
+        alone = ModelRunner(model).forward(row + extra, num_logits=len(extra))
+        # Llama-style eager attention takes its softmax in float32: padding keys change the last bits.
+        torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-5)
+    batch.select_rows([1])  # one row left: the one-row layout, no dead slots
+    assert batch._live is None and batch.tokens == rows[1] + tail[1]
