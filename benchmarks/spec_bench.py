@@ -2,6 +2,8 @@
 
     python -m benchmarks.spec_bench --per-category 2            # greedy (make bench: a shorter run)
     python -m benchmarks.spec_bench --per-category 2 --sample   # temperature 0.7, top-p 0.9
+    accelerate launch -m benchmarks.spec_bench --per-category 2  # split over the GPUs of accelerate's config
+    accelerate launch --multi_gpu --num_processes 2 -m benchmarks.spec_bench   # 2 processes (CPU-only: gloo)
 
 Every method runs on each prompt `--repeats` times after a warm-up, interleaved in a rotating
 order, so that a burst of load on the machine lands on one repeat of one method. Greedy: every
@@ -23,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -162,14 +166,15 @@ def write_chart(out: Path, summary: dict, methods: list[str], verdict: dict, mod
     plt.close(fig)
 
 
-def run_all(runner: Runner, prompts: list[tuple[str, list[int]]], methods: list[str], repeats: int, quiet: bool,
+def run_all(runner: Runner, prompts: list[tuple[int, str, list[int]]], methods: list[str], repeats: int, quiet: bool,
             seed: int) -> list[dict]:
-    """Every (repeat, prompt, method), methods in an order rotated at each (repeat, prompt)."""
+    """Every (repeat, prompt, method), methods in an order rotated at each (repeat, prompt).
+    `prompts`: (index in the whole run, task, ids), so that the records of several processes merge."""
     records = []
     total = repeats * len(prompts) * len(methods)
     with tqdm(total=total, desc="runs", disable=quiet) as progress:
         for repeat in range(repeats):
-            for index, (task, ids) in enumerate(prompts):
+            for index, task, ids in prompts:
                 shift = (repeat + index) % len(methods)
                 for method in methods[shift:] + methods[:shift]:
                     with PeakMemory() as memory:
@@ -218,24 +223,36 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     mode = "sampling" if args.sample else "greedy"
-    console = Console(quiet=args.quiet)
-    target, tokenizer = load_model(args.model, device_map=args.device_map)
+    # Under `accelerate launch` (several processes: GPUs, or CPU processes with --cpu) each process
+    # takes its share of the prompts on its own device; the main process merges and reports.
+    state = PartialState(cpu=not torch.cuda.is_available())  # CPU processes talk over gloo
+    console = Console(quiet=args.quiet or not state.is_main_process)
+    device = str(state.device) if state.num_processes > 1 and state.device.type != "cpu" and not args.device_map else None
+    target, tokenizer = load_model(args.model, device_map=args.device_map, device=device)
     if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
-        drafter = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32")[0]
+        drafter = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32",
+                             device=device)[0]
     else:
         drafter = copy.deepcopy(target).to(torch.bfloat16)
     sample = {"temperature": args.temperature, "top_p": args.top_p} if args.sample else None
     runner = Runner(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens, sample)
-    prompts = [(task, encode(tokenizer, text)) for task, text in load_prompts(args.data, args.per_category)]
+    prompts = [(index, task, encode(tokenizer, text))
+               for index, (task, text) in enumerate(load_prompts(args.data, args.per_category))]
     load_before = os.getloadavg()
     for method in methods:  # warm-up (and the cost models' calibration, once per machine)
-        runner.run(method, prompts[0][1][:32])
-    records = run_all(runner, prompts, methods, args.repeats, args.quiet, args.seed)
+        runner.run(method, prompts[0][2][:32])
+    with state.split_between_processes(prompts) as mine:
+        records = run_all(runner, mine, methods, args.repeats, args.quiet or not state.is_main_process, args.seed)
+    if state.num_processes > 1:
+        records = gather_object(records)
+        if not state.is_main_process:
+            return {"records": records}
     summary = summarise(records, methods)
     verdict = noise_verdict(records, summary)
     settings = {"mode": mode, **(sample or {}), "model": args.model or "SmolLM2-135M-Instruct",
                 "drafter": args.drafter or "bf16 copy of target", "max_new_tokens": args.max_new_tokens,
                 "per_category": args.per_category, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
+                "processes": state.num_processes,
                 "load_average_before": load_before, "load_average_after": os.getloadavg(),
                 "machine": machine(), "cost_table": pass_costs(target).table()}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -79,9 +79,15 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
 
 
 class BatchCost:
-    """The relative cost of drafting k nodes in a row of a step of `draft_length.rows` rows: a pass
-    over rows x (1 + k) tokens against a plain step's pass over one token per row (the measured
-    table of `costs`). One row: `costs(k)`."""
+    """What drafting k nodes costs one row of a step of `draft_length.rows` rows, in units of a
+    plain step, for the per-row rule "draft if (1 + E_k) / cost(k) beats 1".
+
+    A row's k drafts make the one pass of the step feed rows x (1 + k) tokens (the other rows are
+    padded to the same width), while only that row gains its E_k accepted tokens. The batch gains
+    (rows + E_k) tokens for r = c(rows (1 + k) - 1) / c(rows - 1) times a plain step's cost, which
+    beats a plain step iff E_k / rows >= r - 1, i.e. iff (1 + E_k) >= 1 + rows (r - 1): so the
+    row's cost is 1 + rows (r - 1). One row: c(k), the measured table itself.
+    """
 
     def __init__(self, costs, draft_length: DraftLength) -> None:
         self.costs = costs
@@ -89,7 +95,10 @@ class BatchCost:
 
     def __call__(self, k: int) -> float:
         rows = self.draft_length.rows
-        return self.costs(rows * (1 + k) - 1) / self.costs(rows - 1) if rows > 1 else self.costs(k)
+        if rows == 1:
+            return self.costs(k)
+        ratio = self.costs(rows * (1 + k) - 1) / self.costs(rows - 1)
+        return 1.0 + rows * (ratio - 1.0)
 
 
 def ngram_assisted_speculative_generate(

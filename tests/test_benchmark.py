@@ -1,6 +1,7 @@
 """A CI-sized run of the Spec-Bench script on a tiny model and two prompts, so that it cannot rot."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,43 @@ def test_nasd_replay_estimates_a_speedup_on_copied_text():
     novel = list(range(10, 30))  # nothing to copy: no draft, exactly the cost of plain decoding
     trace = {"task": "qa", "prompt": list(range(40, 60)), "generated": novel, "top3": [[t, 3, 4] for t in novel], "vocab": 96}
     assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), gamma=8) == 1.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_with_accelerate_merge_into_one_report(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on a machine without GPUs (torchrun underneath;
+    the script then joins the processes over gloo on the CPU; accelerate's `--cpu` launches one
+    process unless MPI is set up): each process decodes its share of the prompts, the main one
+    writes one report holding every prompt once, with a single process's outputs."""
+    import subprocess
+    import sys
+
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=512)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"question_id": i, "category": category, "turns": [text]}) for i, (category, text)
+                              in enumerate([("writing", "w5 w6 w7 w8 w5 w6"), ("summarization", "w9 w10 w11 w9 w10"),
+                                            ("qa", "w12 w13 w14 w12 w13"), ("rag", "w20 w21 w22 w20")])))
+    args = ["--data", str(data), "--model", str(model), "--per-category", "1", "--repeats", "1",
+            "--max-new-tokens", "8", "--methods", "hf_plain,hf_control,ours_ar,ours_nasd", "--quiet"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+              "-m", "benchmarks.spec_bench"]
+    subprocess.run(launch + args + ["--out", str(tmp_path / "two")], check=True, cwd=str(Path(__file__).parent.parent),
+                   timeout=600)
+    merged = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert merged["settings"]["processes"] == 2
+    single = spec_bench.main(args + ["--out", str(tmp_path / "one")])
+    key = lambda r: (r["prompt"], r["repeat"], r["method"])  # noqa: E731
+    assert sorted(map(key, merged["records"])) == sorted(map(key, single["records"]))  # every prompt once
+    assert len({r["prompt"] for r in merged["records"]}) == 4
+    outputs = {key(r): r["output"] for r in single["records"]}
+    assert all(r["output"] == outputs[key(r)] and r["matches_reference"] for r in merged["records"])
+    assert (tmp_path / "two" / "report.md").stat().st_size > 0

@@ -1,0 +1,158 @@
+"""Throughput of batched decoding: transformers' batched `generate` against our batched methods.
+
+    python -m benchmarks.throughput --prompts 8 --batch-sizes 1,2,4,8 --max-new-tokens 96
+
+The same held-out Spec-Bench prompts (from the end of the data file) are decoded in batches of B
+for each B, greedy: transformers' `generate` with left padding (`hf_batched`), our
+`autoregressive_generate` (`ours_ar`) and NASD with one fresh `MultiDynaGram(3)` per row
+(`ours_nasd`) over the same batches, every (repeat, B) with the methods in a rotating order.
+Figures are tokens/s over all prompts (medians over repeats) and ratios against `hf_batched` at
+the same B; every output is checked against our batch-1 greedy output of the same prompt (our
+batched rows must equal it; transformers' left padding may change a float32 near-tie, counted).
+Writes throughput.json and throughput.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
+from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
+from sampling import autoregressive_generate
+from utils.calibration import machine
+from utils.loading import end_token_ids, load_model
+
+METHODS = ["hf_batched", "ours_ar", "ours_nasd"]
+GOALS = [("ours_ar", "hf_batched", 0.97, "every B"), ("ours_nasd", "hf_batched", 1.2, 4),
+         ("ours_nasd", "ours_ar", 0.97, "every B")]
+
+
+class Methods:
+    def __init__(self, model, end_tokens: list[int], max_new_tokens: int) -> None:
+        self.model, self.end, self.n = model, end_tokens, max_new_tokens
+
+    def hf_batched(self, batch: list[list[int]]) -> list[list[int]]:
+        width, pad = max(map(len, batch)), self.end[0]
+        ids = torch.tensor([[pad] * (width - len(row)) + row for row in batch])
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in batch])
+        out = self.model.generate(ids, attention_mask=mask, max_new_tokens=self.n, do_sample=False,
+                                  eos_token_id=self.end, pad_token_id=pad)
+        rows = []
+        for row in out[:, width:].tolist():  # cut each row after its end token (the rest is padding)
+            end = next((i + 1 for i, token in enumerate(row) if token in self.end), len(row))
+            rows.append(row[:end])
+        return rows
+
+    def ours_ar(self, batch):
+        return autoregressive_generate(batch, self.model, max_gen_len=self.n, end_tokens_id=self.end)
+
+    def ours_nasd(self, batch):
+        pools = [MultiDynaGram(3) for _ in batch]
+        return [ids for ids, _ in ngram_assisted_speculative_generate(batch, pools, self.model, max_gen_len=self.n,
+                                                                      end_tokens_id=self.end)]
+
+
+def run(methods: Methods, prompts: list[list[int]], batch_sizes: list[int], repeats: int) -> list[dict]:
+    """One record per (repeat, batch size, method): tokens, seconds, mismatches against batch 1."""
+    reference = [methods.ours_ar(row) for row in prompts]
+    for method in METHODS:  # warm-up
+        getattr(methods, method)(prompts[:2])
+    records = []
+    for repeat in range(repeats):
+        for b, size in enumerate(batch_sizes):
+            shift = (repeat + b) % len(METHODS)
+            for method in METHODS[shift:] + METHODS[:shift]:
+                outputs, start = [], time.perf_counter()
+                for i in range(0, len(prompts), size):
+                    outputs += getattr(methods, method)(prompts[i : i + size])
+                seconds = time.perf_counter() - start
+                records.append({"method": method, "batch_size": size, "repeat": repeat, "seconds": seconds,
+                                "tokens": sum(map(len, outputs)),
+                                "mismatches": sum(out != ref for out, ref in zip(outputs, reference, strict=True))})
+    return records
+
+
+def summarise(records: list[dict], batch_sizes: list[int]) -> dict:
+    """method -> batch size -> {tokens_per_s (median over repeats), vs_hf, mismatches}."""
+    summary: dict = {}
+    for method in METHODS:
+        for size in batch_sizes:
+            mine = [r for r in records if r["method"] == method and r["batch_size"] == size]
+            summary.setdefault(method, {})[size] = {
+                "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in mine),
+                "mismatches": max(r["mismatches"] for r in mine)}
+    for method in METHODS:
+        for size in batch_sizes:
+            summary[method][size]["vs_hf"] = summary[method][size]["tokens_per_s"] / summary["hf_batched"][size]["tokens_per_s"]
+    return summary
+
+
+def goal_lines(summary: dict, batch_sizes: list[int]) -> list[str]:
+    lines = []
+    for method, other, minimum, where in GOALS:
+        sizes = batch_sizes if where == "every B" else [where] if where in batch_sizes else []
+        if not sizes:
+            continue
+        value = min(summary[method][s]["tokens_per_s"] / summary[other][s]["tokens_per_s"] for s in sizes)
+        scope = "every B" if where == "every B" else f"B = {where}"
+        lines.append(f"{method} / {other} ({scope}): {value:.2f}x (goal >= {minimum}x) {'met' if value >= minimum else 'NOT met'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts (a multiple of every batch size)")
+    parser.add_argument("--batch-sizes", default="1,2,4,8")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    if any(size < 1 for size in batch_sizes):
+        parser.error("--batch-sizes must be integers >= 1")
+    model, tokenizer = load_model(args.model)
+    per_task = -(-args.prompts // 6)
+    prompts = [encode(tokenizer, text) for _, text in load_prompts(args.data, per_task, held_out=True)][: args.prompts]
+    methods = Methods(model, end_token_ids(model, tokenizer), args.max_new_tokens)
+    records = run(methods, prompts, batch_sizes, args.repeats)
+    summary = summarise(records, batch_sizes)
+    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                "model": args.model or "SmolLM2-135M-Instruct", "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+    goals = goal_lines(summary, batch_sizes)
+    lines = [f"Throughput, greedy (tokens/s over {len(prompts)} held-out prompts, median of {args.repeats} repeats; "
+             "x: against transformers' batched `generate` at the same batch size).", "",
+             f"Machine: {settings['machine']}", "", f"Settings: {settings}", "",
+             "| method | " + " | ".join(f"B = {s}" for s in batch_sizes) + " |", "|---|" + "---|" * len(batch_sizes)]
+    for method in METHODS:
+        cells = [f"{row['tokens_per_s']:.1f} ({row['vs_hf']:.2f}x){' mismatches ' + str(row['mismatches']) if row['mismatches'] else ''}"
+                 for row in (summary[method][s] for s in batch_sizes)]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {line}" for line in goals]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "throughput.json").write_text(json.dumps({"settings": settings, "summary": summary, "records": records},
+                                                         indent=1))
+    (args.out / "throughput.md").write_text("\n".join(lines) + "\n")
+    console = Console(quiet=args.quiet)
+    table = Table("method", *(f"B = {s}" for s in batch_sizes), title="tokens/s (x transformers' batched generate)")
+    for method in METHODS:
+        table.add_row(method, *(f"{summary[method][s]['tokens_per_s']:.1f} ({summary[method][s]['vs_hf']:.2f}x)"
+                                for s in batch_sizes))
+    console.print(table)
+    for line in goals:
+        console.print(line)
+    return {"summary": summary, "records": records}
+
+
+if __name__ == "__main__":
+    main()
