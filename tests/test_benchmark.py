@@ -136,3 +136,24 @@ def test_two_processes_with_accelerate_merge_into_one_report(tmp_path):
     outputs = {key(r): r["output"] for r in single["records"]}
     assert all(r["output"] == outputs[key(r)] and r["matches_reference"] for r in merged["records"])
     assert (tmp_path / "two" / "report.md").stat().st_size > 0
+
+
+def test_evaluate_decodes_a_jsonl_in_batches_as_one_by_one(tmp_path):
+    from benchmarks import evaluate
+    from sampling import autoregressive_generate
+    from utils.loading import load_model
+
+    model_dir = save_tiny_chat_model(tmp_path / "model", max_positions=512)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"id": "a", "prompt": "w5 w6 w7 w5 w6"}\n{"turns": ["w9 w10"]}\n\n{"prompt": "w11 w12 w13 w11 w12 w13 w11"}\n')
+    lines = evaluate.main([str(data), "--model", str(model_dir), "--batch-size", "2", "--max-new-tokens", "6",
+                           "--out", str(tmp_path / "out.jsonl")])
+    written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line["id"] for line in written] == ["a", "2", "4"] and len(lines) == 3
+    model, tokenizer = load_model(str(model_dir))
+    for line in written:
+        single = autoregressive_generate(spec_bench.encode(tokenizer, line["prompt"]), model, max_gen_len=6,
+                                         end_tokens_id=tokenizer.eos_token_id)
+        assert line["ids"] == single
+    with pytest.raises(SystemExit):
+        evaluate.main([str(tmp_path / "missing.jsonl")])

@@ -325,6 +325,7 @@ class ModelRunner:
                 assert parents is None, "a one-pass-per-row batch verifies chains"
                 runner.costs = self.costs
                 out.append(runner.forward(tokens, num) if tokens else self._no_logits())
+                self.forward_passes += bool(tokens)
             return out
         if self._live is None:  # one row: the one-sequence passes
             (tokens, parents), num = blocks[0], num_logits[0]
