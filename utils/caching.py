@@ -340,6 +340,8 @@ class ModelRunner:
         return torch.empty(0, 0, device=self.device)
 
     def _forward_shared(self, blocks, num_logits: list[int]) -> list[Tensor]:
+        if self._live.shape[1] == 0 and all(parents is None for _, parents in blocks):
+            return self._prefill_rows(blocks, num_logits)
         self._tidy()
         block = Block.build(blocks, [len(row) for row in self.rows])
         dtype = self.model.get_input_embeddings().weight.dtype
@@ -359,6 +361,40 @@ class ModelRunner:
         logits = outputs.logits[:, -keep:] if outputs.logits.shape[1] == width else outputs.logits
         logits = logits if logits.dtype == torch.float64 else logits.float()
         return [logits[b, keep - num :] if num else self._no_logits() for b, num in enumerate(num_logits)]
+
+    def _prefill_rows(self, blocks, num_logits: list[int]) -> list[Tensor]:
+        """An empty shared cache: each row's prompt in a pass of its own (prompts differ in length,
+        and padding every row to the longest would multiply the prefill's work), then the rows'
+        caches side by side, left-padded to the longest."""
+        width = max(len(tokens) for tokens, _ in blocks)
+        alone, logits = [], []
+        for (tokens, _), num in zip(blocks, num_logits, strict=True):
+            runner = ModelRunner(self.model, use_cache=True)
+            runner.costs = self.costs
+            if tokens:
+                row_logits = runner.forward(tokens, max(num, 1))
+                self.forward_passes += 1
+            logits.append(row_logits[-num:] if tokens and num else self._no_logits())
+            alone.append(runner)
+
+        def padded(tensor: Tensor | None, template: Tensor) -> Tensor:
+            missing = width - (tensor.shape[2] if tensor is not None else 0)
+            pad = template.new_zeros(1, template.shape[1], missing, template.shape[3])
+            return pad if tensor is None else torch.cat([pad, tensor], dim=2)
+
+        self._cache = self._new_cache()
+        for index, layer in enumerate(next(runner._cache.layers for runner in alone if runner.tokens)):
+            own = [runner._cache.layers[index] if runner.tokens else None for runner in alone]
+            keys = torch.cat([padded(o.keys if o else None, layer.keys) for o in own])
+            values = torch.cat([padded(o.values if o else None, layer.values) for o in own])
+            self._cache.update(keys, values, index)
+        starts = torch.tensor([width - len(tokens) for tokens, _ in blocks])[:, None]
+        self._live = torch.arange(width)[None, :] >= starts
+        self._positions = (torch.arange(width)[None, :] - starts).clamp(min=0)
+        for row, (tokens, _) in zip(self.rows, blocks, strict=True):
+            row += tokens
+        assert self._cache.get_seq_length() == width, "cache out of step with the prefilled rows"
+        return logits
 
     def _tidy(self) -> None:
         """Crop slots dead in every row at the end; compact when dead slots are a quarter of the cache."""
