@@ -98,6 +98,9 @@ class ModelRunner:
     Decoder-only: `forward(tokens)` extends the sequence. Encoder-decoder: the encoder runs once, in
     the constructor, on `encoder_input_ids`; `forward` then extends the decoder's sequence.
     With `use_cache=False` every call recomputes the whole sequence (same interface, same logits).
+    `rows` > 1: a batch (layout in the module docstring); `forward_rows`, `rollback_row`,
+    `keep_path_row` and `select_rows` work row by row, and with one row they are the one-sequence
+    calls `forward`, `forward_tree`, `rollback` and `keep_path`.
     """
 
     def __init__(
@@ -352,7 +355,9 @@ class ModelRunner:
         keep = max(1, max(num_logits))  # blocks are left-padded: the last positions line up
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        outputs = self._timed_call(block.ids.to(self.device), kwargs, timed=True)
+        # Not timed into `costs`: its table is per new token of one row, and B rows cost more than
+        # one row of as many tokens (each row attends to its own cache).
+        outputs = self._timed_call(block.ids.to(self.device), kwargs, timed=False)
         self._live = torch.cat([self._live, block.live], dim=1)
         self._positions = torch.cat([self._positions, block.positions], dim=1)
         for row, (tokens, _) in zip(self.rows, blocks, strict=True):
