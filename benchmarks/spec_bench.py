@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from benchmarks.suffix_decoding import MAX_TREE_DEPTH, load_peer, run_suffix
 from benchmarks.summary import BASELINE, CONTROL, TASKS, goal_lines, noise_verdict, report, summarise
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
@@ -41,6 +42,7 @@ from utils.logits_processors import GreedyProcessor, NucleusProcessor
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_chain", "ours_anpd",
            "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd"]
+OPTIONAL_METHODS = ["suffix"]  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
 NASD = {
     "ours_nasd": dict(ngram=lambda: MultiDynaGram(3)),
@@ -106,6 +108,7 @@ class Runner:
         self.target, self.drafter, self.end, self.n = target, drafter, end_tokens, max_new_tokens
         self.sample = sample  # None: greedy; else {"temperature": t, "top_p": p}
         self.processor = NucleusProcessor(**sample) if sample else GreedyProcessor()
+        self.suffix_cache = None  # the SuffixDecoding peer's cache, made at its first use
 
     def hf(self, ids, seed: int, **kwargs):
         sampling = dict(do_sample=True, top_k=0, **self.sample) if self.sample else dict(do_sample=False)
@@ -132,6 +135,14 @@ class Runner:
             settings = dict(NASD[method])
             pool = settings.pop("ngram")()
             out, _ = ngram_assisted_speculative_generate(ids, pool, self.target, stats=stats, **settings, **common)
+        elif method == "suffix":  # the SuffixDecoding peer in our loop, one global cache across prompts
+            if self.suffix_cache is None:
+                peer, why = load_peer()
+                if peer is None:
+                    raise RuntimeError(why)
+                self.suffix_cache = peer(max_tree_depth=MAX_TREE_DEPTH)
+            out, _ = run_suffix(ids, self.target, self.suffix_cache, max_new_tokens=self.n, end_tokens=self.end,
+                                stats=stats, on_step=None, processor=self.processor, generator=common["generator"])
         elif method == "ours_sd":
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           **common)
@@ -212,9 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - set(METHODS)
+    unknown = set(methods) - set(METHODS) - set(OPTIONAL_METHODS)
     if unknown:
-        parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {METHODS + OPTIONAL_METHODS}")
+    if "suffix" in methods and load_peer()[0] is None:
+        parser.error(load_peer()[1])
     for required in (CONTROL, BASELINE):  # the reference for speed and outputs, and the noise control
         if required not in methods:
             methods.insert(0, required)

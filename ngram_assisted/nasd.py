@@ -83,7 +83,8 @@ class BatchCost:
     plain step, for the per-row rule "draft if (1 + E_k) / cost(k) beats 1".
 
     A row's k drafts make the one pass of the step feed rows x (1 + k) tokens (the other rows are
-    padded to the same width), while only that row gains its E_k accepted tokens. The batch gains
+    padded to the same width), while only that row gains its E_k accepted tokens; r is the cost of
+    that pass against a plain one, as timed (`PassCosts.batch_ratio`). The batch gains
     (rows + E_k) tokens for r = c(rows (1 + k) - 1) / c(rows - 1) times a plain step's cost, which
     beats a plain step iff E_k / rows >= r - 1, i.e. iff (1 + E_k) >= 1 + rows (r - 1): so the
     row's cost is 1 + rows (r - 1). One row: c(k), the measured table itself.
@@ -97,8 +98,7 @@ class BatchCost:
         rows = self.draft_length.rows
         if rows == 1:
             return self.costs(k)
-        ratio = self.costs(rows * (1 + k) - 1) / self.costs(rows - 1)
-        return 1.0 + rows * (ratio - 1.0)
+        return 1.0 + rows * (self.costs.batch_ratio(rows, 1 + k) - 1.0)
 
 
 def ngram_assisted_speculative_generate(

@@ -92,7 +92,10 @@ class CostAwareDraftLength:
         return drafter / target if target and drafter else 1.0
 
     def cost(self, k: int) -> float:
-        return self.target_costs(self.rows * (1 + k) - 1) + k * self.drafter_step_cost()
+        if self.rows == 1:
+            return self.target_costs(k) + k * self.drafter_step_cost()
+        plain = self.target_costs(self.rows - 1)  # a batch: its pass as timed, relative to a plain one
+        return plain * self.target_costs.batch_ratio(self.rows, 1 + k) + k * self.drafter_step_cost()
 
     @property
     def gamma(self) -> int:

@@ -142,3 +142,13 @@ def test_a_model_drafter_that_cannot_pay_stops_drafting_and_probes_later():
     for _ in range(50):
         cheap.update(max(cheap.gamma, 4), 4)  # the cheap drafter matches again: it drafts
     assert cheap.gamma > 2
+
+
+def test_batched_passes_are_judged_by_their_own_timings():
+    costs = PassCosts(relative={0: 1.0, 1: 1.05, 16: 2.0, 32: 3.0}, one_token_seconds=1.0)
+    assert costs.batch_ratio(8, 2) == pytest.approx(costs(15) / costs(7))  # untimed: from the one-row table
+    for _ in range(3):
+        costs.observe_batch(8, 1, 1.0)
+        costs.observe_batch(8, 2, 1.9)  # this machine: 8 rows x 2 tokens cost nearly twice 8 x 1
+    assert costs.batch_ratio(8, 2) == pytest.approx(1.9)
+    assert costs(15) == pytest.approx(1.05 + 14 * 0.95 / 15)  # the one-row table is untouched

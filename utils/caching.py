@@ -355,9 +355,13 @@ class ModelRunner:
         keep = max(1, max(num_logits))  # blocks are left-padded: the last positions line up
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        # Not timed into `costs`: its table is per new token of one row, and B rows cost more than
-        # one row of as many tokens (each row attends to its own cache).
+        # Timed apart from the one-row table: B rows cost more than one row of as many tokens (each
+        # row attends to its own cache); `PassCosts.batch_ratio` reads these timings.
+        start = time.perf_counter()
         outputs = self._timed_call(block.ids.to(self.device), kwargs, timed=False)
+        if self.costs is not None:
+            synchronize(self.device)
+            self.costs.observe_batch(len(self.rows), width, time.perf_counter() - start)
         self._live = torch.cat([self._live, block.live], dim=1)
         self._positions = torch.cat([self._positions, block.positions], dim=1)
         for row, (tokens, _) in zip(self.rows, blocks, strict=True):

@@ -61,6 +61,8 @@ class PassCosts:
     shortcuts: dict[int, Shortcuts] = field(default_factory=dict)  # measured k -> fastest choice
     measured: bool = False
     _online: dict[int, list[float]] = field(default_factory=dict, repr=False)  # k -> [seconds, count]
+    # Batched passes, timed as they run: (rows, tokens per row) -> [seconds, count].
+    _batches: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
 
     def __call__(self, num_drafts: int) -> float:
         online = self._online
@@ -84,14 +86,19 @@ class PassCosts:
 
     def observe(self, num_drafts: int, seconds: float) -> None:
         """A pass over 1 + `num_drafts` tokens took `seconds`: refine the running estimate."""
-        entry = self._online.get(num_drafts)
-        if entry is None:
-            self._online[num_drafts] = [seconds, 1]
-            return
-        estimate = entry[0]
-        clipped = min(max(seconds, estimate / ONLINE_CLIP), estimate * ONLINE_CLIP)
-        entry[0] = estimate + ONLINE_WEIGHT * (clipped - estimate)
-        entry[1] += 1
+        _refine(self._online, num_drafts, seconds)
+
+    def observe_batch(self, rows: int, width: int, seconds: float) -> None:
+        """A pass feeding `width` tokens to each of `rows` rows took `seconds`."""
+        _refine(self._batches, (rows, width), seconds)
+
+    def batch_ratio(self, rows: int, width: int) -> float:
+        """What a pass of `rows` rows x `width` tokens costs against one of `rows` x 1: as timed
+        (both seen `ONLINE_MIN` times), else from the one-row table (rows x width tokens in all)."""
+        wide, plain = self._batches.get((rows, width)), self._batches.get((rows, 1))
+        if wide and plain and wide[1] >= ONLINE_MIN and plain[1] >= ONLINE_MIN:
+            return wide[0] / plain[0]
+        return self(rows * width - 1) / self(rows - 1)
 
     def table(self) -> dict[int, float]:
         """The relative costs it uses now, at 0 and the measured k (for reports)."""
@@ -109,6 +116,18 @@ class PassCosts:
             shortcuts={int(k): Shortcuts(*v) for k, v in data["shortcuts"].items()},
             measured=data["measured"],
         )
+
+
+def _refine(online: dict, key, seconds: float) -> None:
+    """A clipped running average per key: one burst of load moves nothing far."""
+    entry = online.get(key)
+    if entry is None:
+        online[key] = [seconds, 1]
+        return
+    estimate = entry[0]
+    clipped = min(max(seconds, estimate / ONLINE_CLIP), estimate * ONLINE_CLIP)
+    entry[0] = estimate + ONLINE_WEIGHT * (clipped - estimate)
+    entry[1] += 1
 
 
 def prior_costs() -> PassCosts:

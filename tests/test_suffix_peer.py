@@ -1,0 +1,41 @@
+"""SuffixDecoding as a benchmark peer: its drafts go through the library's loop and keep greedy
+decoding's tokens. The adapter is tested on the pure-Python stand-in; the real peer (a C++
+build, never needed by the library) is tested when it has been built here."""
+
+import pytest
+
+from benchmarks.suffix_decoding import PythonSuffixCache, SuffixDrafter, load_peer, run_suffix
+from sampling import SpeculativeStats, autoregressive_generate
+from tests.models import prompt, tiny_model
+
+
+def check_cache(cache):
+    model = tiny_model("llama")
+    first, second = prompt(1, length=6) * 3, prompt(2, length=5) * 2
+    for inputs in (first, second, first):  # the third call finds the first response in the global tree
+        reference = autoregressive_generate(inputs, model, max_gen_len=20)
+        stats, steps = SpeculativeStats(), []
+        out, _ = run_suffix(inputs, model, cache, max_new_tokens=20, end_tokens=None, stats=stats, on_step=steps.append)
+        assert out == reference
+    assert stats.drafts_accepted > 5 and stats.tau > 1.3, stats  # the earlier response is copied
+
+
+def test_the_adapter_keeps_greedy_tokens_with_the_python_stand_in():
+    check_cache(PythonSuffixCache(max_tree_depth=24))
+
+
+def test_the_stand_in_drafts_the_longest_match_and_stops_by_probability():
+    cache = PythonSuffixCache(max_tree_depth=24)
+    drafter = SuffixDrafter(cache)
+    drafter.start([5, 6, 7, 8, 5, 6, 7, 9, 5, 6])
+    tree, _ = drafter.draft([5, 6, 7, 8, 5, 6, 7, 9, 5, 6], max_drafts=8, max_depth=8)
+    assert tree.tokens[:1] == [7] and tree.is_chain  # "5 6" -> 7 twice
+    tree, _ = drafter.draft([5, 6, 7, 8, 5, 6, 7, 9, 5, 6], max_drafts=8, max_depth=1)
+    assert len(tree) == 1  # no path deeper than the room left
+
+
+def test_the_real_peer_when_it_is_built():
+    peer, why = load_peer()
+    if peer is None:
+        pytest.skip(why)
+    check_cache(peer(max_tree_depth=24))
