@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
 from sampling.draft_policy import best_tree_size
-from sampling.drafters import DraftTree
+from sampling.drafters import DraftTree, PerRow
 from utils.cost_model import prior_cost
 
 # Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4+ tokens), as
@@ -114,6 +114,7 @@ class NgramDrafter:
         self._base = 0  # len(sequence) when the last draft started
         self._tree = DraftTree.chain([])
         self._judged: list[tuple[Kind, float]] = []  # (kind, estimate) of each node of the last tree
+        self.expected = 0.0  # expected accepted drafts of the last tree
 
     def start(self, sequence: list[int]) -> None:
         self.pool.bind_vocabulary(self.vocab_size)
@@ -147,10 +148,16 @@ class NgramDrafter:
         if self.stop_if_unknown:
             # Nodes come in order of falling reach, parents first: a prefix is a tree.
             size = best_tree_size(reaches, self.draft_cost)
-            tokens, parents, judged = tokens[:size], parents[:size], judged[:size]
+            tokens, parents, judged, reaches = tokens[:size], parents[:size], judged[:size], reaches[:size]
         self._tree = DraftTree(tokens, parents)
         self._judged = judged
+        self.expected = sum(reaches)  # expected accepted drafts of this tree
         return self._tree, None
+
+    def withdraw(self) -> DraftTree:
+        """Drop the tree just drafted (the batch will not verify it) -> the empty tree."""
+        self._tree, self._judged, self.expected = DraftTree.chain([]), [], 0.0
+        return self._tree
 
     def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
         tree = self._tree
@@ -196,3 +203,26 @@ class NgramDrafter:
         for token, probability in zip(*top_k, strict=True):
             if probability > 0:  # zero: outside the processor's nucleus or top-k
                 self.pool.add(context, token, count=int(token != generated), probability=probability)
+
+
+class NgramRows(PerRow):
+    """The n-gram drafters of a batch's rows (`PerRow`), with the step's rule for a batch: the
+    step's pass is as wide as the widest row's tree, and the step count is set by the rows that
+    advance slowest, so drafts are verified only if every row expects to gain what the wider pass
+    costs (min over rows of 1 + E_b >= r(width), r timed by `PassCosts.batch_ratio`); otherwise
+    the step is plain for all rows. A row that drafts nothing then holds the others back, which is
+    the right call when a pass's cost hardly grows with its rows (memory-bound CPUs and GPUs)."""
+
+    def __init__(self, drafters: list[NgramDrafter], costs, stop_if_unknown: bool) -> None:
+        super().__init__(drafters)
+        self.costs = costs
+        self.stop_if_unknown = stop_if_unknown
+
+    def draft(self, sequences, max_drafts, max_depths):
+        drafts = super().draft(sequences, max_drafts, max_depths)
+        if len(drafts) == 1 or not self.stop_if_unknown or self.costs is None:
+            return drafts
+        width = 1 + max(len(tree) for tree, _ in drafts)
+        if width > 1 and 1 + min(d.expected for d in self.drafters) < self.costs.batch_ratio(len(drafts), width):
+            return [(drafter.withdraw(), None) for drafter in self.drafters]
+        return drafts

@@ -15,11 +15,10 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter
+from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import OnStep, prepare
 from sampling.draft_policy import DraftLength
-from sampling.drafters import PerRow
 from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
 from utils.caching import vocab_size
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
@@ -68,11 +67,11 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
         branching = AUTO_BRANCHING if stop_if_unknown else 1
     draft_length = DraftLength(gamma)
     cost = draft_cost or BatchCost(gen.runner.costs, draft_length)
-    drafter = PerRow([
+    drafter = NgramRows([
         NgramDrafter(pool, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
                      source_tokens=source, draft_cost=cost, branching=branching)
         for pool, source in zip(pools, gen.encoder_input_ids or [()] * len(pools), strict=True)
-    ])
+    ], gen.runner.costs if draft_cost is None else None, stop_if_unknown)
     return speculative_loop(
         gen, drafter, logits_processor=logits_processor, draft_length=draft_length, stats=stats, on_step=on_step,
     )

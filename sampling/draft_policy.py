@@ -61,9 +61,10 @@ class CostAwareDraftLength:
     drafting steps, catch-up pass included), or before any was timed the drafter's measured pass.
     After `probe_after` plain steps in a row one token is drafted anyway, so that a drafter that
     became useful again is noticed, but only if drafting could pay at all (at an acceptance rate of
-    0.99 under the measured costs: a drafter too dear to pay even then is never probed), and every
-    probe that is not followed by drafting doubles the wait (up to `MAX_PROBE_AFTER`): a probe
-    costs a catch-up pass over every token the drafter missed.
+    0.99 under the measured costs: a drafter too dear to pay even then is never probed), only if it
+    has drafted in this generation (a cold drafter's first draft costs a pass over the whole prompt),
+    and every probe that is not followed by drafting doubles the wait (up to `MAX_PROBE_AFTER`): a
+    probe costs a catch-up pass over every token the drafter missed.
     """
 
     PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0
@@ -71,11 +72,13 @@ class CostAwareDraftLength:
     PROBE_AFTER, MAX_PROBE_AFTER = 16, 256
 
     def __init__(self, max_gamma: int, target_costs: PassCosts, drafter_costs: PassCosts,
-                 draft_seconds: Callable[[], float | None] = lambda: None) -> None:
+                 draft_seconds: Callable[[], float | None] = lambda: None,
+                 warm: Callable[[], bool] = lambda: True) -> None:
         self.max_gamma = max_gamma
         self.target_costs = target_costs
         self.drafter_costs = drafter_costs
         self.draft_seconds = draft_seconds
+        self.warm = warm  # whether the drafter has drafted in this generation (its cache holds the prompt)
         self.accepted, self.judged = self.PRIOR_ALPHA * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
         self.plain_steps = 0
         self.probe_after = self.PROBE_AFTER
@@ -100,7 +103,8 @@ class CostAwareDraftLength:
     @property
     def gamma(self) -> int:
         k = best_draft_length([min(self.alpha, 0.99)] * self.max_gamma, self.cost)
-        if k == 0 and self.plain_steps >= self.probe_after and best_draft_length([0.99] * self.max_gamma, self.cost):
+        if (k == 0 and self.plain_steps >= self.probe_after and self.warm()
+                and best_draft_length([0.99] * self.max_gamma, self.cost)):
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
             return 1
         if k:

@@ -153,6 +153,10 @@ class ModelDrafter:
         for row in range(len(sequences)):
             self.runner.rollback_row(row, 0)
 
+    def is_warm(self) -> bool:
+        """Whether some row's cache holds tokens: the drafter has drafted in this generation."""
+        return any(self.runner.row_length(row) for row in range(len(self.uniforms)))
+
     def _distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
         """Drafter logits (V_d,) after `history` -> q (V,) in the target's vocabulary, processed as
         the target's p is. Columns the target lacks (padding rows) are dropped; columns the drafter

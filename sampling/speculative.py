@@ -182,7 +182,8 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     if adaptive_gamma:
         draft_length = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
-                                            draft_seconds=lambda: model_drafter.seconds_per_draft)
+                                            draft_seconds=lambda: model_drafter.seconds_per_draft,
+                                            warm=model_drafter.is_warm)
     else:
         draft_length = DraftLength(gamma)
     return speculative_loop(
