@@ -119,9 +119,11 @@ def ngram_assisted_speculative_generate(
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
-) -> tuple[list[int], float]:
-    """NASD for a decoder-only `target` -> (generated ids, alpha).
+) -> tuple[list[int], float] | list[tuple[list[int], float]]:
+    """NASD for a decoder-only `target` -> (generated ids, alpha), or one such pair per row of a batch.
 
+    `inputs` may be a batch (a list of token-id lists): the rows are decoded together, `ngram` is
+    then one pool they share or a list of one pool per row, and a list of (ids, alpha) comes back.
     `ngram` (a SimpleDynaGram or MultiDynaGram) is filled from the prompt, then after every step
     with the accepted tokens and the target's `top_k_filler` most likely tokens at each verified
     position; it keeps what it learned across calls (call `ngram.reset()` to forget). Drafts are up
@@ -162,7 +164,7 @@ def ngram_assisted_speculative_generate_encoder_decoder(
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
-) -> tuple[list[int], float]:
+) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """NASD for encoder-decoder models: the pool is also seeded with the encoder's source tokens
     (`inputs`), where summarisation and translation copy from. Returns the decoder's ids."""
     return _nasd(

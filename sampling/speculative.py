@@ -72,7 +72,7 @@ def speculative_loop(
     draft_length: DraftLength | CostAwareDraftLength,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
-):
+) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """The draft -> verify -> accept -> roll back loop, over every row of `gen` (one row: one
     sequence). Returns (generated ids, alpha), or for a batch a list with one such pair per row.
 
@@ -208,13 +208,14 @@ def speculative_generate(
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
-) -> tuple[list[int], float]:
+) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model.
 
     Each step the drafter proposes `gamma` tokens, the target scores them in one forward pass, and
     a prefix is accepted: greedily (output identical to greedy `autoregressive_generate`) or by
     rejection sampling (output distributed exactly as the target's processed distribution).
-    Returns (generated ids, alpha = drafts accepted / drafts proposed). With `adaptive_gamma` each
+    Returns (generated ids, alpha = drafts accepted / drafts proposed); for a batch (`inputs` a list
+    of token-id lists) one such pair per row, the rows decoded together. With `adaptive_gamma` each
     step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
     unit of measured cost (`sampling.draft_policy`), so a drafter that cannot pay on this machine
     stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
@@ -244,7 +245,7 @@ def speculative_generate_encoder_decoder(
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
-) -> tuple[list[int], float]:
+) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids (each
     model's encoder runs once); returns the decoder's generated ids without the start token."""
     return _speculative(

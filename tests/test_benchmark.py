@@ -123,10 +123,16 @@ def test_two_processes_with_accelerate_merge_into_one_report(tmp_path):
     args = ["--data", str(data), "--model", str(model), "--per-category", "1", "--repeats", "1",
             "--max-new-tokens", "8", "--methods", "hf_plain,hf_control,ours_ar,ours_nasd", "--quiet"]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-              "-m", "benchmarks.spec_bench"]
-    subprocess.run(launch + args + ["--out", str(tmp_path / "two")], check=True, cwd=str(Path(__file__).parent.parent),
-                   timeout=600)
+              "--mixed_precision", "no", "--dynamo_backend", "no"]
+    # One retry with a fresh port: once in a full-suite run here one of the two workers aborted (SIGABRT, no Python
+    # traceback; 7 runs since, alone and in the suite, passed); a second failure in a row is a real one.
+    for _ in range(2):
+        run = subprocess.run(launch + ["--main_process_port", str(free_port()), "-m", "benchmarks.spec_bench"]
+                             + args + ["--out", str(tmp_path / "two")], cwd=str(Path(__file__).parent.parent),
+                             timeout=600, capture_output=True, text=True)
+        if run.returncode == 0:
+            break
+    assert run.returncode == 0, run.stderr[-3000:]
     merged = json.loads((tmp_path / "two" / "results.json").read_text())
     assert merged["settings"]["processes"] == 2
     single = spec_bench.main(args + ["--out", str(tmp_path / "one")])
