@@ -8,6 +8,19 @@ Type /help for the commands.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # importing torch and transformers takes seconds: show that something happens
+    import threading
+
+    def _show_start(started: threading.Event) -> None:
+        print("Starting the console (loading PyTorch and transformers)", end="", flush=True)
+        while not started.wait(0.5):
+            print(".", end="", flush=True)
+        print(flush=True)
+
+    _started = threading.Event()
+    _dots = threading.Thread(target=_show_start, args=(_started,), daemon=True)
+    _dots.start()
+
 import argparse
 import signal
 import sys
@@ -442,6 +455,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "_dots" in globals():  # run as a script: the imports are done, end the start-up dots
+        _started.set()
+        _dots.join()
     args = parse_args(argv)
     console = Console(highlight=False)
     options = dict(dtype=args.dtype, device=args.device, device_map=args.device_map, load_in_8bit=args.load_in_8bit,
