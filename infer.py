@@ -86,10 +86,7 @@ def generate_settings(args: list[str]) -> dict:
                 raise ValueError(f"do_sample must be true or false, got {value!r}")
             settings[key] = value.lower() == "true"
         else:
-            try:
-                settings[key] = int(value) if key in ("no_repeat_ngram_size", "min_length", "top_k") else float(value)
-            except ValueError:
-                raise ValueError(f"{key} must be a number, got {value!r}") from None
+            settings[key] = _number(key, value)
     settings.setdefault("do_sample", bool(SAMPLING_KEYS & set(settings)))
     return settings
 
@@ -100,12 +97,15 @@ def generate_processor(settings: dict) -> TransformersProcessor:
     return TransformersProcessor.from_generation_config(GenerationConfig(**settings))
 
 
+INTEGER_KEYS = {"top_k", "no_repeat_ngram_size", "min_length"}
+
+
 def _number(key: str, value: str) -> int | float:
+    """A `/processor` value: an int for `INTEGER_KEYS`, else a float; the error names the key."""
     try:
-        return int(value) if key in ("top_k", "no_repeat_ngram_size", "min_length") else float(value)
+        return int(value) if key in INTEGER_KEYS else float(value)
     except ValueError:
-        kind = "an integer" if key in ("top_k", "no_repeat_ngram_size", "min_length") else "a number"
-        raise ValueError(f"{key} must be {kind}, got {value!r}") from None
+        raise ValueError(f"{key} must be {'an integer' if key in INTEGER_KEYS else 'a number'}, got {value!r}") from None
 
 
 def parse_processor(args: list[str]) -> tuple[str, dict]:
