@@ -1,43 +1,47 @@
-"""Tune NASD's drafting policy offline: record greedy outputs once, replay the drafter in seconds.
+"""Tune NASD's drafting policy offline: record greedy outputs once, replay drafters in seconds.
 
-    python -m benchmarks.nasd_replay record --per-category 3 --out nasd_traces.json   # ~5 min
-    python -m benchmarks.nasd_replay replay --traces nasd_traces.json                 # ~10 s
+    python -m benchmarks.nasd_replay record --per-category 4 --offset 2 --out nasd_traces.json  # ~3 min
+    python -m benchmarks.nasd_replay replay --traces nasd_traces.json                          # ~10 s
+    python -m benchmarks.nasd_replay replay --drafter suffix                                   # the peer
 
 `record` decodes held-out Spec-Bench prompts (taken from the end of the file, so that they differ
-from the benchmark's, which come from the start) greedily and stores each output with the target's
-top-3 tokens and their probabilities at every position. `replay` runs the real `NgramDrafter`
-against those traces: in greedy mode a draft is accepted iff it equals the recorded token, so the
-replay is exact, and its speedup estimate is tokens / sum(cost of each verification pass) under
-the prior cost table. Off the accepted path the trace has no scores, so recycling learns less than
-in a real run. It ignores Python overhead and noise: use it to compare policies, then confirm with
-`nasd_tau` (tau from real passes) and spec_bench.
+from the benchmark's, which come from the start; `--offset 2` also skips the two per task that
+`suffix_compare` evaluates on) greedily and stores each output with the target's top-3 tokens and
+their probabilities at every position, and this machine's measured cost table. `replay` runs the
+real `NgramDrafter` (or SuffixDecoding's drafter, `--drafter suffix`, when built) against those
+traces: in greedy mode a draft is accepted iff it equals the recorded token, so the replay is
+exact, and it reports per task tau, drafted nodes per step, alpha and the modelled speed (tokens /
+the summed cost of every verification pass under the recorded table), as `suffix_compare` does
+with real passes. Off the accepted path the trace has no scores, so recycling learns less than in
+a real run. It ignores Python overhead and noise: use it to compare policies, then confirm with
+`suffix_compare` and spec_bench.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
-from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
+from benchmarks.summary import TASKS, geometric_mean
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from ngram_assisted.drafter import NgramDrafter
-from utils.cost_model import prior_cost
+from utils.cost_model import PRIOR, _interpolate
 
 
-def record(data: Path, per_category: int, max_new_tokens: int, out: Path, model_name: str | None) -> None:
+def record(data: Path, per_category: int, offset: int, max_new_tokens: int, out: Path, model_name: str | None) -> None:
     from sampling import autoregressive_generate
+    from utils.calibration import pass_costs
     from utils.loading import end_token_ids, load_model
 
     model, tokenizer = load_model(model_name)
     end = end_token_ids(model, tokenizer)
     traces = []
-    for task, text in load_prompts(data, per_category, held_out=True):
+    for task, text in load_prompts(data, per_category, held_out=True, offset=offset):
         prompt = encode(tokenizer, text)
         generated = autoregressive_generate(prompt, model, max_gen_len=max_new_tokens, end_tokens_id=end)
         with torch.no_grad():
@@ -45,7 +49,15 @@ def record(data: Path, per_category: int, max_new_tokens: int, out: Path, model_
         top3 = logits.float().softmax(dim=-1).topk(3, dim=-1)
         traces.append({"task": task, "prompt": prompt, "generated": generated, "top3": top3.indices.tolist(),
                        "top3_p": top3.values.tolist(), "vocab": logits.shape[-1]})
-    out.write_text(json.dumps(traces))
+    out.write_text(json.dumps({"cost_table": pass_costs(model).table(), "traces": traces}))
+
+
+def load_traces(path: Path) -> tuple[list[dict], dict[int, float]]:
+    """(traces, cost table k -> relative cost); files recorded before the table was: the prior."""
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        return data, dict(PRIOR)
+    return data["traces"], {int(k): v for k, v in data["cost_table"].items()}
 
 
 def stand_in_logits(trace: dict, position: int, path: list[int], num_nodes: int) -> torch.Tensor:
@@ -63,11 +75,12 @@ def stand_in_logits(trace: dict, position: int, path: list[int], num_nodes: int)
     return rows
 
 
-def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
-    """Estimated speedup of NASD over plain decoding on one recorded greedy trace."""
+def replay_one(trace: dict, drafter, gamma: int, cost: Callable[[int], float]) -> dict:
+    """One recorded greedy trace replayed with `drafter` -> tokens, steps, drafted nodes, accepted
+    drafts and the summed cost of the verification passes."""
     sequence, generated = list(trace["prompt"]), trace["generated"]
     drafter.start(sequence)
-    position, cost = 0, 0.0
+    position, steps, nodes, accepted, total_cost = 0, 0, 0, 0, 0.0
     while position < len(generated):
         tree, _ = drafter.draft(sequence, gamma, len(generated) - position - 1)
         path, node = [], -1  # greedy acceptance of the tree against the recorded output
@@ -80,24 +93,56 @@ def replay_one(trace: dict, drafter: NgramDrafter, gamma: int) -> float:
         n = len(path)
         sequence += generated[position : position + n + 1]
         drafter.update(sequence, path, stand_in_logits(trace, position, path, len(tree)), None)
-        cost += prior_cost(len(tree))
+        steps, nodes, accepted, total_cost = steps + 1, nodes + len(tree), accepted + n, total_cost + cost(len(tree))
         position += n + 1
-    return len(generated) / cost
+    return {"task": trace["task"], "tokens": len(generated), "steps": steps, "nodes": nodes, "accepted": accepted,
+            "cost": total_cost}
 
 
-def replay(traces_path: Path, pool: str, n: int, gamma: int, top_k_filler: int, stop_if_unknown: bool,
-           branching: int = 1) -> dict:
-    traces = json.loads(traces_path.read_text())
-    by_task: dict[str, list[float]] = defaultdict(list)
-    for trace in traces:
+def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Per task and overall: tau, nodes per step, alpha, modelled speed (tokens / summed cost)."""
+    summary = {}
+    for task in [*TASKS, "overall"]:
+        mine = [r for r in records if task == "overall" or r["task"] == task]
+        if mine:
+            total = {key: sum(r[key] for r in mine) for key in ("tokens", "steps", "nodes", "accepted", "cost")}
+            summary[task] = {"tau": total["tokens"] / total["steps"], "nodes_per_step": total["nodes"] / total["steps"],
+                             "alpha": total["accepted"] / max(total["nodes"], 1),
+                             "modelled_speed": total["tokens"] / total["cost"]}
+    summary["overall"]["modelled_speed_geomean"] = geometric_mean(
+        [summary[t]["modelled_speed"] for t in TASKS if t in summary])
+    return summary
+
+
+def nasd_drafters(pool: str = "multi", n: int = 3, top_k_filler: int = 3, stop_if_unknown: bool = True,
+                  branching: int = 3, **settings) -> Callable[[dict, Callable[[int], float]], NgramDrafter]:
+    """A factory of NASD drafters (a fresh pool per trace, as each generation in suffix_compare)."""
+    def make(trace: dict, cost: Callable[[int], float]) -> NgramDrafter:
         ngram = (MultiDynaGram if pool == "multi" else SimpleDynaGram)(n)
-        drafter = NgramDrafter(ngram, vocab_size=trace["vocab"], top_k_filler=top_k_filler,
-                               stop_if_unknown=stop_if_unknown, branching=branching)
-        by_task[trace["task"]].append(replay_one(trace, drafter, gamma))
-    speedups = {task: statistics.fmean(values) for task, values in by_task.items()}
-    overall = math.exp(statistics.fmean(math.log(v) for v in speedups.values()))
-    print(" ".join(f"{task}={value:.2f}" for task, value in speedups.items()) + f" | overall {overall:.3f}")
-    return speedups
+        return NgramDrafter(ngram, vocab_size=trace["vocab"], top_k_filler=top_k_filler,
+                            stop_if_unknown=stop_if_unknown, branching=branching, draft_cost=cost, **settings)
+    return make
+
+
+def suffix_drafters() -> Callable[[dict, Callable[[int], float]], object]:
+    """A factory of SuffixDecoding drafters over one global cache (the peer, or its stand-in)."""
+    from benchmarks.suffix_decoding import MAX_TREE_DEPTH, PythonSuffixCache, SuffixDrafter, load_peer
+
+    peer, _ = load_peer()
+    cache = (peer or PythonSuffixCache)(max_tree_depth=MAX_TREE_DEPTH)
+    return lambda trace, cost: SuffixDrafter(cache)
+
+
+def replay(traces_path: Path, make_drafter, gamma: int = 8, quiet: bool = False) -> dict:
+    traces, table = load_traces(traces_path)
+    cost = lambda k: _interpolate(table, k)  # noqa: E731
+    summary = summarise([replay_one(trace, make_drafter(trace, cost), gamma, cost) for trace in traces])
+    if not quiet:
+        print(" ".join(f"{task[:5]}={v['modelled_speed']:.3f}" for task, v in summary.items())
+              + f" | geomean {summary['overall']['modelled_speed_geomean']:.3f}"
+              + f" | tau {summary['overall']['tau']:.2f} nodes {summary['overall']['nodes_per_step']:.2f}"
+              + f" alpha {summary['overall']['alpha']:.2f}")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,24 +150,28 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     rec = commands.add_parser("record")
     rec.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    rec.add_argument("--per-category", type=int, default=3)
+    rec.add_argument("--per-category", type=int, default=4)
+    rec.add_argument("--offset", type=int, default=2, help="skip each task's first held-out prompts")
     rec.add_argument("--max-new-tokens", type=int, default=128)
     rec.add_argument("--model", default=None)
     rec.add_argument("--out", type=Path, default=Path("nasd_traces.json"))
     rep = commands.add_parser("replay")
     rep.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
+    rep.add_argument("--drafter", choices=["nasd", "suffix"], default="nasd")
     rep.add_argument("--pool", choices=["simple", "multi"], default="multi")
-    rep.add_argument("--n", type=int, default=6)
+    rep.add_argument("--n", type=int, default=3)
     rep.add_argument("--gamma", type=int, default=8)
     rep.add_argument("--top-k-filler", type=int, default=3)
     rep.add_argument("--no-stop-if-unknown", action="store_true")
-    rep.add_argument("--branching", type=int, default=1, help="candidates per node (token trees)")
+    rep.add_argument("--branching", type=int, default=3, help="candidates per node (token trees)")
     args = parser.parse_args(argv)
     if args.command == "record":
-        record(args.data, args.per_category, args.max_new_tokens, args.out, args.model)
+        record(args.data, args.per_category, args.offset, args.max_new_tokens, args.out, args.model)
+    elif args.drafter == "suffix":
+        replay(args.traces, suffix_drafters(), args.gamma)
     else:
-        replay(args.traces, args.pool, args.n, args.gamma, args.top_k_filler, not args.no_stop_if_unknown,
-               args.branching)
+        replay(args.traces, nasd_drafters(args.pool, args.n, args.top_k_filler, not args.no_stop_if_unknown,
+                                          args.branching), args.gamma)
 
 
 if __name__ == "__main__":

@@ -58,18 +58,19 @@ def task_of(category: str) -> str:
     return "multi-turn conversation" if category in MT_BENCH else category
 
 
-def load_prompts(path: Path, per_category: int, *, held_out: bool = False) -> list[tuple[str, str]]:
+def load_prompts(path: Path, per_category: int, *, held_out: bool = False, offset: int = 0) -> list[tuple[str, str]]:
     """(task, first turn) pairs, at most `per_category` per task, in file order; `held_out`: from
-    the end of the file (prompts the benchmark, which reads from the start, never uses)."""
+    the end of the file (prompts the benchmark, which reads from the start, never uses); `offset`:
+    skip each task's first `offset` prompts (a tuning set apart from the evaluation's)."""
     chosen: dict[str, list[str]] = defaultdict(list)
     lines = path.read_text().splitlines()
     for line in reversed(lines) if held_out else lines:
         if line.strip():
             record = json.loads(line)
             task = task_of(record["category"])
-            if len(chosen[task]) < per_category:
+            if len(chosen[task]) < offset + per_category:
                 chosen[task].append(record["turns"][0])
-    return [(task, text) for task in TASKS for text in chosen.get(task, [])]
+    return [(task, text) for task in TASKS for text in chosen.get(task, [])[offset:]]
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -8,63 +8,94 @@ import torch
 from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
+from ngram_assisted.matching import MAX_MATCH, CopyIndex
 from sampling.draft_policy import best_tree_size
 from sampling.drafters import DraftTree, PerRow
 from utils.cost_model import prior_cost
 
-# Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4+ tokens), as
-# measured on held-out Spec-Bench prompts with SmolLM2-135M (greedy): longer matches are copies.
-MATCH_LENGTH_PRIOR = (0.25, 0.5, 0.7, 0.85)
+# Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4, 5-7, 8-15, 16+
+# tokens: in the pool or, longer, in the text itself), as measured on held-out Spec-Bench prompts
+# with SmolLM2-135M (greedy): longer matches are copies.
+MATCH_LENGTH_PRIOR = (0.25, 0.5, 0.65, 0.8, 0.8, 0.9, 0.92)
+# Greedy: prior P(accept) of the target's own top choice at a context it scored before, by match
+# length (as above) and by its probability then (< 0.2, < 0.6, < 0.97, >= 0.97). Measured on
+# held-out Spec-Bench prompts apart from the evaluation's (SmolLM2-135M): at a long match the
+# target's argmax is its argmax again whatever its probability was (a 0.3 argmax, 0.9 accepted);
+# at a one-token match a 0.97 argmax is accepted half the time (the context was another one).
+TOP_CHOICE_PRIOR = (
+    (0.05, 0.25, 0.3, 0.5), (0.3, 0.4, 0.55, 0.83), (0.5, 0.65, 0.7, 0.9), (0.55, 0.65, 0.75, 0.88),
+    (0.65, 0.72, 0.85, 0.88), (0.85, 0.87, 0.9, 0.97), (0.9, 0.95, 0.98, 0.99),
+)
+TOP_CHOICE_EDGES = (0.2, 0.6, 0.97)
+NOT_TOP_CHOICE_PRIOR = 0.1  # greedy: a token the target ranked below another there
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed drafts
 RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of the first's prior
 AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97)  # the target's last probability of a proposal, bucketed
 
-# (match length, count, majority continuation, rank among siblings, confidence bucket or -1)
+# (match length, count, majority continuation or target's top choice, rank among siblings, confidence bucket or -1)
 Kind = tuple[int, int, bool, int, int]
 
 
 class AcceptanceModel:
     """Online estimate of P(a draft is accepted | the drafts before it were), per kind of proposal.
 
-    A proposal the target has scored (a token of its top-k there) is judged by the probability the
-    target gave it the last time it saw that context: its kind is (match length, whether it is a
-    runner-up, the bucket of that probability), starting from the bucket's middle. A proposal only
-    seen in text (the prompt) is judged by (match length, count, whether it is the majority
-    continuation, its rank among its context's candidates), starting from a prior set by its
-    match length (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each kind moves to
-    the acceptance rate actually observed. On top of that, a
-    calibration factor (accepted / predicted over all judged drafts so far) scales every estimate,
-    so that text where the pool is less reliable than usual stops the drafting after a few misses.
+    A proposal the target has scored (a token of its top-k there) is judged by what the target
+    said the last time it saw that context: its kind is (match length, whether it was the target's
+    top choice, whether it is a runner-up among the pool's candidates, the bucket of its
+    probability then). Greedy decoding accepts the target's argmax, so there the prior is how often
+    the top choice stays the top choice (`TOP_CHOICE_PRIOR`, by match length and probability);
+    sampling accepts x with probability p(x), so there it is the middle of the probability's
+    bucket. A proposal only seen in text (the prompt) is judged by (match length, count, whether it
+    is the majority continuation, its rank among its context's candidates), starting from a prior
+    set by its match length (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each
+    kind moves to the acceptance rate actually observed. On top of that, a calibration factor
+    (accepted / predicted over all judged drafts so far) scales the odds of every estimate, so that
+    text where the pool is less reliable than usual stops the drafting after a few misses (in odds,
+    a sure proposal is lowered less than an unsure one, and none is raised past certainty).
     """
 
     def __init__(self, prior: tuple[float, ...] = MATCH_LENGTH_PRIOR, weight: float = PRIOR_WEIGHT) -> None:
         self.prior = prior
         self.weight = weight
+        self.greedy = True  # until a sampled step is judged
         self.counts: dict[Kind, list[float]] = {}  # kind -> [accepted, rejected]
         self.accepted = 0.0
         self.predicted = 0.0
 
     @staticmethod
-    def kind(prediction: Prediction, rank: int = 0) -> Kind:
+    def kind(prediction: Prediction, rank: int = 0, copied: int = 0) -> Kind:
+        """`copied`: the context tokens it matched in the text itself (`CopyIndex`), when more than
+        the pool's context; match lengths 1-4 count as themselves, then 5-7, 8-15 and 16+."""
         p = prediction.probability
-        match_length = min(prediction.match_length, 8)
+        length = max(prediction.match_length, copied)
+        match_length = length if length <= 4 else 5 if length < 8 else 6 if length < 16 else 7
         if p is None:  # only seen in text: count and majority speak for it
             return match_length, min(prediction.count, 4), 2 * prediction.count > prediction.total, min(rank, 2), -1
-        return match_length, 0, False, min(rank, 1), sum(p >= edge for edge in CONFIDENCE_BUCKETS)
+        bucket = sum(p >= edge for edge in CONFIDENCE_BUCKETS)
+        return match_length, 0, prediction.target_rank == 0, min(rank, 1), bucket
 
     def _prior(self, kind: Kind) -> list[float]:
-        if kind[4] >= 0:  # the target's own probability, the middle of its bucket
-            edges = (0.0, *CONFIDENCE_BUCKETS, 1.0)
-            a = (edges[kind[4]] + edges[kind[4] + 1]) / 2
+        match_length, _, top_choice, rank, bucket = kind
+        if bucket < 0:
+            a = self.prior[min(match_length, len(self.prior)) - 1] * (RUNNER_UP_PRIOR if rank else 1.0)
         else:
-            a = self.prior[min(kind[0], len(self.prior)) - 1] * (RUNNER_UP_PRIOR if kind[3] else 1.0)
+            edges = (0.0, *CONFIDENCE_BUCKETS, 1.0)
+            middle = (edges[bucket] + edges[bucket + 1]) / 2  # the target's probability then
+            if not self.greedy:
+                a = middle
+            elif top_choice:
+                row = TOP_CHOICE_PRIOR[min(match_length, len(TOP_CHOICE_PRIOR)) - 1]
+                a = row[sum(middle >= edge for edge in TOP_CHOICE_EDGES)]
+            else:
+                a = NOT_TOP_CHOICE_PRIOR
         return [a * self.weight, (1 - a) * self.weight]
 
     def estimate(self, kind: Kind) -> float:
         accepted, rejected = self.counts.get(kind) or self._prior(kind)
         calibration = (self.accepted + self.weight) / (self.predicted + self.weight)
-        return min(0.99, calibration * accepted / (accepted + rejected))
+        odds = calibration * accepted / max(rejected, 1e-9)  # scaled as odds: stays below 1
+        return min(0.99, odds / (1.0 + odds))
 
     def record(self, kind: Kind, accepted: float, estimate: float) -> None:
         """A judged draft of this kind, proposed with this `estimate`, was accepted (1.0), rejected
@@ -111,6 +142,8 @@ class NgramDrafter:
         self.draft_cost = draft_cost
         self.branching = branching
         self.acceptance = AcceptanceModel()
+        self.copies = CopyIndex()  # the match length of proposals copied from the text
+        self._indexed = 0  # tokens of the sequence in `copies`
         self._base = 0  # len(sequence) when the last draft started
         self._tree = DraftTree.chain([])
         self._judged: list[tuple[Kind, float]] = []  # (kind, estimate) of each node of the last tree
@@ -120,23 +153,26 @@ class NgramDrafter:
         self.pool.bind_vocabulary(self.vocab_size)
         self.pool.fill(self.source_tokens)  # encoder-decoder: the source text, where copying happens
         self.pool.learn(sequence)
+        self.copies = CopyIndex()
+        self.copies.extend([*self.source_tokens, *sequence])
+        self._indexed = len(sequence)
 
-    def _candidates(self, history: list[int], parent: int, reach: float) -> list[tuple[float, int, int, Prediction]]:
+    def _candidates(self, history: list[int], parent: int, reach: float) -> list[tuple[float, int, Kind, Prediction]]:
+        """(reach, parent, kind, proposal) of the pool's candidates after `history`."""
         found = self.pool.candidates(history[len(history) - (self.pool.n - 1) :], self.branching)
-        return [(reach * self.acceptance.estimate(AcceptanceModel.kind(c, rank)), rank, parent, c)
-                for rank, c in enumerate(found)]
+        kinds = [AcceptanceModel.kind(c, rank, self.copies.match_length(history, c.token)) for rank, c in enumerate(found)]
+        return [(reach * self.acceptance.estimate(kind), parent, kind, c) for kind, c in zip(kinds, found, strict=True)]
 
     def draft(self, sequence: list[int], max_drafts: int, max_depth: int | None = None) -> tuple[DraftTree, None]:
         self._base = len(sequence)
         max_depth = max_drafts if max_depth is None else max_depth
         tokens, parents, reaches, judged, depths = [], [], [], [], []
-        histories = {-1: list(sequence[-(self.pool.n - 1) :])}
+        histories = {-1: list(sequence[-max(self.pool.n - 1, MAX_MATCH) :])}
         frontier = self._candidates(histories[-1], -1, 1.0) if max_depth > 0 else []
         while frontier and len(tokens) < max_drafts:
             best = max(range(len(frontier)), key=lambda i: frontier[i][0])  # best-first: most likely to be reached
-            reach, rank, parent, prediction = frontier.pop(best)
+            reach, parent, kind, prediction = frontier.pop(best)
             node = len(tokens)
-            kind = AcceptanceModel.kind(prediction, rank)
             tokens.append(prediction.token)
             parents.append(parent)
             reaches.append(reach)
@@ -161,11 +197,14 @@ class NgramDrafter:
 
     def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
         tree = self._tree
+        self.copies.extend(sequence[self._indexed :])
+        self._indexed = len(sequence)
         # Learn how often each kind of proposal is accepted. Judged: the candidates at the root and
         # at every accepted node (the nodes below a rejection were never reached). Greedy: whether
         # it was the target's argmax. Sampling: its chance p(x) of being the emitted token, known
         # now (the multi-candidate rule emits x with probability p(x)): the same mean, less noise.
         reached = {-1, *path}
+        self.acceptance.greedy = p is None
         judged_nodes = [node for node, parent in enumerate(tree.parents) if parent in reached]
         if p is not None and judged_nodes:
             rows = torch.tensor([1 + tree.parents[node] for node in judged_nodes], device=p.device)
@@ -200,9 +239,9 @@ class NgramDrafter:
         self.pool.learn(sequence)  # the accepted tokens and the target's own
 
     def _recycle(self, context: list[int], top_k: tuple[list[int], list[float]], generated: int | None) -> None:
-        for token, probability in zip(*top_k, strict=True):
+        for rank, (token, probability) in enumerate(zip(*top_k, strict=True)):
             if probability > 0:  # zero: outside the processor's nucleus or top-k
-                self.pool.add(context, token, count=int(token != generated), probability=probability)
+                self.pool.add(context, token, count=int(token != generated), probability=probability, target_rank=rank)
 
 
 class NgramRows(PerRow):

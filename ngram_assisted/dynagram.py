@@ -25,6 +25,7 @@ class Prediction:
     total: int
     match_length: int
     probability: float | None = None  # the target's probability of `token` when it last scored this context
+    target_rank: int | None = None  # its rank in the target's top-k then (0: the target's most likely token)
 
 
 LEARNED_SEQUENCES = 64  # sequences whose learned length a pool remembers (the rows of a batch)
@@ -50,7 +51,7 @@ class DynaGram:
 
     def reset(self) -> None:
         """Forget every n-gram (and the vocabulary the pool was bound to)."""
-        # context -> {token: [count, last time seen, target's probability or None]}; the
+        # context -> {token: [count, last time seen, target's probability or None, its rank or None]}; the
         # OrderedDict order is recency (LRU).
         self._table: OrderedDict[tuple[int, ...], dict[int, list]] = OrderedDict()
         self._clock = 0
@@ -72,15 +73,18 @@ class DynaGram:
                 f"cannot be used with a model of {vocab_size}: call reset() or use a new pool"
             )
 
-    def add(self, context: Sequence[int], token: int, count: int = 1, probability: float | None = None) -> None:
+    def add(self, context: Sequence[int], token: int, count: int = 1, probability: float | None = None,
+            target_rank: int | None = None) -> None:
         """Record that `token` followed `context` (any length; only its last tokens are used) `count`
-        times; `probability`: the target's probability of it there (kept until the next one)."""
+        times; `probability`, `target_rank`: the target's probability of it there and its rank among
+        the target's most likely tokens (both kept until the next score)."""
         self._clock += 1
         for length in self.context_lengths:
             if len(context) >= length:
-                self._observe(tuple(context[len(context) - length :]), token, count, probability)
+                self._observe(tuple(context[len(context) - length :]), token, count, probability, target_rank)
 
-    def _observe(self, key: tuple[int, ...], token: int, count: int, probability: float | None) -> None:
+    def _observe(self, key: tuple[int, ...], token: int, count: int, probability: float | None,
+                 target_rank: int | None) -> None:
         continuations = self._table.get(key)
         if continuations is None:
             continuations = self._table[key] = {}
@@ -93,12 +97,12 @@ class DynaGram:
             if len(continuations) >= self.max_continuations:
                 weakest = min(continuations, key=lambda t: continuations[t][:2])
                 del continuations[weakest]
-            continuations[token] = [count, self._clock, probability]
+            continuations[token] = [count, self._clock, probability, target_rank]
         else:
             entry[0] += count
             entry[1] = self._clock
             if probability is not None:
-                entry[2] = probability
+                entry[2], entry[3] = probability, target_rank
 
     def fill(self, tokens: Sequence[int], start: int = 0) -> None:
         """Add every n-gram of `tokens` whose next token is at index >= `start`."""
@@ -137,9 +141,9 @@ class DynaGram:
             continuations = self._table.get(tuple(history[len(history) - length :]))
             if continuations:
                 token = max(continuations, key=lambda t: continuations[t][:2])  # count, then recency
-                count, _, probability = continuations[token]
+                count, _, probability, target_rank = continuations[token]
                 total = sum(entry[0] for entry in continuations.values())
-                return Prediction(token, count, total, length, probability)
+                return Prediction(token, count, total, length, probability, target_rank)
         return None
 
     def candidates(self, history: Sequence[int], limit: int) -> list[Prediction]:
@@ -156,7 +160,7 @@ class DynaGram:
             total = sum(entry[0] for entry in continuations.values())
             ranked = sorted(continuations, key=lambda t: continuations[t][:2], reverse=True)
             seen = {prediction.token for prediction in found}
-            found += [Prediction(t, continuations[t][0], total, length, continuations[t][2])
+            found += [Prediction(t, continuations[t][0], total, length, *continuations[t][2:])
                       for t in ranked if t not in seen]
         return found[:limit]
 

@@ -85,17 +85,24 @@ def test_a_single_slow_repeat_moves_the_median_little_and_shows_in_the_spread():
 
 
 def test_nasd_replay_estimates_a_speedup_on_copied_text():
-    from benchmarks.nasd_replay import replay_one
+    from benchmarks.nasd_replay import replay_one, summarise
+    from benchmarks.suffix_decoding import PythonSuffixCache, SuffixDrafter
     from ngram_assisted import MultiDynaGram
     from ngram_assisted.drafter import NgramDrafter
+    from utils.cost_model import prior_cost
+
+    def speed(trace, drafter):
+        return summarise([replay_one(trace, drafter, 8, prior_cost)])[trace["task"]]["modelled_speed"]
 
     text = [5, 6, 7, 8, 9] * 4  # the answer copies the prompt: drafts are accepted
     trace = {"task": "rag", "prompt": text, "generated": text, "top3": [[t, 3, 4] for t in text], "vocab": 96}
-    assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), gamma=8) > 1.5
-    assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96, branching=2), gamma=8) > 1.5  # trees
+    assert speed(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96)) > 1.5
+    assert speed(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96, branching=2)) > 1.5  # trees
+    assert speed(trace, SuffixDrafter(PythonSuffixCache(max_tree_depth=24))) > 1.5  # the peer's drafter too
     novel = list(range(10, 30))  # nothing to copy: no draft, exactly the cost of plain decoding
     trace = {"task": "qa", "prompt": list(range(40, 60)), "generated": novel, "top3": [[t, 3, 4] for t in novel], "vocab": 96}
-    assert replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), gamma=8) == 1.0
+    record = replay_one(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96), 8, prior_cost)
+    assert record["nodes"] == 0 and record["steps"] == len(novel) and speed(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96)) == 1.0
 
 
 def free_port() -> int:

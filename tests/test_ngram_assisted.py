@@ -10,6 +10,7 @@ from ngram_assisted import (
 )
 from ngram_assisted.drafter import MATCH_LENGTH_PRIOR, AcceptanceModel, NgramDrafter
 from ngram_assisted.dynagram import Prediction
+from ngram_assisted.matching import CopyIndex
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
 from sampling.randomness import ACCEPT, TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
@@ -99,12 +100,34 @@ def test_top_k_filler_adds_the_targets_alternatives():
 
 
 def test_the_targets_confidence_sets_a_proposals_estimate():
+    sampling_model = AcceptanceModel()
+    sampling_model.greedy = False  # sampling accepts x with probability p(x): about that probability
+    for probability in (0.03, 0.2, 0.5, 0.95):  # before any draft is judged
+        scored = Prediction(5, count=1, total=1, match_length=2, probability=probability, target_rank=0)
+        assert sampling_model.estimate(sampling_model.kind(scored)) == pytest.approx(probability, abs=0.06)
+    # Greedy accepts the argmax: the target's top choice at a long match is accepted again whatever
+    # its probability was, a runner-up seldom, and a one-token match is weak evidence.
     model = AcceptanceModel()
-    for probability in (0.03, 0.2, 0.5, 0.95):  # before any draft is judged: about that probability
-        scored = Prediction(5, count=1, total=1, match_length=2, probability=probability)
-        assert model.estimate(model.kind(scored)) == pytest.approx(probability, abs=0.06)
+    unsure_argmax = Prediction(5, count=1, total=1, match_length=2, probability=0.3, target_rank=0)
+    assert model.estimate(model.kind(unsure_argmax, copied=12)) > 0.8
+    assert model.estimate(model.kind(unsure_argmax)) < model.estimate(model.kind(unsure_argmax, copied=12))
+    runner_up = Prediction(5, count=0, total=1, match_length=2, probability=0.3, target_rank=1)
+    assert model.estimate(model.kind(runner_up, copied=12)) < 0.2
     seen_in_text = Prediction(5, count=1, total=1, match_length=2)  # no score: the match-length prior
     assert model.estimate(model.kind(seen_in_text)) == pytest.approx(MATCH_LENGTH_PRIOR[1])
+    assert model.estimate(model.kind(seen_in_text, copied=20)) == pytest.approx(MATCH_LENGTH_PRIOR[-1])
+
+
+def test_the_copy_index_measures_how_far_back_a_proposal_matches():
+    index = CopyIndex()
+    index.extend([1, 2, 3, 4, 5, 6, 9, 9, 4, 5, 7])
+    assert index.match_length([0, 3, 4, 5], 6) == 3  # "3 4 5" then 6, earlier in the text
+    assert index.match_length([0, 9, 4, 5], 7) == 3  # "9 4 5" then 7
+    assert index.match_length([0, 8, 4, 5], 6) == 2  # only "4 5" agrees
+    assert index.match_length([4, 5], 8) == 0  # 8 never followed "4 5"
+    assert index.match_length([5], 6) == 0  # too short a history
+    index.extend([1, 2, 3, 4, 5])
+    assert index.match_length([9, 1, 2, 3, 4, 5], 6) == 5  # the whole earlier passage
 
 
 def test_rejected_branches_are_recycled_into_the_pool():
