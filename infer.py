@@ -170,7 +170,7 @@ class Settings:
     processor_spec: tuple[str, dict] = ("greedy", {})  # `parse_processor`'s (name, parameters)
     top_k_filler: int = 3
     ngram_kind: str = "multi"
-    ngram_n: int = 3  # MultiDynaGram(3): the benchmarked setting
+    ngram_n: int = 8  # MultiDynaGram(8): the benchmarked setting
     stop_if_unknown: bool = True
     branching: int | None = None  # NASD's candidates per node; None: the cost model decides
     reset_in_between: bool = False

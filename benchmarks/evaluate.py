@@ -59,7 +59,7 @@ def evaluate(prompts: list[list[int]], model, *, method: str = "nasd", batch_siz
         if method == "ar":
             outputs = [(ids, None) for ids in autoregressive_generate(batch, model, **common)]
         else:
-            outputs = ngram_assisted_speculative_generate(batch, [MultiDynaGram(3) for _ in batch], model, **common)
+            outputs = ngram_assisted_speculative_generate(batch, [MultiDynaGram(8) for _ in batch], model, **common)
         seconds = time.perf_counter() - began
         results += [{"ids": ids, "alpha": alpha, "seconds": seconds} for ids, alpha in outputs]
     return results

@@ -133,8 +133,11 @@ def suffix_drafters() -> Callable[[dict, Callable[[int], float]], object]:
     return lambda trace, cost: SuffixDrafter(cache)
 
 
-def replay(traces_path: Path, make_drafter, gamma: int = 8, quiet: bool = False) -> dict:
+def replay(traces_path: Path, make_drafter, gamma: int = 8, quiet: bool = False, prior_table: bool = False) -> dict:
+    """Every trace replayed with a drafter from `make_drafter(trace, cost)` -> `summarise`'s table;
+    `prior_table`: cost the passes with `PRIOR` (another CPU's measurement) instead of the traces'."""
     traces, table = load_traces(traces_path)
+    table = dict(PRIOR) if prior_table else table
     cost = lambda k: _interpolate(table, k)  # noqa: E731
     summary = summarise([replay_one(trace, make_drafter(trace, cost), gamma, cost) for trace in traces])
     if not quiet:
@@ -159,19 +162,20 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
     rep.add_argument("--drafter", choices=["nasd", "suffix"], default="nasd")
     rep.add_argument("--pool", choices=["simple", "multi"], default="multi")
-    rep.add_argument("--n", type=int, default=3)
+    rep.add_argument("--n", type=int, default=8)
     rep.add_argument("--gamma", type=int, default=8)
     rep.add_argument("--top-k-filler", type=int, default=3)
     rep.add_argument("--no-stop-if-unknown", action="store_true")
     rep.add_argument("--branching", type=int, default=3, help="candidates per node (token trees)")
+    rep.add_argument("--prior-table", action="store_true", help="cost passes with the prior (another CPU's) table")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.data, args.per_category, args.offset, args.max_new_tokens, args.out, args.model)
     elif args.drafter == "suffix":
-        replay(args.traces, suffix_drafters(), args.gamma)
+        replay(args.traces, suffix_drafters(), args.gamma, prior_table=args.prior_table)
     else:
         replay(args.traces, nasd_drafters(args.pool, args.n, args.top_k_filler, not args.no_stop_if_unknown,
-                                          args.branching), args.gamma)
+                                          args.branching), args.gamma, prior_table=args.prior_table)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from benchmarks.suffix_decoding import MAX_TREE_DEPTH, load_peer, run_suffix
+from benchmarks.suffix_decoding import cache_with_responses, load_peer, run_suffix
 from benchmarks.summary import BASELINE, CONTROL, TASKS, goal_lines, noise_verdict, report, summarise
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
@@ -40,13 +40,14 @@ from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_chain", "ours_anpd",
+METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_n3", "ours_nasd_chain", "ours_anpd",
            "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd"]
 OPTIONAL_METHODS = ["suffix"]  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
 NASD = {
-    "ours_nasd": dict(ngram=lambda: MultiDynaGram(3)),
-    "ours_nasd_chain": dict(ngram=lambda: MultiDynaGram(3), branching=1),
+    "ours_nasd": dict(ngram=lambda: MultiDynaGram(8)),
+    "ours_nasd_n3": dict(ngram=lambda: MultiDynaGram(3)),  # the setting before 2026-12-01
+    "ours_nasd_chain": dict(ngram=lambda: MultiDynaGram(8), branching=1),
     "ours_anpd": dict(ngram=lambda: SimpleDynaGram(3), gamma=5, top_k_filler=1, stop_if_unknown=False),
     "ours_chain_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=1),
     "ours_tree3_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=3),
@@ -109,7 +110,7 @@ class Runner:
         self.target, self.drafter, self.end, self.n = target, drafter, end_tokens, max_new_tokens
         self.sample = sample  # None: greedy; else {"temperature": t, "top_p": p}
         self.processor = NucleusProcessor(**sample) if sample else GreedyProcessor()
-        self.suffix_cache = None  # the SuffixDecoding peer's cache, made at its first use
+        self.suffix_responses: dict[tuple[int, ...], list[int]] = {}  # prompt -> the peer's first response to it
 
     def hf(self, ids, seed: int, **kwargs):
         sampling = dict(do_sample=True, top_k=0, **self.sample) if self.sample else dict(do_sample=False)
@@ -136,14 +137,14 @@ class Runner:
             settings = dict(NASD[method])
             pool = settings.pop("ngram")()
             out, _ = ngram_assisted_speculative_generate(ids, pool, self.target, stats=stats, **settings, **common)
-        elif method == "suffix":  # the SuffixDecoding peer in our loop, one global cache across prompts
-            if self.suffix_cache is None:
-                peer, why = load_peer()
-                if peer is None:
-                    raise RuntimeError(why)
-                self.suffix_cache = peer(max_tree_depth=MAX_TREE_DEPTH)
-            out, _ = run_suffix(ids, self.target, self.suffix_cache, max_new_tokens=self.n, end_tokens=self.end,
+        elif method == "suffix":  # the SuffixDecoding peer in our loop, its global cache: the other prompts' responses
+            peer, why = load_peer()
+            if peer is None:
+                raise RuntimeError(why)
+            cache = cache_with_responses(peer, [r for key, r in self.suffix_responses.items() if key != tuple(ids)])
+            out, _ = run_suffix(ids, self.target, cache, max_new_tokens=self.n, end_tokens=self.end,
                                 stats=stats, on_step=None, processor=self.processor, generator=common["generator"])
+            self.suffix_responses.setdefault(tuple(ids), out)
         elif method == "ours_sd":
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           **common)

@@ -30,7 +30,7 @@ from utils.calibration import machine, pass_costs
 from utils.loading import end_token_ids, load_model
 
 
-def measure(prompts, model, end_tokens, max_new_tokens: int, cache) -> list[dict]:
+def measure(prompts, model, end_tokens, max_new_tokens: int, cache, n: int = 8) -> list[dict]:
     costs = pass_costs(model)
     records = []
     for index, (task, ids) in enumerate(prompts):
@@ -38,7 +38,7 @@ def measure(prompts, model, end_tokens, max_new_tokens: int, cache) -> list[dict
         for method in ("nasd", "suffix"):
             stats, steps = SpeculativeStats(), []
             if method == "nasd":
-                out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(3), model, max_gen_len=max_new_tokens,
+                out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(n), model, max_gen_len=max_new_tokens,
                                                              end_tokens_id=end_tokens, stats=stats, on_step=steps.append)
             else:
                 out, _ = run_suffix(ids, model, cache, max_new_tokens=max_new_tokens, end_tokens=end_tokens,
@@ -75,18 +75,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--n", type=int, default=8, help="NASD's pool: MultiDynaGram(n), the benchmark's setting")
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     peer, why = load_peer()
     cache = peer(max_tree_depth=MAX_TREE_DEPTH) if peer else PythonSuffixCache(max_tree_depth=MAX_TREE_DEPTH)
     prompts = [(task, encode(tokenizer, text)) for task, text in load_prompts(args.data, args.per_category, held_out=True)]
-    records = measure(prompts, model, end_token_ids(model, tokenizer), args.max_new_tokens, cache)
+    records = measure(prompts, model, end_token_ids(model, tokenizer), args.max_new_tokens, cache, args.n)
     summary = summarise(records)
     settings = {"peer": "arctic-inference suffix tree (built)" if peer else f"pure-Python stand-in ({why})",
-                "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "date": time.strftime("%Y-%m-%d"),
+                "prompts": len(prompts), "nasd_pool": f"MultiDynaGram({args.n})", "max_new_tokens": args.max_new_tokens,
+                "date": time.strftime("%Y-%m-%d"),
                 "machine": machine(), "cost_table": pass_costs(model).table()}
-    lines = [f"NASD (defaults) against SuffixDecoding in the same loop, greedy, held-out prompts. Peer: {settings['peer']}.",
+    lines = [f"NASD (defaults, {settings['nasd_pool']}) against SuffixDecoding in the same loop, greedy, held-out prompts. "
+             f"Peer: {settings['peer']}.",
              "", f"Machine: {settings['machine']}", "", f"Cost table: {settings['cost_table']}", "",
              "| task | NASD tau | NASD nodes/step | NASD alpha | NASD speed | suffix tau | suffix nodes/step | "
              "suffix alpha | suffix speed | NASD / suffix |", "|---|" + "---|" * 9]

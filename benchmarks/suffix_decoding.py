@@ -215,6 +215,19 @@ class SuffixDrafter:
         self._taught = len(sequence)
 
 
+def cache_with_responses(peer, responses: Sequence[Sequence[int]]):
+    """A fresh `peer` cache (vLLM's tree depth) whose global tree holds `responses`, the outputs
+    of earlier generations: a benchmark that runs a prompt several times gives each run the
+    responses to the other prompts only (its own earlier response would be copied whole)."""
+    cache = peer(max_tree_depth=MAX_TREE_DEPTH)
+    for index, response in enumerate(responses):
+        key = ("earlier response", index)
+        cache.start_request(key, [])
+        cache.add_active_response(key, list(response))
+        cache.stop_request(key)
+    return cache
+
+
 def run_suffix(ids, model, cache, *, max_new_tokens, end_tokens, stats, on_step, processor=GreedyProcessor(),
                generator=None):
     """SuffixDecoding's drafts through the same loop as NASD's -> (ids, alpha)."""

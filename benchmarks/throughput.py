@@ -4,7 +4,7 @@
 
 The same held-out Spec-Bench prompts (from the end of the data file) are decoded in batches of B
 for each B, greedy: transformers' `generate` with left padding (`hf_batched`), our
-`autoregressive_generate` (`ours_ar`) and NASD with one fresh `MultiDynaGram(3)` per row
+`autoregressive_generate` (`ours_ar`) and NASD with one fresh `MultiDynaGram(8)` per row
 (`ours_nasd`) over the same batches, every (repeat, B) with the methods in a rotating order.
 Figures are tokens/s over all prompts (medians over repeats) and ratios against `hf_batched` at
 the same B; every output is checked against our batch-1 greedy output of the same prompt (our
@@ -55,7 +55,7 @@ class Methods:
         return autoregressive_generate(batch, self.model, max_gen_len=self.n, end_tokens_id=self.end)
 
     def ours_nasd(self, batch):
-        pools = [MultiDynaGram(3) for _ in batch]
+        pools = [MultiDynaGram(8) for _ in batch]
         return [ids for ids, _ in ngram_assisted_speculative_generate(batch, pools, self.model, max_gen_len=self.n,
                                                                       end_tokens_id=self.end)]
 

@@ -44,3 +44,22 @@ def test_the_real_peer_when_it_is_built(monkeypatch):
     if peer is None:
         pytest.skip(why)
     check_cache(peer(max_tree_depth=24))
+
+
+def test_a_benchmark_run_sees_the_other_prompts_responses_not_its_own(monkeypatch):
+    """Spec-Bench runs every prompt several times: the peer's global tree must hold the responses
+    to the other prompts only, or the repeats would copy the first run's response whole."""
+    import benchmarks.spec_bench as spec_bench
+
+    monkeypatch.setattr(spec_bench, "load_peer", lambda: (PythonSuffixCache, ""))
+    given = []  # the earlier responses each run's cache was built with
+    build = spec_bench.cache_with_responses
+    monkeypatch.setattr(spec_bench, "cache_with_responses", lambda peer, responses: given.append(responses) or build(peer, responses))
+    model = tiny_model("llama")
+    runner = spec_bench.Runner(model, None, end_tokens=[], max_new_tokens=20, sample=None)
+    first, second = prompt(1, length=6), prompt(2, length=5)
+    answers = {tuple(p): autoregressive_generate(p, model, max_gen_len=20) for p in (first, second)}
+    for inputs in (first, first, second, first):
+        out, _ = runner.run("suffix", inputs)
+        assert out == answers[tuple(inputs)]
+    assert given == [[], [], [answers[tuple(first)]], [answers[tuple(second)]]]
