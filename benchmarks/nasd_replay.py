@@ -3,6 +3,7 @@
     python -m benchmarks.nasd_replay record --per-category 4 --offset 2 --out nasd_traces.json  # ~3 min
     python -m benchmarks.nasd_replay replay --traces nasd_traces.json                          # ~10 s
     python -m benchmarks.nasd_replay replay --drafter suffix                                   # the peer
+    python -m benchmarks.nasd_replay compare                      # where NASD and the peer disagree
 
 `record` decodes held-out Spec-Bench prompts (taken from the end of the file, so that they differ
 from the benchmark's, which come from the start; `--offset 2` also skips the two per task that
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,6 +77,18 @@ def stand_in_logits(trace: dict, position: int, path: list[int], num_nodes: int)
     return rows
 
 
+def accepted_path(tree, generated: list[int], position: int) -> list[int]:
+    """The nodes of `tree` that greedy decoding accepts at `position` of the recorded output."""
+    path, node = [], -1
+    while position + len(path) < len(generated):
+        wanted = generated[position + len(path)]
+        node = next((i for i, parent in enumerate(tree.parents) if parent == node and tree.tokens[i] == wanted), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
 def replay_one(trace: dict, drafter, gamma: int, cost: Callable[[int], float]) -> dict:
     """One recorded greedy trace replayed with `drafter` -> tokens, steps, drafted nodes, accepted
     drafts and the summed cost of the verification passes."""
@@ -83,13 +97,7 @@ def replay_one(trace: dict, drafter, gamma: int, cost: Callable[[int], float]) -
     position, steps, nodes, accepted, total_cost = 0, 0, 0, 0, 0.0
     while position < len(generated):
         tree, _ = drafter.draft(sequence, gamma, len(generated) - position - 1)
-        path, node = [], -1  # greedy acceptance of the tree against the recorded output
-        while position + len(path) < len(generated):
-            wanted = generated[position + len(path)]
-            node = next((i for i, parent in enumerate(tree.parents) if parent == node and tree.tokens[i] == wanted), None)
-            if node is None:
-                break
-            path.append(node)
+        path = accepted_path(tree, generated, position)
         n = len(path)
         sequence += generated[position : position + n + 1]
         drafter.update(sequence, path, stand_in_logits(trace, position, path, len(tree)), None)
@@ -97,6 +105,46 @@ def replay_one(trace: dict, drafter, gamma: int, cost: Callable[[int], float]) -
         position += n + 1
     return {"task": trace["task"], "tokens": len(generated), "steps": steps, "nodes": nodes, "accepted": accepted,
             "cost": total_cost}
+
+
+def compare(traces_path: Path, gamma: int = 8) -> Counter:
+    """Where NASD and SuffixDecoding disagree, step by step along NASD's own decoding: at each step
+    both draft for the same sequence, and the steps where one accepts more are counted, with the
+    tokens it gains, by why the other lost (it drafted nothing, its first token was wrong, or its
+    draft was shorter or cut) and, for the peer's wins, whether the current text holds the match
+    (`CopyIndex`) or only the peer's global cache of earlier responses does."""
+    traces, table = load_traces(traces_path)
+    cost = lambda k: _interpolate(table, k)  # noqa: E731
+    make_nasd, make_suffix = nasd_drafters(), suffix_drafters()
+    tally: Counter = Counter()
+    for trace in traces:
+        sequence, generated = list(trace["prompt"]), trace["generated"]
+        nasd, peer = make_nasd(trace, cost), make_suffix(trace, cost)
+        nasd.start(sequence)
+        peer.start(list(sequence))
+        position = 0
+        while position < len(generated):
+            room = len(generated) - position - 1
+            peer_tree, _ = peer.draft(sequence, gamma, room)
+            tree, _ = nasd.draft(sequence, gamma, room)
+            mine, theirs = accepted_path(tree, generated, position), accepted_path(peer_tree, generated, position)
+            if len(mine) != len(theirs):
+                loser, won = (tree, "suffix") if len(theirs) > len(mine) else (peer_tree, "nasd")
+                lost = min(len(mine), len(theirs))
+                why = "drafted nothing" if not len(loser) else "first token wrong" if not lost else "shorter or cut"
+                if won == "suffix" and not lost:
+                    in_text = nasd.copies.match_length(sequence, generated[position]) > 0
+                    why += ", match in this text" if in_text else ", match only in earlier responses"
+                tally[(f"{won} ahead", why, "steps")] += 1
+                tally[(f"{won} ahead", why, "tokens")] += abs(len(mine) - len(theirs))
+            sequence += generated[position : position + len(mine) + 1]
+            nasd.update(sequence, mine, stand_in_logits(trace, position, mine, len(tree)), None)
+            peer.update(sequence, [], None, None)
+            position += len(mine) + 1
+    for (side, why, unit), count in sorted(tally.items()):
+        if unit == "steps":
+            print(f"{side:12} {why:50} {count:4} steps, {tally[(side, why, 'tokens')]:4} tokens")
+    return tally
 
 
 def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -114,7 +162,7 @@ def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
     return summary
 
 
-def nasd_drafters(pool: str = "multi", n: int = 3, top_k_filler: int = 3, stop_if_unknown: bool = True,
+def nasd_drafters(pool: str = "multi", n: int = 8, top_k_filler: int = 3, stop_if_unknown: bool = True,
                   branching: int = 3, **settings) -> Callable[[dict, Callable[[int], float]], NgramDrafter]:
     """A factory of NASD drafters (a fresh pool per trace, as each generation in suffix_compare)."""
     def make(trace: dict, cost: Callable[[int], float]) -> NgramDrafter:
@@ -168,9 +216,13 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("--no-stop-if-unknown", action="store_true")
     rep.add_argument("--branching", type=int, default=3, help="candidates per node (token trees)")
     rep.add_argument("--prior-table", action="store_true", help="cost passes with the prior (another CPU's) table")
+    cmp = commands.add_parser("compare")
+    cmp.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.data, args.per_category, args.offset, args.max_new_tokens, args.out, args.model)
+    elif args.command == "compare":
+        compare(args.traces)
     elif args.drafter == "suffix":
         replay(args.traces, suffix_drafters(), args.gamma, prior_table=args.prior_table)
     else:

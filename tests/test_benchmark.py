@@ -105,6 +105,25 @@ def test_nasd_replay_estimates_a_speedup_on_copied_text():
     assert record["nodes"] == 0 and record["steps"] == len(novel) and speed(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96)) == 1.0
 
 
+def test_nasd_replay_compares_the_drafters_step_by_step(tmp_path, capsys):
+    import json
+
+    from benchmarks.nasd_replay import compare
+
+    answer = [5, 6, 7, 8, 9, 10, 11, 12] * 2
+    traces = [{"task": "rag", "prompt": [1, 2, *answer, 3], "generated": answer, "top3": [[t, 3, 4] for t in answer],
+               "vocab": 96},  # the answer is in the prompt: both copy it
+              {"task": "qa", "prompt": [40, 41, 42], "generated": answer, "top3": [[t, 3, 4] for t in answer],
+               "vocab": 96}]  # only the first trace's response holds it: the peer's global cache
+    path = tmp_path / "traces.json"
+    path.write_text(json.dumps({"cost_table": {"0": 1.0, "1": 1.1, "8": 2.0, "16": 3.0}, "traces": traces}))
+    tally = compare(path)
+    steps = {key: count for key, count in tally.items() if key[2] == "steps"}
+    assert steps and all(tally[(side, why, "tokens")] >= count for (side, why, _), count in steps.items())
+    assert ("suffix ahead", "drafted nothing, match only in earlier responses", "steps") in tally
+    assert "steps" in capsys.readouterr().out
+
+
 def free_port() -> int:
     import socket
 
