@@ -203,8 +203,8 @@ class NgramDrafter:
         # at every accepted node (the nodes below a rejection were never reached). Greedy: whether
         # it was the target's argmax. Sampling: its chance p(x) of being the emitted token, known
         # now (the multi-candidate rule emits x with probability p(x)): the same mean, less noise.
+        self.acceptance.greedy = p is None  # greedy judges the argmax, sampling p(x): the priors differ
         reached = {-1, *path}
-        self.acceptance.greedy = p is None
         judged_nodes = [node for node, parent in enumerate(tree.parents) if parent in reached]
         if p is not None and judged_nodes:
             rows = torch.tensor([1 + tree.parents[node] for node in judged_nodes], device=p.device)
