@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,quant]"
 	touch $@
 
-.PHONY: setup chat test bench lint
+.PHONY: setup chat test bench suffix lint
 setup: $(VENV)/.installed
 
 chat: setup
@@ -22,6 +22,11 @@ test: setup
 
 bench: setup  # a few minutes: one prompt per task, greedy; see the README for the full runs
 	$(PY) -m benchmarks.spec_bench --per-category 1 --repeats 2 --methods hf_plain,hf_control,ours_ar,hf_prompt_lookup,ours_nasd
+
+suffix: setup  # SuffixDecoding as a peer: build it once (C++, ~20 s), then NASD against it on held-out prompts
+	$(PY) -c "import sys; from benchmarks.suffix_decoding import load_peer; sys.exit(load_peer()[0] is None)" \
+		|| $(PY) -m benchmarks.suffix_decoding --build
+	$(PY) -m benchmarks.suffix_compare --per-category 2
 
 lint: setup
 	$(PY) -m ruff check .
