@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--offset", type=int, default=0, help="skip each task's last held-out prompts (2..5: nasd_replay's tuning set)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--model", default=None)
     parser.add_argument("--n", type=int, default=8, help="NASD's pool: MultiDynaGram(n), the benchmark's setting")
@@ -81,12 +82,13 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_model(args.model)
     peer, why = load_peer()
     cache = peer(max_tree_depth=MAX_TREE_DEPTH) if peer else PythonSuffixCache(max_tree_depth=MAX_TREE_DEPTH)
-    prompts = [(task, encode(tokenizer, text)) for task, text in load_prompts(args.data, args.per_category, held_out=True)]
+    chosen = load_prompts(args.data, args.per_category, held_out=True, offset=args.offset)
+    prompts = [(task, encode(tokenizer, text)) for task, text in chosen]
     records = measure(prompts, model, end_token_ids(model, tokenizer), args.max_new_tokens, cache, args.n)
     summary = summarise(records)
     settings = {"peer": "arctic-inference suffix tree (built)" if peer else f"pure-Python stand-in ({why})",
-                "prompts": len(prompts), "nasd_pool": f"MultiDynaGram({args.n})", "max_new_tokens": args.max_new_tokens,
-                "date": time.strftime("%Y-%m-%d"),
+                "prompts": len(prompts), "offset": args.offset, "nasd_pool": f"MultiDynaGram({args.n})",
+                "max_new_tokens": args.max_new_tokens, "date": time.strftime("%Y-%m-%d"),
                 "machine": machine(), "cost_table": pass_costs(model).table()}
     lines = [f"NASD (defaults, {settings['nasd_pool']}) against SuffixDecoding in the same loop, greedy, held-out prompts. "
              f"Peer: {settings['peer']}.",
