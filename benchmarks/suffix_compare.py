@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.nasd_replay import summarise as per_task
 from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
 from benchmarks.suffix_decoding import MAX_TREE_DEPTH, PythonSuffixCache, load_peer, run_suffix
-from benchmarks.summary import TASKS, geometric_mean
+from benchmarks.summary import TASKS
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate
 from utils.calibration import machine, pass_costs
@@ -52,21 +52,15 @@ def measure(prompts, model, end_tokens, max_new_tokens: int, cache, n: int = 8) 
 
 
 def summarise(records: list[dict]) -> dict:
-    summary: dict = defaultdict(dict)
+    """Per method, `nasd_replay.summarise`'s table (per task and overall) with the mismatches."""
+    summary = {}
     for method in ("nasd", "suffix"):
-        for task in [*TASKS, "overall"]:
-            mine = [r for r in records if r["method"] == method and (task == "overall" or r["task"] == task)]
-            if not mine:
-                continue
-            tokens, steps = sum(r["tokens"] for r in mine), sum(r["steps"] for r in mine)
-            nodes, accepted = sum(r["nodes"] for r in mine), sum(r["accepted"] for r in mine)
-            summary[method][task] = {
-                "tau": tokens / steps, "nodes_per_step": nodes / steps, "alpha": accepted / nodes if nodes else 0.0,
-                "modelled_speed": tokens / sum(r["cost"] for r in mine), "mismatches": sum(r["mismatch"] for r in mine)}
-    for method in summary:
-        per_task = [summary[method][t]["modelled_speed"] for t in TASKS if t in summary[method]]
-        summary[method]["overall"]["modelled_speed_geomean"] = geometric_mean(per_task)
-    return dict(summary)
+        mine = [r for r in records if r["method"] == method]
+        if mine:
+            summary[method] = per_task(mine)
+            for task, row in summary[method].items():
+                row["mismatches"] = sum(r["mismatch"] for r in mine if task == "overall" or r["task"] == task)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:

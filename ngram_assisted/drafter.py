@@ -157,11 +157,12 @@ class NgramDrafter:
         self.copies.extend([*self.source_tokens, *sequence])
         self._indexed = len(sequence)
 
-    def _candidates(self, history: list[int], parent: int, reach: float) -> list[tuple[float, int, Kind, Prediction]]:
-        """(reach, parent, kind, proposal) of the pool's candidates after `history`."""
+    def _candidates(self, history: list[int], parent: int, reach: float) -> list[tuple[float, int, Kind, float, Prediction]]:
+        """(reach, parent, kind, acceptance estimate, proposal) of the pool's candidates after `history`."""
         found = self.pool.candidates(history[len(history) - (self.pool.n - 1) :], self.branching)
         kinds = [AcceptanceModel.kind(c, rank, self.copies.match_length(history, c.token)) for rank, c in enumerate(found)]
-        return [(reach * self.acceptance.estimate(kind), parent, kind, c) for kind, c in zip(kinds, found, strict=True)]
+        estimates = [self.acceptance.estimate(kind) for kind in kinds]
+        return [(reach * a, parent, kind, a, c) for kind, a, c in zip(kinds, estimates, found, strict=True)]
 
     def draft(self, sequence: list[int], max_drafts: int, max_depth: int | None = None) -> tuple[DraftTree, None]:
         self._base = len(sequence)
@@ -171,12 +172,12 @@ class NgramDrafter:
         frontier = self._candidates(histories[-1], -1, 1.0) if max_depth > 0 else []
         while frontier and len(tokens) < max_drafts:
             best = max(range(len(frontier)), key=lambda i: frontier[i][0])  # best-first: most likely to be reached
-            reach, parent, kind, prediction = frontier.pop(best)
+            reach, parent, kind, estimate, prediction = frontier.pop(best)
             node = len(tokens)
             tokens.append(prediction.token)
             parents.append(parent)
             reaches.append(reach)
-            judged.append((kind, self.acceptance.estimate(kind)))
+            judged.append((kind, estimate))
             histories[node] = histories[parent] + [prediction.token]
             depths.append(1 + (depths[parent] if parent >= 0 else 0))
             if depths[node] < max_depth:  # only a path's depth can become generated tokens
