@@ -17,10 +17,19 @@ from utils.cpu_passes import Shortcuts
 NONE, LINEAR = Shortcuts(), Shortcuts(few_row_linear=True)
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Every test here runs as on a quiet machine, whatever else runs on it (tests/test_calibration_load.py
+    tests the busy case), and as in a fresh process."""
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (0.0, 0.0))
+    monkeypatch.setattr(calibration, "_busy_seen", False)
+    monkeypatch.setattr(calibration, "_DROPPED", set())
+
+
 def fake_timings(seconds_of, spread: float = 0.0):
     """A stand-in for calibration.time_passes: seconds_of(k, choice) for every pass, repeats varied by `spread`."""
 
-    def timings(model, choices, repeats):
+    def timings(model, choices, repeats, watch=None):
         return {(k, choice): [seconds_of(k, choice) * (1 + spread * i) for i in range(repeats)]
                 for k in (0, *DRAFT_SIZES) for choice in choices}
 
@@ -51,7 +60,8 @@ def test_a_noisy_calibration_is_not_cached_and_a_clean_one_is(monkeypatch, tmp_p
     assert not costs.measured and costs(8) == prior_cost(8)  # a burst: the prior, online refinement takes over
     assert not list(tmp_path.rglob("*.json"))
 
-    del calibration._COSTS[model]
+    del calibration._COSTS[model]  # a new process: measured again
+    calibration._DROPPED.clear()
     monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k, c: 1.0 + k / 10))
     costs = pass_costs(model)
     assert costs.measured and costs(8) == pytest.approx(1.8)

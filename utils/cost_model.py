@@ -7,7 +7,10 @@ over 2 tokens of SmolLM2-135M cost 1.05x a one-token pass on one 2-core CPU and 
 So nothing here is one machine's constant: `PassCosts` holds what `utils/calibration.py` measured
 (pass costs over 1 + k tokens and the fastest CPU shortcuts for each k), and `PassCosts.observe`
 refines the estimates online from the passes generation makes anyway (a clipped running average
-per k, so that one burst of load moves nothing far). This module runs no model.
+per k, so that one burst of load moves nothing far). Those same observations check a stored
+table: once `STALE_AFTER` passes of some k and of k = 0 were timed, a ratio that differs from the
+table's by more than its own spread (at least `STALE_MIN`) calls `on_stale` (the calibration
+deletes the cached file: the next start measures again). This module runs no model.
 
 `PRIOR` is the documented stand-in before anything is measured (or when calibration is switched
 off with SPECDEC_CALIBRATE=0): one CPU's measurement, used with transformers' own kernels.
@@ -15,6 +18,8 @@ off with SPECDEC_CALIBRATE=0): one CPU's measurement, used with transformers' ow
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from utils.cpu_passes import Shortcuts
@@ -30,6 +35,11 @@ PRIOR = {0: 1.0, 1: 1.06, 2: 1.24, 4: 1.33, 8: 1.69, 16: 2.54, 32: 4.2}
 ONLINE_WEIGHT = 0.1  # weight of one new observation in the running average
 ONLINE_CLIP = 2.0  # an observation counts as at most this factor away from the current estimate
 ONLINE_MIN = 3  # observations of k (and of k = 0) before they replace the calibration
+STALE_AFTER = 16  # observations of k and of k = 0 before they may call a stored table wrong
+# Least relative disagreement that calls a stored table wrong, whatever its own spread: online
+# passes run at other context lengths than the calibration's, and a running average is noisy too.
+# A busy machine's table is off by far more (1.05x against 2.52x quiet at k = 31).
+STALE_MIN = 0.5
 
 
 def _interpolate(points: dict[int, float], k: float) -> float:
@@ -60,6 +70,9 @@ class PassCosts:
     one_token_seconds: float | None  # the one-token pass, None when unmeasured (prior)
     shortcuts: dict[int, Shortcuts] = field(default_factory=dict)  # measured k -> fastest choice
     measured: bool = False
+    spread: float | None = None  # the measurement's own (max - min) / median, widest over k; None: prior
+    on_stale: Callable[[], None] | None = field(default=None, repr=False, compare=False)  # called once
+    stale: bool = False  # online timings disagreed with the table
     _online: dict[int, list[float]] = field(default_factory=dict, repr=False)  # k -> [seconds, count]
     # Batched passes, timed as they run: (rows, tokens per row) -> [seconds, count].
     _batches: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
@@ -85,8 +98,22 @@ class PassCosts:
         return self.shortcuts[max(below)] if below else Shortcuts()
 
     def observe(self, num_drafts: int, seconds: float) -> None:
-        """A pass over 1 + `num_drafts` tokens took `seconds`: refine the running estimate."""
+        """A pass over 1 + `num_drafts` tokens took `seconds`: refine the running estimate, and
+        check the table against it."""
         _refine(self._online, num_drafts, seconds)
+        if not self.stale and self.spread is not None and self._disagrees(num_drafts):
+            self.stale = True
+            if self.on_stale is not None:
+                self.on_stale()
+
+    def _disagrees(self, num_drafts: int) -> bool:
+        """Whether the timed ratio at `num_drafts` is off the table by more than it may be."""
+        online = self._online
+        if num_drafts == 0 or 0 not in online or online[num_drafts][1] < STALE_AFTER or online[0][1] < STALE_AFTER:
+            return False
+        timed = online[num_drafts][0] / online[0][0]
+        tolerance = max(self.spread, STALE_MIN)
+        return abs(math.log(timed / _interpolate(self.relative, num_drafts))) > math.log1p(tolerance)
 
     def observe_batch(self, rows: int, width: int, seconds: float) -> None:
         """A pass feeding `width` tokens to each of `rows` rows took `seconds`."""
@@ -106,6 +133,7 @@ class PassCosts:
 
     def to_json(self) -> dict:
         return {"relative": self.relative, "one_token_seconds": self.one_token_seconds, "measured": self.measured,
+                "spread": self.spread,
                 "shortcuts": {k: [s.few_row_linear, s.gqa_without_repeat] for k, s in self.shortcuts.items()}}
 
     @classmethod
@@ -115,6 +143,7 @@ class PassCosts:
             one_token_seconds=data["one_token_seconds"],
             shortcuts={int(k): Shortcuts(*v) for k, v in data["shortcuts"].items()},
             measured=data["measured"],
+            spread=data.get("spread"),
         )
 
 

@@ -1,0 +1,165 @@
+"""A calibration never stores a busy machine's table (utils/calibration.py, point 3 of its docstring),
+gives up at once, and a stored table that the online timings contradict is measured again."""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing
+import time
+
+import pytest
+
+from tests.models import tiny_model
+from utils import calibration
+from utils.calibration import is_measured, pass_costs
+from utils.cost_model import STALE_AFTER, STALE_MIN, PassCosts, prior_cost
+
+
+@pytest.fixture
+def fresh_process(monkeypatch, tmp_path):
+    """An empty calibration cache and a process that has given up on nothing yet."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "_busy_seen", False)
+    monkeypatch.setattr(calibration, "_DROPPED", set())
+    monkeypatch.setattr(calibration, "_told", False)
+    return tmp_path
+
+
+def no_timing(*args):
+    raise AssertionError("measured again")
+
+
+def told(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("specdec:")]
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@pytest.mark.skipif(calibration._scheduler_times() is None, reason="the kernel does not count run-queue waits here")
+def test_a_calibration_under_load_is_not_cached_and_returns_within_a_minute(fresh_process, capsys):
+    spinners = [multiprocessing.get_context("fork").Process(target=_spin, daemon=True) for _ in range(2)]
+    for spinner in spinners:  # both cores of the test machine (and more if it has more) kept busy
+        spinner.start()
+    try:
+        time.sleep(0.2)
+        start = time.perf_counter()
+        costs = pass_costs(copy.deepcopy(tiny_model("llama")))
+        seconds = time.perf_counter() - start
+    finally:
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
+    assert seconds < 60  # before: 123 s, and cached
+    assert not costs.measured and costs(8) == prior_cost(8)
+    assert not list(fresh_process.rglob("*.json"))
+    assert len(told(capsys)) == 1
+
+
+def test_a_busy_machine_stops_the_calibration_and_every_later_one_in_the_process(fresh_process, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (time.perf_counter(),) * 2)  # waited half the time
+    passes = []
+    real_forward = calibration.ModelRunner.forward
+    monkeypatch.setattr(calibration.ModelRunner, "forward", lambda self, *a, **k: passes.append(1) or real_forward(self, *a, **k))
+    model = copy.deepcopy(tiny_model("qwen2"))
+    assert not is_measured(model)
+    costs = pass_costs(model)
+    assert not costs.measured and not list(fresh_process.rglob("*.json"))
+    planned = (calibration.REPEATS + 1) * (1 + len(calibration.DRAFT_SIZES)) * len(calibration.cpu_passes.available_shortcuts(model))
+    assert len(passes) < planned  # stopped, not finished
+    # The same model again, another model: nothing measured in this process, and nothing said twice.
+    monkeypatch.setattr(calibration, "time_passes", no_timing)
+    other = copy.deepcopy(tiny_model("gpt2"))
+    assert is_measured(other)
+    assert not pass_costs(other).measured
+    del calibration._COSTS[model]
+    assert not pass_costs(model).measured
+    lines = told(capsys)
+    assert len(lines) == 1 and "busy" in lines[0]
+
+
+def test_without_the_kernels_count_a_loaded_machine_is_not_measured(fresh_process, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: None)  # macOS, say
+    monkeypatch.setattr(calibration.os, "getloadavg", lambda: (4.0 * (calibration.os.cpu_count() or 1), 0.0, 0.0))
+    monkeypatch.setattr(calibration, "time_passes", no_timing)  # gives up before the first pass
+    costs = pass_costs(copy.deepcopy(tiny_model("llama")))
+    assert not costs.measured and not list(fresh_process.rglob("*.json"))
+    assert len(told(capsys)) == 1
+
+
+def test_a_quiet_calibration_is_cached(fresh_process, monkeypatch):
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (0.0, 0.0))  # quiet, whatever else runs on the test machine
+    monkeypatch.setattr(calibration, "REPEATS", 1)
+    monkeypatch.setattr(calibration, "MAX_SPREAD", math.inf)  # the real timings of a shared machine vary
+    costs = pass_costs(copy.deepcopy(tiny_model("gpt2")))
+    assert costs.measured and costs.spread is not None and costs.on_stale is not None
+    assert len(list(fresh_process.rglob("*.json"))) == 1
+
+
+def fake_timings(seconds_of, spread: float = 0.0):
+    def timings(model, choices, repeats, watch=None):
+        return {(k, choice): [seconds_of(k) * (1 + spread * i) for i in range(repeats)]
+                for k in (0, *calibration.DRAFT_SIZES) for choice in choices}
+
+    return timings
+
+
+def test_a_noisy_calibration_is_not_repeated_in_the_same_process(fresh_process, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (0.0, 0.0))
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k: 1.0 + k / 10, spread=0.5))
+    model = copy.deepcopy(tiny_model("llama"))
+    assert not pass_costs(model).measured
+    monkeypatch.setattr(calibration, "time_passes", no_timing)
+    twin = copy.deepcopy(model)  # the same key: given up on already
+    assert is_measured(twin) and not pass_costs(twin).measured
+    assert not list(fresh_process.rglob("*.json"))
+    assert len(told(capsys)) == 1
+
+
+def test_a_stored_table_that_online_timings_contradict_is_measured_again(fresh_process, monkeypatch):
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (0.0, 0.0))
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k: 1.0 + k / 10))  # k = 8: 1.8x
+    model = copy.deepcopy(tiny_model("llama"))
+    pass_costs(model)
+    (stored,) = fresh_process.rglob("*.json")
+    monkeypatch.setattr(calibration, "time_passes", no_timing)
+
+    del calibration._COSTS[model]  # a later start: read from disk; these passes agree with it
+    costs = pass_costs(model)
+    for _ in range(2 * STALE_AFTER):
+        costs.observe(0, 0.010)
+        costs.observe(8, 0.019)
+    assert not costs.stale and stored.exists()
+
+    del calibration._COSTS[model]  # another start, on a machine whose wide passes cost nothing extra
+    costs = pass_costs(model)
+    for _ in range(STALE_AFTER - 1):
+        costs.observe(0, 0.010)
+        costs.observe(8, 0.010)
+    assert not costs.stale and stored.exists()  # not on a few passes
+    costs.observe(0, 0.010)
+    costs.observe(8, 0.010)
+    assert costs.stale and not stored.exists()
+    assert costs(8) == pytest.approx(1.0)  # this run follows the timings already
+    del calibration._COSTS[model]
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k: 1.0))
+    assert pass_costs(model).measured and stored.exists()  # the next start measured again
+
+
+def test_the_tolerance_is_the_tables_own_spread():
+    def checked(spread):
+        costs = PassCosts(relative={0: 1.0, 8: 4.0, 31: 8.0}, one_token_seconds=1.0, measured=True, spread=spread)
+        for _ in range(STALE_AFTER):
+            costs.observe(0, 1.0)
+            costs.observe(8, 2.0)  # half the table's 4.0
+        return costs.stale
+
+    assert checked(STALE_MIN) and not checked(1.5)  # 2x off: wrong for a tight table, within a wide one's spread
+    prior = PassCosts(relative={0: 1.0, 8: 4.0, 31: 8.0}, one_token_seconds=None)
+    for _ in range(STALE_AFTER):
+        prior.observe(0, 1.0)
+        prior.observe(8, 1.0)
+    assert not prior.stale  # a prior is no measurement to contradict
