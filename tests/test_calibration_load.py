@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -41,8 +42,9 @@ def _spin() -> None:
 
 @pytest.mark.skipif(calibration._scheduler_times() is None, reason="the kernel does not count run-queue waits here")
 def test_a_calibration_under_load_is_not_cached_and_returns_within_a_minute(fresh_process, capsys):
-    spinners = [multiprocessing.get_context("fork").Process(target=_spin, daemon=True) for _ in range(2)]
-    for spinner in spinners:  # both cores of the test machine (and more if it has more) kept busy
+    cores = max(2, len(os.sched_getaffinity(0)))
+    spinners = [multiprocessing.get_context("fork").Process(target=_spin, daemon=True) for _ in range(cores)]
+    for spinner in spinners:  # every core this process may use kept busy by another process
         spinner.start()
     try:
         time.sleep(0.2)
