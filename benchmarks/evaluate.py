@@ -22,7 +22,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 
-from benchmarks.spec_bench import encode
+from benchmarks.prompts import encode
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate
 from utils.loading import end_token_ids, load_model

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
+from benchmarks.prompts import DEFAULT_DATA, encode, load_prompts
 from benchmarks.summary import TASKS, geometric_mean
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from ngram_assisted.drafter import NgramDrafter

@@ -17,7 +17,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
+from benchmarks.prompts import DEFAULT_DATA, encode, load_prompts
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats
 from utils.loading import end_token_ids, load_model

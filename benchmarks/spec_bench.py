@@ -2,6 +2,7 @@
 
     python -m benchmarks.spec_bench --per-category 2            # greedy (make bench: a shorter run)
     python -m benchmarks.spec_bench --per-category 2 --sample   # temperature 0.7, top-p 0.9
+    python -m benchmarks.spec_bench --workload humaneval --per-category 10   # HumanEval's code prompts
     accelerate launch -m benchmarks.spec_bench --per-category 2  # split over the GPUs of accelerate's config
     accelerate launch --multi_gpu --num_processes 2 -m benchmarks.spec_bench   # 2 processes (CPU-only: gloo)
 
@@ -21,7 +22,6 @@ import json
 import os
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -31,15 +31,15 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from benchmarks.prompts import WORKLOADS, encode, load_workload
 from benchmarks.suffix_decoding import cache_with_responses, load_peer, run_suffix
-from benchmarks.summary import BASELINE, CONTROL, TASKS, goal_lines, noise_verdict, report, summarise
+from benchmarks.summary import BASELINE, CONTROL, goal_lines, noise_verdict, report, summarise, tasks_in
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from utils.calibration import machine, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
-MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_n3", "ours_nasd_chain", "ours_anpd",
            "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd"]
 OPTIONAL_METHODS = ["suffix"]  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
@@ -52,35 +52,6 @@ NASD = {
     "ours_chain_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=1),
     "ours_tree3_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=3),
 }
-DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench_dev.jsonl"
-
-
-def task_of(category: str) -> str:
-    return "multi-turn conversation" if category in MT_BENCH else category
-
-
-def load_prompts(path: Path, per_category: int, *, held_out: bool = False, offset: int = 0) -> list[tuple[str, str]]:
-    """(task, first turn) pairs, at most `per_category` per task, in file order; `held_out`: from
-    the end of the file (prompts the benchmark, which reads from the start, never uses); `offset`:
-    skip each task's first `offset` prompts (a tuning set apart from the evaluation's)."""
-    chosen: dict[str, list[str]] = defaultdict(list)
-    lines = path.read_text().splitlines()
-    for line in reversed(lines) if held_out else lines:
-        if line.strip():
-            record = json.loads(line)
-            task = task_of(record["category"])
-            if len(chosen[task]) < offset + per_category:
-                chosen[task].append(record["turns"][0])
-    return [(task, text) for task in TASKS for text in chosen.get(task, [])[offset:]]
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer(text)["input_ids"]
-
-
 class PeakMemory:
     """Peak resident memory (MiB) of this process while the block runs, sampled every 5 ms."""
 
@@ -159,17 +130,18 @@ def write_chart(out: Path, summary: dict, methods: list[str], verdict: dict, mod
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tasks = tasks_in(summary)
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        rows = [summary[method]["tasks"].get(name) for name in TASKS]
+        rows = [summary[method]["tasks"].get(name) for name in tasks]
         heights = [row["speedup"] if row else 0 for row in rows]
         # Whiskers: the range of single repeats' ratios (the bar, a median over prompts, may lie outside it).
         errors = [[max(0.0, row["speedup"] - row["speedup_min"]) if row else 0 for row in rows],
                   [max(0.0, row["speedup_max"] - row["speedup"]) if row else 0 for row in rows]]
-        ax.bar([t + i * width for t in range(len(TASKS))], heights, width, yerr=errors, capsize=2, label=method)
+        ax.bar([t + i * width for t in range(len(tasks))], heights, width, yerr=errors, capsize=2, label=method)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([t + 0.4 - width / 2 for t in range(len(TASKS))], TASKS, fontsize=8)
+    ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks, fontsize=8)
     ax.set_ylabel(f"speedup vs transformers ({mode})")
     ax.legend(fontsize=7, ncol=4)
     if verdict["noisy"]:
@@ -209,8 +181,11 @@ def run_all(runner: Runner, prompts: list[tuple[int, str, list[int]]], methods: 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--workload", choices=WORKLOADS, default="spec_bench",
+                        help="spec_bench: its six tasks; humaneval: code prompts (task 'code')")
+    parser.add_argument("--data", type=Path, default=None, help="a prompt file of the workload's format "
+                        "(default: the workload's file in benchmarks/data/)")
+    parser.add_argument("--per-category", type=int, default=2, help="prompts per task")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each method on each prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -233,10 +208,13 @@ def main(argv: list[str] | None = None) -> dict:
     for required in (CONTROL, BASELINE):  # the reference for speed and outputs, and the noise control
         if required not in methods:
             methods.insert(0, required)
-    if not args.data.exists():
+    if args.data is not None and not args.data.exists():
         parser.error(f"--data {args.data} does not exist")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    texts = load_workload(args.workload, args.per_category, path=args.data)
+    if not texts:
+        parser.error(f"no prompts: --per-category {args.per_category} of workload {args.workload}")
     mode = "sampling" if args.sample else "greedy"
     # Under `accelerate launch` (several processes: GPUs, or CPU processes with --cpu) each process
     # takes its share of the prompts on its own device; the main process merges and reports.
@@ -251,8 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         drafter = copy.deepcopy(target).to(torch.bfloat16)
     sample = {"temperature": args.temperature, "top_p": args.top_p} if args.sample else None
     runner = Runner(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens, sample)
-    prompts = [(index, task, encode(tokenizer, text))
-               for index, (task, text) in enumerate(load_prompts(args.data, args.per_category))]
+    prompts = [(index, task, encode(tokenizer, text)) for index, (task, text) in enumerate(texts)]
     load_before = os.getloadavg()
     for method in methods:  # warm-up (and the cost models' calibration, once per machine)
         runner.run(method, prompts[0][2][:32])
@@ -264,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
             return {"records": records}
     summary = summarise(records, methods)
     verdict = noise_verdict(records, summary)
-    settings = {"mode": mode, **(sample or {}), "model": args.model or "SmolLM2-135M-Instruct",
+    settings = {"mode": mode, "workload": args.workload, **(sample or {}), "model": args.model or "SmolLM2-135M-Instruct",
                 "drafter": args.drafter or "bf16 copy of target", "max_new_tokens": args.max_new_tokens,
                 "per_category": args.per_category, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
                 "processes": state.num_processes,
@@ -277,11 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "report.md").write_text(text)
     write_chart(args.out, summary, methods, verdict, mode)
 
-    table = Table("method", *TASKS, "overall", "mismatches", title=f"speedup vs transformers ({mode}), [min-max]")
+    tasks_shown = tasks_in(summary)
+    table = Table("method", *tasks_shown, "overall", "mismatches", title=f"speedup vs transformers ({mode}), [min-max]")
     for method in methods:
         tasks = summary[method]["tasks"]
         table.add_row(method, *[f"{tasks[t]['speedup']:.2f}x [{tasks[t]['speedup_min']:.2f}-{tasks[t]['speedup_max']:.2f}]"
-                                if t in tasks else "-" for t in TASKS],
+                                if t in tasks else "-" for t in tasks_shown],
                       f"{summary[method]['overall']:.2f}x", str(sum(r["mismatches"] for r in tasks.values())))
     console.print(table)
     console.print("[red]NOISY RUN[/red]: " + "; ".join(verdict["reasons"]) if verdict["noisy"] else

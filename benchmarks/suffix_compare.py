@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.nasd_replay import summarise as per_task
-from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
+from benchmarks.prompts import DEFAULT_DATA, encode, load_prompts
 from benchmarks.suffix_decoding import MAX_TREE_DEPTH, PythonSuffixCache, load_peer, run_suffix
 from benchmarks.summary import TASKS
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate

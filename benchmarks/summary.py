@@ -23,7 +23,8 @@ import math
 import statistics
 from collections import defaultdict
 
-TASKS = ["multi-turn conversation", "translation", "summarization", "qa", "math_reasoning", "rag"]
+# Spec-Bench's six tasks, then HumanEval's "code" (`benchmarks/prompts.py`); tables show the tasks a run has.
+TASKS = ["multi-turn conversation", "translation", "summarization", "qa", "math_reasoning", "rag", "code"]
 BASELINE, CONTROL = "hf_plain", "hf_control"
 CONTROL_TOLERANCE = 0.10  # the control must be within 0.9x-1.1x on every task
 SPREAD_TOLERANCE = 0.15  # median over (method, prompt) of (max - min) / median of the repeats' times
@@ -39,6 +40,11 @@ GOALS = {  # mode -> [(method, compared with, minimum speedup, "overall" or "eve
 
 def geometric_mean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
+
+
+def tasks_in(summary: dict) -> list[str]:
+    """The tasks (in `TASKS` order) that some method of `summary` has figures for."""
+    return [task for task in TASKS if any(task in row["tasks"] for row in summary.values())]
 
 
 def _tokens_per_second(records: list[dict]) -> float:
@@ -118,17 +124,18 @@ def goal_lines(summary: dict, mode: str, verdict: dict) -> list[str]:
 
 def report(summary: dict, methods: list[str], settings: dict, verdict: dict, mode: str) -> str:
     """The Markdown report: the table (median speedup [min-max over repeats]), verdict, goals."""
-    header = "| method | " + " | ".join(TASKS) + " | overall | peak RSS (MiB) |"
+    tasks_shown = tasks_in({method: summary[method] for method in methods})
+    header = "| method | " + " | ".join(tasks_shown) + " | overall | peak RSS (MiB) |"
     lines = [f"Speedup against transformers' plain `generate` ({mode}; tokens/s ratio, median over repeats "
              "[min-max of single repeats]).", "",
              f"Machine: {settings.get('machine')}", "",
              f"Settings: { {k: v for k, v in settings.items() if k not in ('machine', 'cost_table')} }", "",
              f"Cost table in use (pass over 1 + k tokens / one-token pass): {settings.get('cost_table')}", "",
-             header, "|" + "---|" * (len(TASKS) + 3)]
+             header, "|" + "---|" * (len(tasks_shown) + 3)]
     for method in methods:
         tasks = summary[method]["tasks"]
         cells = []
-        for task in TASKS:
+        for task in tasks_shown:
             if task not in tasks:
                 cells.append("-")
                 continue

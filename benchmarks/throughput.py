@@ -1,9 +1,10 @@
 """Throughput of batched decoding: transformers' batched `generate` against our batched methods.
 
     python -m benchmarks.throughput --prompts 8 --batch-sizes 1,2,4,8 --max-new-tokens 96
+    python -m benchmarks.throughput --workload humaneval --prompts 8   # HumanEval's code prompts
 
-The same held-out Spec-Bench prompts (from the end of the data file) are decoded in batches of B
-for each B, greedy: transformers' `generate` with left padding (`hf_batched`), our
+The same held-out prompts (from the end of the workload's file in `benchmarks/data/`: Spec-Bench's
+or HumanEval's) are decoded in batches of B for each B, greedy: transformers' `generate` with left padding (`hf_batched`), our
 `autoregressive_generate` (`ours_ar`) and NASD with one fresh `MultiDynaGram(8)` per row
 (`ours_nasd`) over the same batches, every (repeat, B) with the methods in a rotating order.
 Figures are tokens/s over all prompts (medians over repeats) and ratios against `hf_batched` at
@@ -24,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.spec_bench import DEFAULT_DATA, encode, load_prompts
+from benchmarks.prompts import WORKLOADS, encode, load_workload
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate
 from utils.calibration import machine
@@ -109,7 +110,10 @@ def goal_lines(summary: dict, batch_sizes: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--workload", choices=WORKLOADS, default="spec_bench",
+                        help="spec_bench: its six tasks, in turn; humaneval: code prompts")
+    parser.add_argument("--data", type=Path, default=None, help="a prompt file of the workload's format "
+                        "(default: the workload's file in benchmarks/data/)")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts (a multiple of every batch size)")
     parser.add_argument("--batch-sizes", default="1,2,4,8")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -121,13 +125,18 @@ def main(argv: list[str] | None = None) -> dict:
     batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
     if any(size < 1 for size in batch_sizes):
         parser.error("--batch-sizes must be integers >= 1")
+    if args.data is not None and not args.data.exists():
+        parser.error(f"--data {args.data} does not exist")
+    per_task = -(-args.prompts // 6) if args.workload == "spec_bench" else args.prompts  # Spec-Bench: six tasks
+    texts = [text for _, text in load_workload(args.workload, per_task, held_out=True, path=args.data)][: args.prompts]
+    if not texts:
+        parser.error(f"no prompts: --prompts {args.prompts} of workload {args.workload}")
     model, tokenizer = load_model(args.model)
-    per_task = -(-args.prompts // 6)
-    prompts = [encode(tokenizer, text) for _, text in load_prompts(args.data, per_task, held_out=True)][: args.prompts]
+    prompts = [encode(tokenizer, text) for text in texts]
     methods = Methods(model, end_token_ids(model, tokenizer), args.max_new_tokens)
     records = run(methods, prompts, batch_sizes, args.repeats)
     summary = summarise(records, batch_sizes)
-    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+    settings = {"workload": args.workload, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "model": args.model or "SmolLM2-135M-Instruct", "date": time.strftime("%Y-%m-%d"), "machine": machine()}
     goals = goal_lines(summary, batch_sizes)
     lines = [f"Throughput, greedy (tokens/s over {len(prompts)} held-out prompts, median of {args.repeats} repeats; "

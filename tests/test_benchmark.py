@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import spec_bench, summary
+from benchmarks import prompts, spec_bench, summary
 from tests.saved_model import save_tiny_chat_model
 
 
@@ -33,6 +33,60 @@ def test_benchmark_runs_end_to_end(tmp_path, mode):
     assert "goal" in result["report"] and "Machine" in result["report"]
     settings = json.loads((out / "results.json").read_text())["settings"]
     assert settings["mode"] == mode and "cost_table" in settings and "load_average_before" in settings
+
+
+def test_the_benchmark_and_throughput_run_humaneval_from_the_repository(tmp_path):
+    from benchmarks import throughput
+
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=2048)
+    result = spec_bench.main(["--workload", "humaneval", "--model", str(model), "--per-category", "1", "--repeats", "1",
+                              "--max-new-tokens", "6", "--methods", "hf_plain,hf_control,ours_ar,ours_nasd",
+                              "--out", str(tmp_path / "out"), "--quiet"])
+    assert set(result["summary"]["ours_nasd"]["tasks"]) == {"code"} and all(r["matches_reference"] for r in result["records"])
+    assert "| code |" in result["report"]
+    out = throughput.main(["--workload", "humaneval", "--model", str(model), "--prompts", "2", "--batch-sizes", "2",
+                           "--max-new-tokens", "4", "--repeats", "1", "--out", str(tmp_path / "tp"), "--quiet"])
+    assert {r["batch_size"] for r in out["records"]} == {2} and all(r["tokens"] > 0 for r in out["records"])
+
+
+def test_the_benchmark_prompts_are_in_the_repository_with_their_licences():
+    for path in (prompts.DEFAULT_DATA, prompts.HUMANEVAL_DATA):
+        assert path.parent == Path(prompts.__file__).parent / "data" and path.stat().st_size > 0
+    readme = (prompts.DATA / "README.md").read_text()
+    assert "Apache" in readme and "MIT" in readme and "hemingkx/Spec-Bench" in readme and "openai/human-eval" in readme
+    assert len(prompts.DEFAULT_DATA.read_text().splitlines()) == 240
+
+
+def test_humaneval_holds_only_the_even_task_ids():
+    records = [json.loads(line) for line in prompts.HUMANEVAL_DATA.read_text().splitlines()]
+    ids = [int(r["task_id"].removeprefix("HumanEval/")) for r in records]
+    assert ids == list(range(0, 164, 2))  # the development set; the odd ids are reserved for hidden checks
+    assert all(set(r) == {"task_id", "prompt", "entry_point"} and f"def {r['entry_point']}" in r["prompt"]
+               for r in records)
+
+
+def test_load_workload_gives_task_and_user_message_pairs():
+    spec = prompts.load_workload("spec_bench", 2)
+    assert len(spec) == 12 and [task for task, _ in spec[::2]] == summary.TASKS[:6]
+    assert prompts.load_workload("spec_bench", 1, 1) == spec[1::2]  # the offset skips each task's first prompt
+    code = prompts.load_workload("humaneval", 3, 1)
+    first = json.loads(prompts.HUMANEVAL_DATA.read_text().splitlines()[1])  # HumanEval/2
+    assert [task for task, _ in code] == ["code"] * 3 and first["prompt"] in code[0][1]
+    assert code[0][1].startswith("Complete the following Python function") and "```python\n" in code[0][1]
+    assert prompts.load_humaneval(3, 1) == code
+    assert prompts.load_workload("humaneval", 1, held_out=True)[0][1].count("def ") >= 1
+    with pytest.raises(ValueError, match="workload"):
+        prompts.load_workload("mmlu", 1)
+
+
+def test_a_report_shows_the_tasks_of_its_run():
+    records = [{"task": "code", "method": method, "prompt": p, "repeat": 0, "tokens": 10, "seconds": 1.0, "tau": 2.0,
+                "alpha": 0.5, "matches_reference": True, "peak_rss_mib": 1.0}
+               for p in range(2) for method in ("hf_plain", "hf_control")]
+    result = summary.summarise(records, ["hf_plain", "hf_control"])
+    text = summary.report(result, ["hf_plain", "hf_control"], {}, summary.noise_verdict(records, result), "greedy")
+    header = next(line for line in text.splitlines() if line.startswith("| method"))
+    assert header == "| method | code | overall | peak RSS (MiB) |"
 
 
 def synthetic_records(seconds_of, repeats=3, prompts=2) -> list[dict]:
@@ -184,7 +238,7 @@ def test_evaluate_decodes_a_jsonl_in_batches_as_one_by_one(tmp_path):
     assert [line["id"] for line in written] == ["a", "2", "4"] and len(lines) == 3
     model, tokenizer = load_model(str(model_dir))
     for line in written:
-        single = autoregressive_generate(spec_bench.encode(tokenizer, line["prompt"]), model, max_gen_len=6,
+        single = autoregressive_generate(prompts.encode(tokenizer, line["prompt"]), model, max_gen_len=6,
                                          end_tokens_id=tokenizer.eos_token_id)
         assert line["ids"] == single
     with pytest.raises(SystemExit):
