@@ -3,6 +3,7 @@
 from sampling.autoregressive import autoregressive_generate, autoregressive_generate_encoder_decoder
 from sampling.beam_search import beam_search_generate
 from sampling.common import Step
+from sampling.drafters import Drafter, DraftTree
 from sampling.speculative import (
     SpeculativeStats,
     speculative_generate,
@@ -10,6 +11,8 @@ from sampling.speculative import (
 )
 
 __all__ = [
+    "DraftTree",
+    "Drafter",
     "Step",
     "SpeculativeStats",
     "autoregressive_generate",

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 
 from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, prepare
+from sampling.custom_drafters import CheckedDrafter, check_drafter
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
 from sampling.drafters import Drafter, ModelDrafter
 from utils.caching import vocab_size
@@ -165,6 +166,12 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
                  logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step):
+    if not isinstance(drafter, torch.nn.Module):  # your own drafter: the `Drafter` protocol (docs/drafters.md)
+        return _with_drafter_object(
+            inputs, drafter, target, encoder_decoder=encoder_decoder, use_cache=use_cache, gamma=gamma,
+            max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
+            adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
+        )
     check_model(drafter, "drafter", encoder_decoder)
     check_model(target, "target", encoder_decoder)
     gamma = check_gamma(gamma)
@@ -192,9 +199,35 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     )
 
 
+def _with_drafter_object(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
+                         logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step):
+    """The loop with a drafter written outside the library: `gamma` nodes at most every step (the
+    drafter may propose fewer: it knows best how sure it is)."""
+    check_drafter(drafter)
+    check_model(target, "target", encoder_decoder)
+    gamma = check_gamma(gamma)
+    if not isinstance(adaptive_gamma, bool):
+        raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
+    if adaptive_gamma:
+        # The rule learns one acceptance rate for a chain and prices a draft by a drafter model's
+        # timed passes; a drafter object may draft trees and costs what it costs. It sizes its own
+        # drafts within gamma, as NASD's n-gram drafter does by its cost rule.
+        raise ValueError(
+            f"adaptive_gamma=True sizes a drafter model's chains; a {type(drafter).__name__} drafter "
+            f"chooses its own draft size up to gamma: pass adaptive_gamma=False (the default)"
+        )
+    gen = prepare(
+        inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
+    )
+    checked = CheckedDrafter(drafter, vocab=vocab_size(target), trees=gen.runner.supports_trees)
+    return speculative_loop(gen, checked, logits_processor=logits_processor, draft_length=DraftLength(gamma),
+                            stats=stats, on_step=on_step)
+
+
 def speculative_generate(
     inputs: list[int] | list[list[int]],
-    drafter: PreTrainedModel,
+    drafter: PreTrainedModel | Drafter,
     target: PreTrainedModel,
     tokenizer=None,
     gamma: int = 5,
@@ -209,7 +242,8 @@ def speculative_generate(
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
-    """Speculative decoding of a decoder-only `target` with a smaller `drafter` model.
+    """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
+    object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
 
     Each step the drafter proposes `gamma` tokens, the target scores them in one forward pass, and
     a prefix is accepted: greedily (output identical to greedy `autoregressive_generate`) or by
@@ -231,7 +265,7 @@ def speculative_generate(
 
 def speculative_generate_encoder_decoder(
     inputs: list[int] | list[list[int]],
-    drafter: PreTrainedModel,
+    drafter: PreTrainedModel | Drafter,
     target: PreTrainedModel,
     tokenizer=None,
     gamma: int = 5,

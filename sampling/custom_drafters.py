@@ -1,0 +1,115 @@
+"""Drafters written outside the library: the `Drafter` protocol checked at the door (docs/drafters.md).
+
+`speculative_generate(inputs, my_drafter, target, ...)` takes any object with the batch form of the
+protocol. `check_drafter` refuses one that lacks a part before any model runs; `CheckedDrafter`
+wraps it for the loop, checks every draft it returns (a wrong draft raises a ValueError naming
+the row and what is wrong, instead of a wrong answer or an index error deep in the loop) and
+cuts a tree to its first branch where the target verifies chains only.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from sampling.drafters import DraftTree
+
+DRAFTER_METHODS = ("start", "draft", "update", "select_rows")
+
+
+def check_drafter(drafter: object) -> None:
+    """A TypeError naming every missing part, unless `drafter` has the whole `Drafter` protocol."""
+    missing = [f"{name}()" for name in DRAFTER_METHODS if not callable(getattr(drafter, name, None))]
+    if not hasattr(drafter, "forward_passes"):
+        missing.append("forward_passes (an int attribute: 0 for a drafter without a model)")
+    if missing:
+        raise TypeError(
+            f"drafter must be a transformers PreTrainedModel or an object with the Drafter protocol "
+            f"(sampling.Drafter, docs/drafters.md); {type(drafter).__name__} lacks {', '.join(missing)}"
+        )
+    passes = drafter.forward_passes
+    if isinstance(passes, bool) or not isinstance(passes, int):
+        raise TypeError(f"drafter.forward_passes must be an int, got {passes!r}")
+
+
+def first_branch(tree: DraftTree) -> DraftTree:
+    """The chain of a tree's first children, from the root down (a chain is its own first branch)."""
+    tokens, node = [], -1
+    for child, parent in enumerate(tree.parents):
+        if parent == node:
+            tokens.append(tree.tokens[child])
+            node = child
+    return DraftTree.chain(tokens)
+
+
+def check_draft(tree: object, q: object, *, row: int, max_drafts: int, max_depth: int, vocab: int) -> None:
+    """One row's (tree, q) as `Drafter.draft` must return it, or a ValueError/TypeError saying why not."""
+    where = f"drafter.draft(...)[{row}]"
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"{where} must be a (DraftTree, q or None) pair, got a {type(tree).__name__} for the tree")
+    if len(tree.parents) != len(tree.tokens):
+        raise ValueError(f"{where}: the tree has {len(tree.tokens)} tokens but {len(tree.parents)} parents")
+    if len(tree) > max_drafts:
+        raise ValueError(f"{where}: the tree has {len(tree)} nodes, more than max_drafts = {max_drafts}")
+    for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(f"{where}: tokens must be Python ints (a tensor's .tolist()), found {token!r}")
+        if not 0 <= token < vocab:
+            raise ValueError(f"{where}: token {token} is outside the target's vocabulary [0, {vocab})")
+        if isinstance(parent, bool) or not isinstance(parent, int) or not -1 <= parent < node:
+            raise ValueError(f"{where}: parents[{node}] must be -1 (the root) or a node before it, got {parent!r}")
+    siblings = {(parent, token) for token, parent in zip(tree.tokens, tree.parents, strict=True)}
+    if len(siblings) < len(tree):
+        raise ValueError(f"{where}: two children of one node propose the same token; siblings must differ")
+    if tree.depth() > max_depth:
+        raise ValueError(f"{where}: the tree is {tree.depth()} deep, deeper than max_depths[{row}] = {max_depth}")
+    if q is None:
+        return
+    if not isinstance(q, Tensor):
+        raise TypeError(f"{where}: q must be None or a tensor (len(tree), V), got {type(q).__name__}")
+    if not tree.is_chain:
+        raise ValueError(f"{where}: q is for a chain of sampled drafts; a tree must be deterministic (q None)")
+    if tuple(q.shape) != (len(tree), vocab):
+        raise ValueError(f"{where}: q must have shape (len(tree), V) = ({len(tree)}, {vocab}), got {tuple(q.shape)}")
+
+
+class CheckedDrafter:
+    """An outside `Drafter` as the loop sees it: each draft checked (`check_draft`), each row's
+    sequence handed over as a copy (the drafter may keep or change it), and trees cut to their
+    first branch when the target cannot verify a tree in one pass (`trees` False: an
+    encoder-decoder target, no cache, flash attention). Cutting keeps the output exact: it only
+    drafts fewer nodes."""
+
+    def __init__(self, drafter, *, vocab: int, trees: bool) -> None:
+        self.drafter = drafter
+        self.vocab = vocab
+        self.trees = trees
+
+    @property
+    def forward_passes(self) -> int:
+        return int(self.drafter.forward_passes)
+
+    def start(self, sequences: list[list[int]]) -> None:
+        self.drafter.start([list(sequence) for sequence in sequences])
+
+    def draft(self, sequences, max_drafts, max_depths):
+        drafts = self.drafter.draft([list(sequence) for sequence in sequences], max_drafts, list(max_depths))
+        if not isinstance(drafts, (list, tuple)) or len(drafts) != len(sequences):
+            got = f"{len(drafts)} items" if isinstance(drafts, (list, tuple)) else type(drafts).__name__
+            raise ValueError(f"drafter.draft must return a list of one (DraftTree, q or None) per row "
+                             f"({len(sequences)} rows), got {got}")
+        checked = []
+        for row, draft in enumerate(drafts):
+            if not isinstance(draft, tuple) or len(draft) != 2:
+                raise TypeError(f"drafter.draft(...)[{row}] must be a (DraftTree, q or None) pair, got {draft!r}")
+            tree, q = draft
+            check_draft(tree, q, row=row, max_drafts=max_drafts, max_depth=max(0, max_depths[row]), vocab=self.vocab)
+            if not self.trees and not tree.is_chain:
+                tree = first_branch(tree)
+            checked.append((tree, q))
+        return checked
+
+    def update(self, sequences, paths, target_logits, p) -> None:
+        self.drafter.update([list(sequence) for sequence in sequences], paths, target_logits, p)
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.drafter.select_rows(list(keep))
