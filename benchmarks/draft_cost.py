@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     console.print(f"machine: {machine()}")
     choices = cpu_passes.available_shortcuts(model)
-    times = calibration.time_passes(model, choices, args.repeats)
+    times = calibration.time_passes(model, choices, args.repeats, pruned=False)
     base = statistics.median(times[(0, cpu_passes.Shortcuts())])
     console.print(f"one-token pass after {calibration.CONTEXT} tokens: {base * 1000:.1f} ms (median of {args.repeats})")
     table = Table("k", *[describe(c) for c in choices], "fastest",

@@ -133,8 +133,10 @@ class CoreWatch:
 
 def time_passes(
     model: PreTrainedModel, choices: list[Shortcuts], repeats: int, watch: CoreWatch | None = None,
+    pruned: bool = True,
 ) -> dict[tuple[int, Shortcuts], list[float]]:
-    """Seconds of each (k, shortcuts) pass, `repeats` times each, interleaved. With a `watch`,
+    """Seconds of each (k, shortcuts) pass, `repeats` times each, interleaved; `pruned`: a choice
+    far behind at some k in the warm-up round is not repeated there (`prune`). With a `watch`,
     raises `MachineBusy` as soon as it says busy (after `BUSY_AFTER` seconds)."""
     limit = context_length(model)
     context = CONTEXT if limit is None else max(1, min(CONTEXT, limit - max(DRAFT_SIZES) - 2))
@@ -153,7 +155,10 @@ def time_passes(
                     unit="pass", leave=False, file=sys.stderr, disable=os.environ.get(PROGRESS_ENV) == "0")
     next_check = BUSY_AFTER
     try:
-        for _ in range(repeats + 1):  # the first round warms every shape up and is not kept
+        for round_ in range(repeats + 1):  # the first round warms every shape up and is not kept
+            if round_ == 1 and pruned:  # a kernel choice far behind at some k is not timed again there
+                plan = prune(plan, times)
+                progress.total = progress.n + repeats * len(plan)
             for k, choice in plan:
                 progress.update()
                 synchronize(device)
@@ -169,7 +174,20 @@ def time_passes(
                         raise MachineBusy(watch.reason())
     finally:
         progress.close()
-    return {key: values[1:] for key, values in times.items()}
+    return {key: values[1:] for key, values in times.items() if len(values) > 1}
+
+
+PRUNE_FACTOR = 1.5  # a choice whose warm-up pass took this many times the fastest's at that k is dropped
+
+
+def prune(plan: list[tuple[int, Shortcuts]], warm: dict[tuple[int, Shortcuts], list[float]]) -> list[tuple[int, Shortcuts]]:
+    """The (k, choice) pairs worth repeating: within `PRUNE_FACTOR` of the fastest warm-up pass at
+    that k. Halves a large model's calibration (4 choices a k on a CPU) without changing its verdict:
+    a choice that far behind in one pass does not win the median of three."""
+    fastest: dict[int, float] = {}
+    for (k, _), seconds in warm.items():
+        fastest[k] = min(fastest.get(k, float("inf")), seconds[0])
+    return [(k, choice) for k, choice in plan if warm[(k, choice)][0] <= PRUNE_FACTOR * fastest[k]]
 
 
 def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch | None = None) -> tuple[PassCosts, float]:
@@ -179,7 +197,8 @@ def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch |
     times = time_passes(model, choices, repeats, watch)
     relative, shortcuts = {}, {}
     for k in (0, *DRAFT_SIZES):
-        shortcuts[k] = min(choices, key=lambda choice: statistics.median(times[(k, choice)]))
+        timed = [choice for choice in choices if (k, choice) in times]  # those `prune` kept
+        shortcuts[k] = min(timed, key=lambda choice: statistics.median(times[(k, choice)]))
         relative[k] = statistics.median(times[(k, shortcuts[k])])
     one_token = times[(0, shortcuts[0])]
     base = relative[0]
