@@ -2,7 +2,7 @@
 
     python -m benchmarks.nasd_tau --per-category 2 --branching 1 3     # ~3 min on 2 CPU cores
 
-Tau (tokens per target pass) depends only on the drafts and the target's tokens, not on the
+Tau (tokens per verification step, the prompt pass excluded) depends only on the drafts and the target's tokens, not on the
 machine's speed, so it can be measured while the machine is busy. Prompts come from the end of the
 data file (the benchmark's come from the start). Settings are #11's: MultiDynaGram(3), gamma 8,
 128 new tokens, stop_if_unknown=False (no cost cut). Prints tau per task for each branching, and

@@ -169,7 +169,8 @@ def run_all(runner: Runner, prompts: list[tuple[int, str, list[int]]], methods: 
                     records.append({
                         "task": task, "method": method, "prompt": index, "repeat": repeat, "prompt_tokens": len(ids),
                         "tokens": len(out), "seconds": seconds, "tau": stats.tau if stats else None,
-                        "alpha": stats.alpha if stats else None, "output": out, "peak_rss_mib": memory.peak,
+                        "alpha": stats.alpha if stats else None, "steps": stats.steps if stats else None,
+                        "steps_without_drafts": stats.steps_without_drafts if stats else None, "output": out, "peak_rss_mib": memory.peak,
                     })
                     progress.update()
     # Greedy: every output must equal transformers' (sampling: nothing to compare, all True).

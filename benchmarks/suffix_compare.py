@@ -3,8 +3,8 @@
     python -m benchmarks.suffix_decoding --build          # once
     python -m benchmarks.suffix_compare --per-category 2  # greedy, 128 new tokens
 
-For each task: tau (tokens per target pass, prefill excluded), drafted nodes per step, alpha,
-and the modelled speed: generated tokens / the sum over steps of the measured cost of the step's
+For each task: tau (tokens per verification step, prefill excluded: `SpeculativeStats.tau`), drafted
+nodes per step, alpha, and the modelled speed: generated tokens / the sum over steps of the measured cost of the step's
 pass (`utils.calibration.pass_costs`: a pass over 1 + k tokens relative to a one-token pass), i.e.
 tau / mean step cost; a drafter that drafts more for the same tau is slower. Every output is
 checked against greedy autoregressive decoding. SuffixDecoding runs with vLLM's defaults (tree

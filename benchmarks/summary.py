@@ -3,8 +3,10 @@
 Pure functions of the records (no timing here), so that they are tested on synthetic runs.
 
 A record is one timed generation: {"task", "method", "prompt", "repeat", "tokens", "seconds", "tau",
-"alpha", "matches_reference", "peak_rss_mib"}. Every method runs every prompt `repeats` times,
-interleaved, so a burst of load on the machine hits one repeat of one method, not one method.
+"alpha", "steps", "steps_without_drafts", "matches_reference", "peak_rss_mib"} (tau, alpha and the
+steps: `SpeculativeStats`'s, None for a method without them; tau = tokens per verification step).
+Every method runs every prompt `repeats` times, interleaved, so a burst of load on the machine hits
+one repeat of one method, not one method.
 Figures:
 - per method and prompt, the median over repeats of seconds per generated token;
 - per method and task, tokens/s = 1 / mean over the task's prompts of that median, and the speedup
@@ -57,7 +59,8 @@ def _tokens_per_second(records: list[dict]) -> float:
 
 def summarise(records: list[dict], methods: list[str]) -> dict:
     """Per method and task: speedup (median over repeats), its min/max over single repeats,
-    tokens/s, tau, alpha, mismatches, peak memory; per method: the geometric mean over tasks."""
+    tokens/s, tau, alpha, verification steps and those that drafted nothing, mismatches, peak
+    memory; per method: the geometric mean over tasks."""
     repeats = sorted({r["repeat"] for r in records})
     summary: dict = {}
     for method in methods:
@@ -77,6 +80,8 @@ def summarise(records: list[dict], methods: list[str]) -> dict:
                 "tokens_per_s": _tokens_per_second(mine),
                 "tau": statistics.fmean(taus) if taus else None,
                 "alpha": statistics.fmean(alphas) if alphas else None,
+                "steps": sum(r.get("steps") or 0 for r in mine),
+                "steps_without_drafts": sum(r.get("steps_without_drafts") or 0 for r in mine),
                 "mismatches": sum(not r["matches_reference"] for r in mine),
                 "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
             }
@@ -144,6 +149,15 @@ def report(summary: dict, methods: list[str], settings: dict, verdict: dict, mod
             cells.append(cell + (f" tau {row['tau']:.2f}" if row["tau"] else ""))
         peak = max(row["peak_rss_mib"] for row in tasks.values())
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {summary[method]['overall']:.2f}x | {peak:.0f} |")
+    undrafted = []  # a policy that drafted nothing shows here, not only as tau near 1
+    for method in methods:
+        rows = summary[method]["tasks"].values()
+        steps = sum(row.get("steps", 0) for row in rows)
+        if steps:
+            undrafted.append(f"{method} {sum(row['steps_without_drafts'] for row in rows)} of {steps}")
+    if undrafted:
+        lines += ["", "tau: tokens per verification step of a sequence (the prompt pass excluded). Steps that drafted "
+                  "nothing, of all verification steps: " + "; ".join(undrafted) + "."]
     lines += ["", "**NOISY RUN**: " + "; ".join(verdict["reasons"]) if verdict["noisy"]
               else f"Quiet run: control within {CONTROL_TOLERANCE:.0%} on every task, median spread of repeats "
                    f"{verdict['median_spread']:.0%}.", ""]

@@ -24,7 +24,30 @@ from utils.validation import check_int, check_model
 
 @dataclass
 class SpeculativeStats:
-    """Counters of one (or several) speculative generations. Pass one as `stats=` to fill it."""
+    """Counters of one (or several) speculative generations. Pass one as `stats=` to fill it; the
+    counters add up over calls and over the rows of a batch.
+
+    A *step* is one verification of one sequence: the target scores the row's last accepted token
+    and its drafts (none, a chain or a tree), and the row gains its accepted drafts plus the
+    target's own token (cut at an end token or `max_gen_len`). The prompt pass (prefill) is not a
+    step. In a batch, one shared target pass verifies every running row: it is one target forward
+    and as many steps as rows.
+
+    - `drafts_proposed`, `drafts_accepted`: drafted tokens (tree nodes) over all steps, and those accepted.
+    - `generated_tokens`: tokens returned, all rows together.
+    - `steps`: row-steps (each row's verifications, summed over rows).
+    - `steps_without_drafts`: row-steps in which nothing was drafted (plain decoding at a
+      verification's cost: the policy found nothing worth drafting, or the room was used up).
+    - `target_forwards`, `drafter_forwards`: forward passes of each model, the prefill included; a
+      batch's shared pass counts once.
+    - `proposed_by_position`, `accepted_by_position`: per draft position (per depth for a tree), the
+      steps that drafted that far and those that accepted that far.
+    - `tau` (property): generated tokens / steps, Spec-Bench's "mean accepted tokens" (the
+      accepted drafts plus the target's token, per verification of a sequence; 1.0 = no gain).
+    - `tokens_per_target_pass` (property): generated tokens / target forwards (prefill included;
+      in a batch it grows with the batch width, not with speculation).
+    - `alpha` (property): drafts accepted / drafts proposed.
+    """
 
     drafts_proposed: int = 0
     drafts_accepted: int = 0
@@ -32,6 +55,7 @@ class SpeculativeStats:
     target_forwards: int = 0
     drafter_forwards: int = 0
     steps: int = 0
+    steps_without_drafts: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
 
@@ -42,7 +66,14 @@ class SpeculativeStats:
 
     @property
     def tau(self) -> float:
-        """Mean number of tokens generated per target forward pass (the prefill counts)."""
+        """Mean tokens per verification step of a sequence (Spec-Bench's mean accepted tokens):
+        generated tokens / row-steps, the prompt pass excluded (0.0 before any step)."""
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        """Generated tokens / target forward passes, the prefill included; a batch's shared pass
+        counts once, so this grows with the batch width (0.0 before any pass)."""
         return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
 
     def acceptance_by_position(self) -> list[float]:
@@ -54,6 +85,7 @@ class SpeculativeStats:
         length), `num_accepted` of them accepted. Acceptance by position is by depth."""
         depth = num_drafts if depth is None else depth
         self.steps += 1
+        self.steps_without_drafts += num_drafts == 0
         self.drafts_proposed += num_drafts
         self.drafts_accepted += num_accepted
         grow = depth - len(self.proposed_by_position)

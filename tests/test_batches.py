@@ -100,6 +100,20 @@ def test_ragged_acceptance_keeps_every_accepted_token():
     # Each prompt prefilled alone (no padding to the longest), then one pass per step for all rows.
     assert stats.target_forwards == len(ROWS) + max(steps_per_row)
     assert steps_per_row[1] < steps_per_row[0]  # row 1 finished first and left the batch
+    # tau: tokens per verification of a sequence (row-steps), not per shared pass.
+    assert stats.steps == len(steps) and stats.tau == stats.generated_tokens / len(steps)
+    assert stats.steps_without_drafts == sum(not step.drafts for step in steps)
+    assert stats.tokens_per_target_pass == stats.generated_tokens / stats.target_forwards > stats.tau
+
+
+def test_a_batch_that_drafts_nothing_has_tau_one_and_says_so():
+    """One token per row: no room to draft. Tokens per shared pass would be 3 / 4 (prefills
+    included) or 3 (a pass for 3 rows); tau, per sequence and step, is exactly 1."""
+    model = tiny_model("llama")
+    stats = SpeculativeStats()
+    ngram_assisted_speculative_generate(ROWS, MultiDynaGram(3), model, max_gen_len=1, stats=stats)
+    assert stats.tau == 1.0 and stats.steps == stats.steps_without_drafts == len(ROWS) and stats.alpha == 0.0
+    assert stats.target_forwards == len(ROWS) + 1 and stats.tokens_per_target_pass == len(ROWS) / (len(ROWS) + 1)
 
 
 def test_one_pool_shared_by_every_row_learns_from_all_of_them():

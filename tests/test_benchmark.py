@@ -31,6 +31,9 @@ def test_benchmark_runs_end_to_end(tmp_path, mode):
     # Greedy: our methods reproduce transformers' greedy output token for token.
     assert all(r["matches_reference"] for r in records)
     assert "goal" in result["report"] and "Machine" in result["report"]
+    nasd = [r for r in records if r["method"] == "ours_nasd"]
+    assert all(r["steps"] >= 1 and 0 <= r["steps_without_drafts"] <= r["steps"] and r["tau"] >= 1.0 for r in nasd)
+    assert "drafted nothing" in result["report"]
     settings = json.loads((out / "results.json").read_text())["settings"]
     assert settings["mode"] == mode and "cost_table" in settings and "load_average_before" in settings
 

@@ -66,7 +66,9 @@ def test_drafter_is_target_accepts_everything(name):
     out, alpha = sd(prompt(2), target, target, gamma=4, max_gen_len=31, stats=stats)
     assert alpha == 1.0
     assert stats.drafts_accepted == stats.drafts_proposed > 0
-    assert stats.tau > 3.5  # 5 tokens per verification pass; the prefill counts too
+    # 31 tokens in 7 verifications (6 of gamma + 1 accepted tokens, then 1 with no room to draft).
+    assert stats.steps == 7 and stats.steps_without_drafts == 1 and stats.tau == 31 / 7
+    assert stats.target_forwards in (7, 8) and stats.tokens_per_target_pass == 31 / stats.target_forwards  # + prefill
     assert stats.acceptance_by_position() == [1.0] * 4
     assert stats.generated_tokens == len(out) == 31
 
