@@ -13,6 +13,7 @@ from utils.caching import ModelRunner, context_length
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
 from utils.validation import (
+    Inputs,
     check_batch,
     check_decoder_start,
     check_end_tokens,
@@ -97,7 +98,7 @@ def row_generators(generator: object, rows: int, batched: bool) -> list[torch.Ge
 
 
 def prepare(
-    inputs: list[int] | list[list[int]],
+    inputs: Inputs,
     model: PreTrainedModel,
     *,
     encoder_decoder: bool,
@@ -109,6 +110,8 @@ def prepare(
     model_name: str = "model",
 ) -> Generation:
     """Validate a request (before any forward pass) and build the target's runner over its rows.
+    `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
+    removed by the attention mask there (`check_batch`), in this one place for every function.
     Callers check their own arguments first: the runner's pass costs may be calibrated here,
     running the model."""
     check_model(model, model_name, encoder_decoder)
@@ -129,6 +132,6 @@ def prepare(
     max_new = [max_gen_len if limit is None else min(max_gen_len, limit - len(prefix)) for prefix in prefixes]
     uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(generators, prefixes, strict=True)]
     runner = ModelRunner(model, use_cache=use_cache, rows=len(rows),
-                         encoder_input_ids=encoder_input_ids if batched or encoder_input_ids is None else encoder_input_ids[0])
+                         encoder_input_ids=encoder_input_ids if len(rows) > 1 or encoder_input_ids is None else encoder_input_ids[0])
     runner.costs = pass_costs(model)  # the kernels measured fastest here (calibrated once per machine)
     return Generation(runner, prefixes, encoder_input_ids, end_tokens, max_new, uniforms, batched)

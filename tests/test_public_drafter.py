@@ -112,6 +112,8 @@ def test_encoder_decoder_targets_take_a_drafter_object_and_cut_trees_to_chains(n
     for drafter in (PromptLookupDrafter(), TreeDrafter()):
         out, _ = speculative_generate_encoder_decoder(source, drafter, model, gamma=4, max_gen_len=20)
         assert out == plain
+        [(out, _)] = speculative_generate_encoder_decoder([source], drafter, model, gamma=4, max_gen_len=20)
+        assert out == plain  # a batch of one row
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

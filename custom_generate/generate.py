@@ -1,0 +1,177 @@
+"""NASD inside transformers' `generate`: a decoding method that transformers loads from this folder.
+
+    model.generate(input_ids, custom_generate="path/to/this/repository", trust_remote_code=True,
+                   max_new_tokens=100, do_sample=True, temperature=0.7)
+
+runs Ngram Assisted Speculative Decoding (`ngram_assisted_speculative_generate`), or speculative
+decoding with a drafter model when `assistant_model=` is given, and returns what `generate`
+returns: the prompt and the new tokens, (batch, length) LongTensor, finished rows padded with
+`pad_token_id` (a `GenerateDecoderOnlyOutput` / `GenerateEncoderDecoderOutput` with only
+`sequences` under `return_dict_in_generate=True`). Greedy output is `generate`'s own, token for
+token; sampled output follows the same distribution (seeded through torch's global generator
+unless `generator=` is given). Extra keyword arguments: `gamma`, `ngram` (a dynagram kept across
+calls), `top_k_filler`, `branching`, `stats` (a `SpeculativeStats`), `generator`.
+
+transformers (4.57 and 5.x) copies this file into its modules cache and imports it from there, so
+the library is found through the installed package (`pip install -e .`) or, failing that, the
+repository path given as `custom_generate=`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+from pathlib import Path
+
+import torch
+
+NASD_OPTIONS = ("gamma", "ngram", "top_k_filler", "branching", "stats", "generator")
+SPECULATIVE_OPTIONS = ("gamma", "stats", "generator")
+# GenerationConfig fields that speculative decoding here cannot honour: refused, not ignored.
+UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None, "dola_layers": None,
+               "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
+               "begin_suppress_tokens": None, "sequence_bias": None, "min_new_tokens": None, "stop_strings": None,
+               "max_time": None, "output_scores": False, "output_logits": False, "output_attentions": False,
+               "output_hidden_states": False, "guidance_scale": None, "watermarking_config": None}
+
+
+def _repository_root() -> Path | None:
+    """The repository that holds this folder: the `custom_generate=` path in the calling
+    `generate` (this file runs from transformers' copy), or this file's own parent folder."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        path = frame.f_locals.get("custom_generate") if frame.f_code.co_name == "generate" else None
+        if isinstance(path, str) and (Path(path) / "custom_generate" / "generate.py").is_file():
+            return Path(path).resolve()
+        frame = frame.f_back
+    here = Path(__file__).resolve().parent.parent
+    return here if (here / "sampling").is_dir() else None
+
+
+def _import_library():
+    root = _repository_root()
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:  # (imports inside `try`: transformers' import check skips them, they are not PyPI packages)
+        import ngram_assisted
+        import sampling
+        from utils import logits_processors
+    except ImportError as error:
+        raise ImportError(f"custom_generate needs this repository's library (sampling/, ngram_assisted/, utils/): "
+                          f"pip install -e <the repository>, or pass its path as custom_generate= ({error})") from error
+    return sampling, ngram_assisted, logits_processors
+
+
+def _processor(config, lp):
+    """The library's own processor when the config asks only for temperature / top-k / top-p (one
+    pass over all rows), else transformers' processors built from it (each position with its history)."""
+    history = (config.repetition_penalty not in (None, 1.0) or config.no_repeat_ngram_size or config.bad_words_ids
+               or config.min_length or config.min_p or config.typical_p not in (None, 1.0) or config.epsilon_cutoff
+               or config.eta_cutoff)
+    if history:
+        return lp.TransformersProcessor.from_generation_config(config)
+    if not config.do_sample:
+        return lp.GreedyProcessor()
+    temperature = config.temperature if config.temperature is not None else 1.0
+    top_k, top_p = config.top_k or 0, config.top_p if config.top_p is not None else 1.0
+    if top_k and top_p < 1.0:
+        return lp.TopKNucleusProcessor(temperature=temperature, top_k=top_k, top_p=top_p)
+    if top_k:
+        return lp.TopKProcessor(temperature=temperature, top_k=top_k)
+    if top_p < 1.0:
+        return lp.NucleusProcessor(temperature=temperature, top_p=top_p)
+    return lp.MultinomialProcessor(temperature=temperature)
+
+
+def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id, eos: list[int]) -> list[list[int]]:
+    """Each row's tokens without its padding (the mask's zeros; without a mask, as `generate`
+    infers one: `pad_token_id` marks padding when it is not also an end token)."""
+    if attention_mask is None and pad_token_id is not None and pad_token_id not in eos:
+        attention_mask = input_ids.ne(pad_token_id)
+    if attention_mask is None:
+        return input_ids.tolist()
+    return [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
+
+
+def generate(model, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+             prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None,
+             negative_prompt_ids=None, negative_prompt_attention_mask=None, **kwargs):
+    """`generate` by NASD (or speculative decoding with `assistant_model`) -> (batch, length) LongTensor."""
+    sampling, ngram_assisted, lp = _import_library()
+    kwargs.pop("use_model_defaults", None)
+    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+    attention_mask = kwargs.pop("attention_mask", None)
+    options = {name: kwargs.pop(name) for name in NASD_OPTIONS if name in kwargs}
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unused = config.update(**kwargs)
+    # 1. Refuse what this method cannot do, before any model runs.
+    for name, value in (("stopping_criteria", stopping_criteria), ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
+                        ("negative_prompt_ids", negative_prompt_ids), ("logits_processor", logits_processor)):
+        if value is not None and not (name in ("stopping_criteria", "logits_processor") and len(value) == 0):
+            hint = "; set the processing through the GenerationConfig's fields" if name == "logits_processor" else ""
+            raise ValueError(f"custom_generate (NASD) does not take {name}{hint}")
+    if unused:
+        raise ValueError(f"custom_generate (NASD) does not know these arguments: {sorted(unused)}; it takes "
+                         f"generate's GenerationConfig fields and {', '.join(NASD_OPTIONS)}")
+    for name, default in UNSUPPORTED.items():
+        value = getattr(config, name, default)
+        if value not in (default, None) and not (isinstance(value, (list, tuple)) and not value):
+            raise ValueError(f"custom_generate (NASD) cannot honour {name}={value!r}: use plain generate for it")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise TypeError(f"inputs must be a (batch, length) LongTensor of token ids, got {type(input_ids).__name__}")
+    if assistant_model is not None and set(options) - set(SPECULATIVE_OPTIONS):
+        raise ValueError(f"with assistant_model, only {', '.join(SPECULATIVE_OPTIONS)} apply; "
+                         f"got {sorted(set(options) - set(SPECULATIVE_OPTIONS))}")
+    eos = config.eos_token_id
+    eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    rows = _rows(input_ids, attention_mask, config.pad_token_id, eos)
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = config.max_length - (1 if encoder_decoder else input_ids.shape[1])  # decoder start / prompt
+    if max_new < 1:
+        raise ValueError(f"max_length={config.max_length} leaves no room after the {input_ids.shape[1]}-token "
+                         f"input: set max_new_tokens")
+    if streamer is not None and len(rows) > 1:
+        raise ValueError("a streamer takes one sequence: pass a batch of one row with streamer=")
+
+    # 2. Decode the rows (a batch: one list of rows) with the library's loop.
+    on_step = None
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+        on_step = lambda step: streamer.put(torch.tensor(step.tokens, dtype=torch.long))  # noqa: E731
+    common = dict(logits_processor=_processor(config, lp), max_gen_len=max_new, end_tokens_id=eos or None,
+                  use_cache=config.use_cache if config.use_cache is not None else True, on_step=on_step, **options)
+    batch = rows if len(rows) > 1 else rows[0]  # one row: the single call (its generator's own numbers)
+    if assistant_model is not None:
+        run = sampling.speculative_generate_encoder_decoder if encoder_decoder else sampling.speculative_generate
+        results = run(batch, assistant_model, model, **common)
+    else:
+        common.setdefault("ngram", ngram_assisted.MultiDynaGram(8))
+        run = (ngram_assisted.ngram_assisted_speculative_generate_encoder_decoder if encoder_decoder
+               else ngram_assisted.ngram_assisted_speculative_generate)
+        results = run(batch, common.pop("ngram"), model, **common)
+    results = results if len(rows) > 1 else [results]
+    if streamer is not None:
+        streamer.end()
+
+    # 3. generate's output: the prompt (decoder-only, as given) or the decoder start (encoder-decoder),
+    #    then each row's new tokens, padded on the right.
+    generated = [ids for ids, _ in results]
+    width = max(len(ids) for ids in generated)
+    new = torch.tensor([ids + [pad] * (width - len(ids)) for ids in generated], dtype=torch.long,
+                       device=input_ids.device).reshape(len(generated), width)
+    if encoder_decoder:
+        start = config.decoder_start_token_id
+        start = start if start is not None else model.config.decoder_start_token_id
+        sequences = torch.cat([torch.full((len(generated), 1), start, dtype=torch.long, device=input_ids.device), new], 1)
+    else:
+        sequences = torch.cat([input_ids.long(), new], dim=1)
+    if not config.return_dict_in_generate:
+        return sequences
+    from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+
+    return (GenerateEncoderDecoderOutput if encoder_decoder else GenerateDecoderOnlyOutput)(sequences=sequences)
