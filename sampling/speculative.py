@@ -16,6 +16,7 @@ from sampling.common import Generation, OnStep, Step, prepare
 from sampling.custom_drafters import CheckedDrafter, check_drafter
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
 from sampling.drafters import Drafter, ModelDrafter
+from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.caching import vocab_size
 from utils.calibration import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
@@ -58,6 +59,7 @@ class SpeculativeStats:
     steps_without_drafts: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
 
     @property
     def alpha(self) -> float:
@@ -191,13 +193,15 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
     v_d, v_t = vocab_size(drafter), vocab_size(target)
     if abs(v_d - v_t) > 0.01 * max(v_d, v_t):
         raise ValueError(
-            f"drafter and target must share a tokenizer, but their vocabularies differ: "
-            f"drafter {v_d} tokens, target {v_t} tokens"
+            f"drafter and target vocabularies differ (drafter {v_d} tokens, target {v_t} tokens): for a "
+            f"drafter with another tokenizer pass tokenizer=<the target's tokenizer> and "
+            f"drafter_tokenizer=<the drafter's tokenizer>"
         )
 
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
-                 logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step):
+                 logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step,
+                 tokenizer=None, drafter_tokenizer=None):
     if not isinstance(drafter, torch.nn.Module):  # your own drafter: the `Drafter` protocol (docs/drafters.md)
         return _with_drafter_object(
             inputs, drafter, target, encoder_decoder=encoder_decoder, use_cache=use_cache, gamma=gamma,
@@ -209,15 +213,22 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     gamma = check_gamma(gamma)
     if not isinstance(adaptive_gamma, bool):
         raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
-    check_same_vocabulary(drafter, target)
+    universal = check_tokenizers(tokenizer, drafter_tokenizer, drafter, target, encoder_decoder=encoder_decoder)
+    if not universal:
+        check_same_vocabulary(drafter, target)
     gen = prepare(
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
     )
-    model_drafter = ModelDrafter(
-        drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
-        encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms,
-    )
+    if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/universal.py)
+        model_drafter = UniversalDrafter(drafter, logits_processor, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
+                                         target_vocab_size=vocab_size(target), uniforms=gen.uniforms, use_cache=use_cache,
+                                         trees=gen.runner.supports_trees)
+    else:
+        model_drafter = ModelDrafter(
+            drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
+            encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms,
+        )
     model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     if adaptive_gamma:
         draft_length = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
@@ -225,10 +236,13 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
                                             warm=model_drafter.is_warm)
     else:
         draft_length = DraftLength(gamma)
-    return speculative_loop(
+    result = speculative_loop(
         gen, model_drafter, logits_processor=logits_processor, draft_length=draft_length,
         stats=stats, on_step=on_step,
     )
+    if universal and stats is not None:
+        stats.retokenize_seconds += model_drafter.retokenize_seconds
+    return result
 
 
 def _with_drafter_object(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
@@ -273,6 +287,7 @@ def speculative_generate(
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
+    drafter_tokenizer=None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
     object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
@@ -285,13 +300,16 @@ def speculative_generate(
     step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
     unit of measured cost (`sampling.draft_policy`), so a drafter that cannot pay on this machine
     stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
-    acceptance by position; `on_step` streams each step. `tokenizer` and `pad_token_id` are
-    accepted for compatibility and unused.
+    acceptance by position; `on_step` streams each step. `pad_token_id` is accepted for
+    compatibility and unused. A drafter with another tokenizer: pass `tokenizer` (the target's) and
+    `drafter_tokenizer` (the drafter's); it drafts in its own vocabulary, inputs and outputs stay
+    target ids, greedy and sampling stay exact (`sampling/universal.py`; decoder-only models).
     """
     return _speculative(
         inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
     )
 
 
@@ -311,11 +329,14 @@ def speculative_generate_encoder_decoder(
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
+    drafter_tokenizer=None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids (each
-    model's encoder runs once); returns the decoder's generated ids without the start token."""
+    model's encoder runs once); returns the decoder's generated ids without the start token.
+    A `drafter_tokenizer` with another vocabulary is refused (decoder-only models only)."""
     return _speculative(
         inputs, drafter, target, encoder_decoder=True, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
     )

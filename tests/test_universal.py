@@ -1,0 +1,223 @@
+"""A drafter with another tokenizer (sampling/universal.py): two byte-level BPE tokenizers trained
+here on a small corpus (the small one's vocabulary is the big one's first ids: BPE learns merges in
+order), tiny random models with those vocabularies."""
+
+import copy
+import functools
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor
+
+from sampling import SpeculativeStats, autoregressive_generate, speculative_generate, speculative_generate_encoder_decoder
+from sampling.universal import LOOKBEHIND
+from sampling.vocabularies import intersection
+from tests.models import tiny_model
+from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from utils.logits_processors import MultinomialProcessor, TopKProcessor, TransformersProcessor
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+    "class Stack:\n    def push(self, item):\n        self.items.append(item)\n",
+    "She sells sea shells by the sea shore; the shells she sells are surely sea shells.",
+] * 20
+PROMPTS = ["def add(a, b):\n    return", "The quick brown", "class Stack:\n    def push(self, item):\n        self."]
+
+
+@functools.cache
+def byte_bpe(vocab: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+SMALL, BIG = byte_bpe(300), byte_bpe(420)  # 300 and 413 tokens (the corpus has no more merges)
+
+
+def models_for(target_family: str, drafter_family: str, big_target: bool = True):
+    target_tok, drafter_tok = (BIG, SMALL) if big_target else (SMALL, BIG)
+    return (tiny_model(target_family, seed=0, vocab=len(target_tok)), target_tok,
+            tiny_model(drafter_family, seed=1, vocab=len(drafter_tok)), drafter_tok)
+
+
+def test_the_small_vocabulary_is_the_big_ones_first_ids():
+    assert len(SMALL) == 300 and len(BIG) > 400
+    drafter_ids, target_ids = intersection(BIG, SMALL, len(BIG), len(SMALL))
+    assert len(drafter_ids) == len(SMALL) and torch.equal(drafter_ids, target_ids)
+
+
+@pytest.mark.parametrize("families, big_target", [(("llama", "qwen2"), True), (("gpt2", "mistral"), False)])
+def test_greedy_is_token_identical_to_greedy_decoding(families, big_target):
+    target, tok, drafter, drafter_tok = models_for(*families, big_target=big_target)
+    for text in PROMPTS:
+        inputs = tok.encode(text)
+        free = autoregressive_generate(inputs, target, max_gen_len=30)
+        for end in (free[3], None):
+            reference = autoregressive_generate(inputs, target, max_gen_len=30, end_tokens_id=end)
+            for gamma in (1, 4):
+                out, alpha = speculative_generate(inputs, drafter, target, tokenizer=tok, drafter_tokenizer=drafter_tok,
+                                                  gamma=gamma, max_gen_len=30, end_tokens_id=end)
+                assert out == reference, (families, text, end, gamma)
+                assert 0.0 <= alpha <= 1.0
+
+
+def test_greedy_batch_rows_of_different_lengths():
+    target, tok, drafter, drafter_tok = models_for("llama", "qwen2")
+    inputs = [tok.encode(text) for text in PROMPTS]
+    stats = SpeculativeStats()
+    out = speculative_generate(inputs, drafter, target, tokenizer=tok, drafter_tokenizer=drafter_tok, gamma=3,
+                               max_gen_len=25, stats=stats)
+    assert [ids for ids, _ in out] == [autoregressive_generate(row, target, max_gen_len=25) for row in inputs]
+    assert stats.retokenize_seconds > 0 and stats.drafter_forwards > 0
+
+
+def agreeing_pair():
+    """A target that only emits the tokens both vocabularies share, and as drafter its own weights
+    with the embedding and head cut to the small vocabulary: where both read the same tokens, the
+    drafter's argmax is the target's."""
+    target = copy.deepcopy(tiny_model("llama", seed=0, vocab=len(BIG)))
+    with torch.no_grad():
+        target.lm_head.weight[len(SMALL):] = 0  # logit 0 < the best of 300 random logits
+    drafter = copy.deepcopy(target)
+    drafter.resize_token_embeddings(len(SMALL))
+    return target, drafter
+
+
+def test_a_drafter_that_agrees_with_the_target_gets_its_drafts_accepted():
+    target, drafter = agreeing_pair()
+    for text in PROMPTS:
+        inputs = SMALL.encode(text)  # ids the target shares
+        stats = SpeculativeStats()
+        out, alpha = speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=4,
+                                          max_gen_len=40, stats=stats)
+        assert out == autoregressive_generate(inputs, target, max_gen_len=40)
+        assert alpha > 0.5 and stats.tau > 2.0, (text, alpha, stats.tau)
+
+
+def test_greedy_with_transformers_processors_and_adaptive_gamma():
+    target, tok, drafter, drafter_tok = models_for("qwen2", "llama")
+    processor = TransformersProcessor([RepetitionPenaltyLogitsProcessor(1.3)], do_sample=False)
+    inputs = tok.encode(PROMPTS[0])
+    reference = autoregressive_generate(inputs, target, logits_processor=processor, max_gen_len=25)
+    for adaptive in (False, True):
+        out, _ = speculative_generate(inputs, drafter, target, tokenizer=tok, drafter_tokenizer=drafter_tok, gamma=3,
+                                      logits_processor=processor, max_gen_len=25, adaptive_gamma=adaptive)
+        assert out == reference
+
+
+def test_the_drafter_does_not_reread_the_prompt():
+    target, drafter = agreeing_pair()
+    inputs = SMALL.encode(" ".join(PROMPTS) * 2)
+    stats = SpeculativeStats()
+    speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=4, max_gen_len=30,
+                         stats=stats)
+    drafter_tokens = []
+    original = drafter.forward
+
+    def counting(*args, **kwargs):
+        drafter_tokens.append(kwargs["input_ids"].shape[-1] if "input_ids" in kwargs else args[0].shape[-1])
+        return original(*args, **kwargs)
+
+    drafter.forward = counting
+    speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=4, max_gen_len=30)
+    assert drafter_tokens[0] >= len(inputs) - 1  # the prompt, once
+    assert max(drafter_tokens[1:]) <= 4 + LOOKBEHIND  # then only the tail that moved
+
+
+# Sampling: the law of the first two tokens, and seeds.
+
+INPUTS_TEXT = "def add(a, b):\n    return"
+SAMPLES = 1000
+
+
+def sampling_pair():
+    """A target over the big vocabulary (mass on tokens the drafter lacks) and a drafter close to it."""
+    target = tiny_model("llama", seed=0, vocab=len(BIG))
+    drafter = copy.deepcopy(target)
+    drafter.resize_token_embeddings(len(SMALL))
+    with torch.no_grad():
+        drafter.lm_head.weight.add_(0.3 * torch.randn(drafter.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    return target, drafter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processor", [TopKProcessor(temperature=1.5, top_k=6), MultinomialProcessor(temperature=0.7)], ids=repr)
+def test_sampling_follows_the_target_distribution(processor):
+    target, drafter = sampling_pair()
+    inputs = BIG.encode(INPUTS_TEXT)
+    joint = exact_two_token_distribution(target, inputs, processor)
+    generator = torch.Generator().manual_seed(0)
+    pairs = [tuple(speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=2,
+                                        max_gen_len=2, logits_processor=processor, generator=generator)[0])
+             for _ in range(SAMPLES)]
+    assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
+
+
+def test_seeds_reproduce_single_and_batch():
+    target, drafter = sampling_pair()
+    processor = TopKProcessor(temperature=1.5, top_k=6)
+    inputs = [BIG.encode(text) for text in PROMPTS]
+
+    def run(rows, seeds, **kwargs):  # a batch with one generator per row, or one sequence (seeds: one seed)
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        return speculative_generate(rows, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=3,
+                                    max_gen_len=20, logits_processor=processor,
+                                    generator=generators if isinstance(rows[0], list) else generators[0], **kwargs)
+
+    stats = SpeculativeStats()
+    first = run(inputs, [1, 2, 3], stats=stats)
+    assert first == run(inputs, [1, 2, 3])
+    assert stats.drafts_accepted > 0
+    for row, seed, (ids, _) in zip(inputs, [1, 2, 3], first, strict=True):
+        assert run(row, [seed])[0] == ids  # a row of a batch: the single call's tokens
+
+
+# Bad input, refused before any model runs.
+
+def test_different_vocabularies_without_drafter_tokenizer_say_what_to_pass():
+    target, tok, drafter, drafter_tok = models_for("llama", "qwen2")
+    with pytest.raises(ValueError, match="tokenizer=.*drafter_tokenizer="):
+        speculative_generate(tok.encode("def"), drafter, target)
+    with pytest.raises(ValueError, match="tokenizer="):
+        speculative_generate(tok.encode("def"), drafter, target, drafter_tokenizer=drafter_tok)
+
+
+def test_a_tokenizer_that_is_not_its_models_is_refused():
+    target, tok, drafter, drafter_tok = models_for("llama", "qwen2")
+    with pytest.raises(ValueError, match="drafter_tokenizer has 413 tokens but the drafter has 300"):
+        speculative_generate(tok.encode("def"), drafter, target, tokenizer=tok, drafter_tokenizer=tok)
+    with pytest.raises(TypeError, match="drafter_tokenizer must be a transformers tokenizer"):
+        speculative_generate(tok.encode("def"), drafter, target, tokenizer=tok, drafter_tokenizer="gpt2")
+
+
+def test_a_tokenizer_that_cannot_round_trip_text_is_refused():
+    target, tok, drafter, _ = models_for("llama", "qwen2")
+    lossy = Tokenizer(models.BPE(unk_token="<unk>"))
+    lossy.pre_tokenizer = pre_tokenizers.Whitespace()  # spaces are lost
+    lossy.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False))
+    lossy = PreTrainedTokenizerFast(tokenizer_object=lossy, unk_token="<unk>")
+    drafter = tiny_model("qwen2", seed=1, vocab=len(lossy))
+    with pytest.raises(ValueError, match="drafter_tokenizer cannot round-trip text"):
+        speculative_generate(tok.encode("def"), drafter, target, tokenizer=tok, drafter_tokenizer=lossy)
+
+
+def test_encoder_decoder_with_another_tokenizer_is_refused():
+    target, drafter = tiny_model("t5", seed=0, vocab=len(BIG)), tiny_model("bart", seed=1, vocab=len(SMALL))
+    with pytest.raises(ValueError, match="decoder-only"):
+        speculative_generate_encoder_decoder(BIG.encode("def"), drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL)
+
+
+def test_the_same_tokenizer_twice_is_the_ordinary_path():
+    target, drafter = tiny_model("llama", seed=0, vocab=len(BIG)), tiny_model("llama", seed=1, vocab=len(BIG))
+    inputs = BIG.encode(PROMPTS[0])
+    stats = SpeculativeStats()
+    out, _ = speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=BIG, max_gen_len=20, stats=stats)
+    assert out == autoregressive_generate(inputs, target, max_gen_len=20) and stats.retokenize_seconds == 0.0
