@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.text import Text
 
 from console.commands import QUIT, dispatch
-from console.models import Model, check_pair, drafter_hint, run_method
+from console.models import Model, check_pair, drafter_hint, run_method, same_tokenizer
 from console.render import Result, legend, render_step, results_table, same_tokens_line
 from console.settings import Settings
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
@@ -74,8 +74,17 @@ class ChatConsole:
 
     # Generation ------------------------------------------------------------------------------
 
-    def encode(self, user_text: str) -> list[int]:
-        tokenizer = self.target.tokenizer
+    def tokenizer_of(self, method: str):
+        """The tokenizer a method's ids are in: the drafter's own for `/drafter` (it may differ from the target's)."""
+        if method == "drafter" and self.drafter is not None and self.other_vocabulary():
+            return self.drafter.tokenizer
+        return self.target.tokenizer
+
+    def other_vocabulary(self) -> bool:
+        """Whether the drafter drafts in another vocabulary than the target's (universal speculative decoding)."""
+        return self.drafter is not None and not same_tokenizer(self.target.tokenizer, self.drafter.tokenizer)
+
+    def encode(self, user_text: str, tokenizer) -> list[int]:
         if self.settings.chat and getattr(tokenizer, "chat_template", None):
             messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
             messages += self.history + [{"role": "user", "content": user_text}]
@@ -83,9 +92,8 @@ class ChatConsole:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return tokenizer(user_text)["input_ids"]
 
-    def streamer(self, method: str):
+    def streamer(self, method: str, tokenizer):
         """An on_step callback that prints the new text (coloured by origin in debug mode)."""
-        tokenizer = self.target.tokenizer
         generated: list[int] = []
         printed = [""]
 
@@ -106,7 +114,6 @@ class ChatConsole:
         if not methods:
             self.error("every method is off: turn one on, e.g. /target")
             return
-        inputs = self.encode(user_text)
         if self.settings.debug and {"speculative", "ngram"} & set(methods):
             self.say(legend())
         results = []
@@ -114,18 +121,21 @@ class ChatConsole:
             self.console.print(Text(f"[{method}] ", style="bold cyan"), end="")
             if method == "ngram" and self.settings.reset_in_between:
                 self.pool.reset()
+            tokenizer = self.tokenizer_of(method)
+            inputs = self.encode(user_text, tokenizer)
             start = time.perf_counter()
             ids, stats = run_method(method, inputs, self.settings, target=self.target, drafter=self.drafter,
-                                    pool=self.pool, on_step=None if method == "beam" else self.streamer(method))
+                                    pool=self.pool, on_step=None if method == "beam" else self.streamer(method, tokenizer))
             seconds = time.perf_counter() - start
+            text = tokenizer.decode(ids, skip_special_tokens=True)
             if method == "beam":
-                self.say(self.target.tokenizer.decode(ids, skip_special_tokens=True))
+                self.say(text)
             else:
                 self.console.print()
-            results.append(Result(method, ids, seconds, stats))
+            results.append(Result(method, ids, seconds, stats, text))
         self.report(results)
         if self.settings.chat:
-            reply = self.target.tokenizer.decode(results[0].ids, skip_special_tokens=True)
+            reply = results[0].text
             self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
 
     def report(self, results: list[Result]) -> None:
@@ -136,7 +146,7 @@ class ChatConsole:
         if footnote:
             self.say(footnote)
         if self.settings.processor.is_greedy or self.settings.seed is not None:
-            line = same_tokens_line(results)
+            line = same_tokens_line(results, skip={"drafter"} if self.other_vocabulary() else set())
             if line:
                 self.say(line)
 
@@ -153,8 +163,11 @@ class ChatConsole:
             if not line:
                 continue
             if line.startswith("/"):
-                if not self.command(line):
-                    break
+                try:
+                    if not self.command(line):
+                        break
+                except KeyboardInterrupt:  # e.g. during a /load
+                    self.console.print(Text("\n[stopped]", style="yellow"))
                 continue
             try:
                 self.answer(line)

@@ -48,6 +48,7 @@ class Result:
     ids: list[int]
     seconds: float
     stats: SpeculativeStats | None
+    text: str = ""  # the ids decoded
 
     @property
     def tokens_per_second(self) -> float:
@@ -79,12 +80,16 @@ def results_table(results: list[Result]) -> tuple[Table, str | None]:
     return table, footnote
 
 
-def same_tokens_line(results: list[Result]) -> str | None:
-    """Which methods produced the target's very tokens (meaningful when greedy, or seeded: coupled sampling)."""
+def same_tokens_line(results: list[Result], skip: set[str] = frozenset()) -> str | None:
+    """Which methods produced the target's very tokens (meaningful when greedy, or seeded: coupled
+    sampling); methods in `skip` (a drafter with another vocabulary) compare their text instead."""
     target = next((r for r in results if r.method == "target"), None)
     if target is None:
         return None
-    verdicts = [f"{r.method} {'yes' if r.ids == target.ids else 'no'}" for r in results if r.method not in ("target", "beam")]
+    def same(r: Result) -> bool:
+        return r.text == target.text if r.method in skip else r.ids == target.ids
+
+    verdicts = [f"{r.method} {'yes' if same(r) else 'no'}" for r in results if r.method not in ("target", "beam")]
     return "same tokens as target: " + ", ".join(verdicts) if verdicts else None
 
 

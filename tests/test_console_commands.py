@@ -145,3 +145,11 @@ class _Words:
 def test_rejected_drafts_read_without_strikethrough():
     step = Step(tokens=[1, 2, 9], drafts=[1, 2, 3, 4], accepted=2)
     assert render_step(step, _Words()).plain == " t1 t2[ t3 t4] t9"
+
+
+def test_a_drafter_in_another_vocabulary_is_compared_by_text():
+    from console.render import same_tokens_line
+
+    results = [Result("target", [1, 2], 1.0, None, "a b"), Result("drafter", [7, 8, 9], 1.0, None, "a b")]
+    assert same_tokens_line(results) == "same tokens as target: drafter no"
+    assert same_tokens_line(results, skip={"drafter"}) == "same tokens as target: drafter yes"
