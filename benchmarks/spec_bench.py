@@ -42,7 +42,8 @@ from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_n3", "ours_nasd_chain", "ours_anpd",
            "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd"]
-OPTIONAL_METHODS = ["suffix"]  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
+OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
+                    "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
 NASD = {
     "ours_nasd": dict(ngram=lambda: MultiDynaGram(8)),
@@ -82,6 +83,7 @@ class Runner:
         self.sample = sample  # None: greedy; else {"temperature": t, "top_p": p}
         self.processor = NucleusProcessor(**sample) if sample else GreedyProcessor()
         self.suffix_responses: dict[tuple[int, ...], list[int]] = {}  # prompt -> the peer's first response to it
+        self.tokenizer = self.drafter_tokenizer = None  # the *_universal methods: target's and drafter's tokenizers
 
     def hf(self, ids, seed: int, **kwargs):
         sampling = dict(do_sample=True, top_k=0, **self.sample) if self.sample else dict(do_sample=False)
@@ -102,6 +104,9 @@ class Runner:
             return self.hf(ids, seed, prompt_lookup_num_tokens=10, max_matching_ngram_size=3)
         if method == "hf_assisted":
             return self.hf(ids, seed, assistant_model=self.drafter)
+        if method == "hf_universal":  # transformers' universal assisted generation, on the same pair
+            return self.hf(ids, seed, assistant_model=self.drafter, tokenizer=self.tokenizer,
+                           assistant_tokenizer=self.drafter_tokenizer)
         if method == "ours_ar":
             return autoregressive_generate(ids, self.target, **common), None
         if method in NASD:
@@ -119,6 +124,10 @@ class Runner:
         elif method == "ours_sd":
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           **common)
+        elif method == "ours_sd_universal":
+            out, _ = speculative_generate(ids, self.drafter, self.target, tokenizer=self.tokenizer,
+                                          drafter_tokenizer=self.drafter_tokenizer, gamma=4, adaptive_gamma=True,
+                                          stats=stats, **common)
         else:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
         return out, stats
@@ -224,12 +233,13 @@ def main(argv: list[str] | None = None) -> dict:
     device = str(state.device) if state.num_processes > 1 and state.device.type != "cpu" and not args.device_map else None
     target, tokenizer = load_model(args.model, device_map=args.device_map, device=device)
     if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
-        drafter = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32",
-                             device=device)[0]
+        drafter, drafter_tokenizer = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32",
+                                                device=device)
     else:
-        drafter = copy.deepcopy(target).to(torch.bfloat16)
+        drafter, drafter_tokenizer = copy.deepcopy(target).to(torch.bfloat16), tokenizer
     sample = {"temperature": args.temperature, "top_p": args.top_p} if args.sample else None
     runner = Runner(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens, sample)
+    runner.tokenizer, runner.drafter_tokenizer = tokenizer, drafter_tokenizer
     prompts = [(index, task, encode(tokenizer, text)) for index, (task, text) in enumerate(texts)]
     load_before = os.getloadavg()
     for method in methods:  # warm-up (and the cost models' calibration, once per machine)
