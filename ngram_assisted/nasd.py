@@ -22,7 +22,7 @@ from sampling.draft_policy import DraftLength
 from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
 from utils.caching import vocab_size
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import check_batch, check_int, check_model, check_rows_argument
+from utils.validation import Inputs, check_batch, check_int, check_model, check_rows_argument
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
@@ -101,7 +101,7 @@ class BatchCost:
 
 
 def ngram_assisted_speculative_generate(
-    inputs: list[int] | list[list[int]],
+    inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
     target: PreTrainedModel,
     tokenizer=None,
@@ -122,8 +122,11 @@ def ngram_assisted_speculative_generate(
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """NASD for a decoder-only `target` -> (generated ids, alpha), or one such pair per row of a batch.
 
-    `inputs` may be a batch (a list of token-id lists): the rows are decoded together, `ngram` is
-    then one pool they share or a list of one pool per row, and a list of (ids, alpha) comes back.
+    `inputs`: token ids or a 1-D tensor (one sequence); a list of token-id lists or a 2-D tensor (a
+    batch); or a tokenizer's output (`BatchEncoding`/dict: `input_ids`, and `attention_mask`, whose
+    padding is removed per row). A batch (2-D `input_ids` included, even [1, n]) is decoded
+    together, `ngram` is then one pool the rows share or a list of one pool per row, and a list of
+    (ids, alpha) comes back, one per row.
     `ngram` (a SimpleDynaGram or MultiDynaGram) is filled from the prompt, then after every step
     with the accepted tokens and the target's `top_k_filler` most likely tokens at each verified
     position; it keeps what it learned across calls (call `ngram.reset()` to forget). Drafts are up
@@ -146,7 +149,7 @@ def ngram_assisted_speculative_generate(
 
 
 def ngram_assisted_speculative_generate_encoder_decoder(
-    inputs: list[int] | list[list[int]],
+    inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
     target: PreTrainedModel,
     tokenizer=None,
@@ -166,7 +169,8 @@ def ngram_assisted_speculative_generate_encoder_decoder(
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """NASD for encoder-decoder models: the pool is also seeded with the encoder's source tokens
-    (`inputs`), where summarisation and translation copy from. Returns the decoder's ids."""
+    (`inputs`, in any form the decoder-only variant takes), where summarisation and translation
+    copy from. Returns the decoder's ids (a list of results for a batch)."""
     return _nasd(
         inputs, ngram, target, encoder_decoder=True, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,

@@ -9,6 +9,7 @@ from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, prepare
 from sampling.drafters import DraftTree
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.validation import Inputs
 
 NO_DRAFTS = DraftTree.chain([])
 
@@ -42,7 +43,7 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
 
 
 def autoregressive_generate(
-    inputs: list[int] | list[list[int]],
+    inputs: Inputs,
     model: PreTrainedModel,
     use_cache: bool = True,
     max_gen_len: int = 40,
@@ -56,9 +57,12 @@ def autoregressive_generate(
     """Generate up to `max_gen_len` tokens after `inputs` with a decoder-only model.
 
     Returns the generated ids only, ending with the end token when one was produced. Generation
-    also stops when the model's context is full. `inputs` may be a batch (a list of token-id
-    lists, rows of any lengths): then a list with each row's ids, each what the single call returns
-    for that row, decoded together (one pass per step for all running rows). `pad_token_id` is
+    also stops when the model's context is full. `inputs`: token ids (a list or a 1-D tensor), or
+    a batch (a list of token-id lists of any lengths, a 2-D tensor), or a tokenizer's output
+    (`BatchEncoding`/dict with `input_ids` and `attention_mask`: padding is removed per row by the
+    mask). A batch (2-D `input_ids` included, even [1, n]) gives a list with each row's ids, each
+    what the single call returns for that row, decoded together (one pass per step for all running
+    rows). `pad_token_id` is
     accepted for compatibility with the seed README and unused. `generator` (one, or one per row)
     makes sampling reproducible (`sampling.randomness`); `on_step` receives each new token as a
     `Step` (streaming; `Step.row` says which row).
@@ -71,7 +75,7 @@ def autoregressive_generate(
 
 
 def autoregressive_generate_encoder_decoder(
-    inputs: list[int] | list[list[int]],
+    inputs: Inputs,
     model: PreTrainedModel,
     use_cache: bool = True,
     max_gen_len: int = 40,
@@ -84,7 +88,8 @@ def autoregressive_generate_encoder_decoder(
 ) -> list[int] | list[list[int]]:
     """`autoregressive_generate` for encoder-decoder models (T5, BART, ...).
 
-    `inputs` are the encoder's ids; the encoder runs once. Returns the decoder's generated ids,
+    `inputs` are the encoder's ids, in any form `autoregressive_generate` takes (a batch gives a
+    list); the encoder runs once. Returns the decoder's generated ids,
     without the decoder start token.
     """
     gen = prepare(

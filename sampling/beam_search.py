@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from sampling.common import prepare
 from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
-from utils.validation import check_int, is_batch
+from utils.validation import Inputs, check_batch, check_int
 
 
 def length_penalty(length: int, min_length: int, alpha: float) -> float:
@@ -19,7 +19,7 @@ def length_penalty(length: int, min_length: int, alpha: float) -> float:
 
 
 def beam_search_generate(
-    inputs: list[int],
+    inputs: Inputs,
     model: PreTrainedModel,
     max_gen_len: int = 40,
     end_tokens_id: int | list[int] | None = None,
@@ -29,7 +29,7 @@ def beam_search_generate(
     min_length: int = 5,
     alpha: float = 1.2,
     use_cache: bool = True,
-) -> list[int]:
+) -> list[int] | list[list[int]]:
     """Beam search over a decoder-only model -> the best finished sequence's generated ids.
 
     Each step expands every live beam with its `top_k` most likely tokens and keeps the
@@ -39,7 +39,9 @@ def beam_search_generate(
     lp(Y) = ((min_length + |Y|) / (min_length + 1)) ** alpha  is the GNMT length penalty (Wu et al.
     2016) with `min_length` in the role of their constant 5. Finished beams are kept until no live
     beam can beat the best of them. `pad_token_id` is accepted for compatibility and unused (it is
-    never an end token).
+    never an end token). `inputs`: token ids, a tensor, or a tokenizer's output
+    (`utils.validation.INPUTS_DOC`); a batch is searched row by row and gives a list, one result
+    per row. `alpha` here is the length penalty's exponent, not an acceptance rate.
     """
     if is_encoder_decoder(model):
         raise ValueError(f"beam_search_generate supports decoder-only models; model is {type(model).__name__}, an encoder-decoder")
@@ -48,9 +50,10 @@ def beam_search_generate(
     check_int(min_length, "min_length", 0)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a number, got {alpha!r}")
-    if is_batch(inputs):
-        raise ValueError("beam_search_generate decodes one sequence: inputs must be a list of token ids, not a batch "
-                         "(call it once per row)")
+    rows, batched = check_batch(inputs, "inputs", model)
+    if batched:  # the beams of one row already fill the batch dimension: rows are searched one by one
+        return [beam_search_generate(row, model, max_gen_len, end_tokens_id, pad_token_id, top_k, num_beams,
+                                     min_length, alpha, use_cache) for row in rows]
     gen = prepare(
         inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,

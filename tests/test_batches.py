@@ -55,6 +55,12 @@ def test_every_row_gets_the_single_call_output(name):
             assert all(0.0 <= alpha <= 1.0 for _, alpha in batch)
 
 
+def test_beam_search_searches_a_batch_row_by_row():
+    model = tiny_model("llama")
+    assert beam_search_generate(ROWS, model, max_gen_len=6) == [beam_search_generate(row, model, max_gen_len=6)
+                                                                 for row in ROWS]
+
+
 def test_a_batch_of_one_is_the_single_call_in_a_list():
     model = tiny_model("llama")
     row = ROWS[1]
@@ -193,8 +199,8 @@ def test_bad_batches_are_refused_before_any_model_runs(monkeypatch):
         autoregressive_generate(ROWS, model, generator=[torch.Generator()])
     with pytest.raises(TypeError, match="a list of pools is for a batch"):
         ngram_assisted_speculative_generate(ROWS[0], [MultiDynaGram(3)], model)
-    with pytest.raises(ValueError, match="beam_search_generate decodes one sequence"):
-        beam_search_generate(ROWS, model)
+    with pytest.raises(ValueError, match=r"inputs\[1\] must hold at least one token id"):
+        beam_search_generate([[3, 4], []], model)
 
 
 @pytest.mark.parametrize("name", ["mistral", "gpt2"])

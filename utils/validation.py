@@ -3,8 +3,9 @@ the argument, the value and what was expected (STYLE.md, principle 7)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
 from transformers import PreTrainedModel
 
 from utils.caching import context_length, is_encoder_decoder, vocab_size
@@ -41,24 +42,95 @@ def check_token_ids(value: object, name: str, model: PreTrainedModel) -> list[in
     return list(value)
 
 
+# What every decoding function takes as `inputs` (INPUTS_DOC says how each form is read).
+Inputs = list[int] | list[list[int]] | torch.Tensor | Mapping[str, object]
+
+INPUTS_DOC = """`inputs`: one sequence, a list of token ids or a 1-D tensor; or a batch, a list of token-id
+lists (rows of any lengths) or a 2-D tensor; or a tokenizer's output (`BatchEncoding`, or a dict)
+with `input_ids` of either shape and, when present, an `attention_mask` of the same shape, whose
+zeros (padding, left or right) are removed from each row before decoding. The result follows the
+shape: one result for one sequence, a list with one per row for a batch, so that
+`tokenizer(text, return_tensors="pt")` ([1, n]) is a batch of one and gives a list of one."""
+
+
+def _is_tensor(value: object) -> bool:
+    """A torch tensor or a NumPy array (anything with `tolist` and `ndim`), not a Python list."""
+    return hasattr(value, "tolist") and hasattr(value, "ndim") and not isinstance(value, (list, tuple))
+
+
 def is_batch(value: object) -> bool:
-    """Whether `inputs` is a batch: a list (or tuple) whose first item is itself a sequence."""
-    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
-        return getattr(value, "ndim", 1) == 2
+    """Whether `inputs` is a batch: a 2-D tensor, a list (or tuple) whose first item is itself a
+    sequence, or a mapping whose `input_ids` is one of these."""
+    if isinstance(value, Mapping):
+        value = value.get("input_ids")
+    if _is_tensor(value):
+        return value.ndim == 2
     return (isinstance(value, (list, tuple)) and len(value) > 0 and not isinstance(value[0], (str, bytes))
             and (isinstance(value[0], Sequence) or hasattr(value[0], "tolist")))
 
 
-def check_batch(value: object, name: str, model: PreTrainedModel) -> tuple[list[list[int]], bool]:
-    """One sequence of token ids, or a batch (a list of them) -> (rows, whether it was a batch).
-    Errors name the row: an empty batch, an empty row, a row that is not token ids, a token outside
-    the vocabulary."""
+def _as_rows(value: object, name: str) -> tuple[list, bool]:
+    """A tensor or nested list -> (its rows as lists, whether it was a batch); one sequence is one row."""
+    if _is_tensor(value):
+        if value.ndim not in (1, 2):
+            raise ValueError(f"{name} must be a 1-D tensor (one sequence) or a 2-D tensor (a batch), "
+                             f"got shape {tuple(value.shape)}")
+        if value.ndim == 2 and value.shape[0] == 0:
+            raise ValueError(f"{name} must hold at least one row, got a tensor of shape {tuple(value.shape)}")
+        rows = value.tolist()
+        return (rows, True) if value.ndim == 2 else ([rows], False)
     if isinstance(value, (list, tuple)) and len(value) == 0:
         raise ValueError(f"{name} must hold at least one token id (or, for a batch, one row), got an empty list")
-    if not is_batch(value):
-        return [check_token_ids(value, name, model)], False
-    rows = value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple)) else list(value)
-    return [check_token_ids(row, f"{name}[{i}]", model) for i, row in enumerate(rows)], True
+    if is_batch(value):
+        return [row.tolist() if _is_tensor(row) else row for row in value], True
+    return [value], False
+
+
+def _lengths(rows: list) -> list[int | None]:
+    return [len(row) if isinstance(row, Sequence) else None for row in rows]
+
+
+def _unpad(rows: list, mask: object, batched: bool, name: str) -> list:
+    """Each row without the positions its attention-mask row holds 0 at (padding at either end)."""
+    where = f"{name}['attention_mask']"
+    masks, mask_batched = _as_rows(mask, where)
+    if mask_batched != batched or _lengths(masks) != _lengths(rows):
+        ids = f"{len(rows)} row(s) of {_lengths(rows)} tokens" if batched else f"{_lengths(rows)[0]} tokens"
+        raise ValueError(f"{where} must have the shape of {name}['input_ids'] ({ids}), got {_short(mask)}")
+    kept = []
+    for i, (row, row_mask) in enumerate(zip(rows, masks, strict=True)):
+        label = f"{where}[{i}]" if batched else where
+        if any(m not in (0, 1) for m in row_mask):
+            raise ValueError(f"{label} must hold only 0 (padding) and 1 (a token), got {_short(row_mask)}")
+        ones = [j for j, m in enumerate(row_mask) if m]
+        if not ones:
+            raise ValueError(f"{label} is all zeros: that row has no token to decode")
+        if len(ones) != ones[-1] - ones[0] + 1:
+            hole = next(j for j in range(ones[0], ones[-1]) if not row_mask[j])
+            raise ValueError(f"{label} has a 0 at position {hole}, between tokens: only padding at the left or "
+                             "the right of a row can be removed")
+        kept.append(row[ones[0] : ones[-1] + 1])
+    return kept
+
+
+def check_batch(value: object, name: str, model: PreTrainedModel) -> tuple[list[list[int]], bool]:
+    """`inputs` in any accepted form (`INPUTS_DOC`) -> (rows of token ids, whether it was a batch).
+    The one place where inputs are normalised: tensors become lists, padding is removed by the
+    attention mask. Errors name the row: an empty batch, an empty row, a row that is not token ids,
+    a token outside the vocabulary, an attention mask of another shape or with a hole."""
+    mask = None
+    if isinstance(value, Mapping):  # a BatchEncoding (tokenizer output) or a dict
+        if "input_ids" not in value:
+            raise ValueError(f"{name} is a mapping without 'input_ids' (keys {sorted(map(str, value))}): pass a "
+                             "tokenizer's output, a dict with input_ids, or the token ids themselves")
+        value, mask = value["input_ids"], value.get("attention_mask")
+        ids_name = f"{name}['input_ids']"
+    else:
+        ids_name = name
+    rows, batched = _as_rows(value, ids_name)
+    if mask is not None:
+        rows = _unpad(rows, mask, batched, name)
+    return [check_token_ids(row, f"{ids_name}[{i}]" if batched else ids_name, model) for i, row in enumerate(rows)], batched
 
 
 def check_rows_argument(value: object, name: str, rows: int, kind: type | tuple[type, ...]) -> list:
