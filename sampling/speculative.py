@@ -20,7 +20,7 @@ from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.caching import vocab_size
 from utils.calibration import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import check_int, check_model
+from utils.validation import Inputs, check_int, check_model
 
 
 @dataclass
@@ -272,7 +272,7 @@ def _with_drafter_object(inputs, drafter, target, *, encoder_decoder, use_cache,
 
 
 def speculative_generate(
-    inputs: list[int] | list[list[int]],
+    inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
     target: PreTrainedModel,
     tokenizer=None,
@@ -295,8 +295,10 @@ def speculative_generate(
     Each step the drafter proposes `gamma` tokens, the target scores them in one forward pass, and
     a prefix is accepted: greedily (output identical to greedy `autoregressive_generate`) or by
     rejection sampling (output distributed exactly as the target's processed distribution).
-    Returns (generated ids, alpha = drafts accepted / drafts proposed); for a batch (`inputs` a list
-    of token-id lists) one such pair per row, the rows decoded together. With `adaptive_gamma` each
+    Returns (generated ids, alpha = drafts accepted / drafts proposed); for a batch (a list of
+    token-id lists, a 2-D tensor, or a tokenizer's output with 2-D `input_ids`, even [1, n]; its
+    attention mask's padding is removed per row: `utils.validation.INPUTS_DOC`) a list with one such
+    pair per row, the rows decoded together; a 1-D tensor is one sequence. With `adaptive_gamma` each
     step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
     unit of measured cost (`sampling.draft_policy`), so a drafter that cannot pay on this machine
     stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
@@ -314,7 +316,7 @@ def speculative_generate(
 
 
 def speculative_generate_encoder_decoder(
-    inputs: list[int] | list[list[int]],
+    inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
     target: PreTrainedModel,
     tokenizer=None,
@@ -331,8 +333,8 @@ def speculative_generate_encoder_decoder(
     on_step: OnStep | None = None,
     drafter_tokenizer=None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
-    """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids (each
-    model's encoder runs once); returns the decoder's generated ids without the start token.
+    """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
+    form `speculative_generate` takes (each model's encoder runs once); returns the decoder's generated ids without the start token.
     A `drafter_tokenizer` with another vocabulary is refused (decoder-only models only)."""
     return _speculative(
         inputs, drafter, target, encoder_decoder=True, use_cache=use_cache, gamma=gamma,
