@@ -32,10 +32,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from sampling.common import prepare
-from sampling.draft_policy import DraftLength
-from sampling.drafters import DraftTree, PerRow
-from sampling.speculative import speculative_loop
+from sampling import DraftTree, speculative_generate
+from sampling.drafters import PerRow
 from utils.loading import cache_dir
 from utils.logits_processors import GreedyProcessor
 
@@ -230,11 +228,11 @@ def cache_with_responses(peer, responses: Sequence[Sequence[int]]):
 
 def run_suffix(ids, model, cache, *, max_new_tokens, end_tokens, stats, on_step, processor=GreedyProcessor(),
                generator=None):
-    """SuffixDecoding's drafts through the same loop as NASD's -> (ids, alpha)."""
-    gen = prepare(ids, model, encoder_decoder=False, use_cache=True, max_gen_len=max_new_tokens,
-                  logits_processor=processor, end_tokens_id=end_tokens, generator=generator)
-    return speculative_loop(gen, PerRow([SuffixDrafter(cache)]), logits_processor=processor,
-                            draft_length=DraftLength(8), stats=stats, on_step=on_step)
+    """SuffixDecoding's drafts through the same loop as NASD's, by the public door for your own
+    drafter (docs/drafters.md: `PerRow` makes the one-row drafter a batch one) -> (ids, alpha)."""
+    return speculative_generate(ids, PerRow([SuffixDrafter(cache)]), model, gamma=8, logits_processor=processor,
+                                max_gen_len=max_new_tokens, end_tokens_id=end_tokens, generator=generator,
+                                stats=stats, on_step=on_step)
 
 
 def main(argv: list[str] | None = None) -> None:

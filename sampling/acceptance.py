@@ -20,12 +20,7 @@ from torch import Tensor
 
 from sampling.drafters import DraftTree
 from sampling.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
-from utils.logits_processors import LogitsProcessor
-
-
-def _leading_true(mask: Tensor) -> int:
-    """Number of leading True values of a 1-D bool tensor."""
-    return int(mask.long().cumprod(dim=0).sum())
+from utils.logits_processors import LogitsProcessor, supports_float64
 
 
 def _children(parents: list[int]) -> dict[int, list[int]]:
@@ -80,18 +75,24 @@ def speculative_accept(
     min(1, p_i(x_i) / q_i(x_i)); at the first rejection the next token is drawn from
     normalize(max(0, p_i - q_i)); if all k pass, the bonus token is drawn from p_k. The output then
     follows p exactly, whatever q is.
+
+    q (from a drafter on another device) is moved to p's. One host sync: n and the token are
+    computed on the device and read together (the bonus case is the residual against q = 0).
     """
     k = len(drafts)
+    q, drafts = q.to(p.device), drafts.to(p.device)
     rows = torch.arange(k, device=p.device)
     p_x, q_x = p[rows, drafts], q[rows, drafts]
-    r = uniforms.span(position, k, ACCEPT).to(device=p.device, dtype=p.dtype)
-    n = _leading_true(r * q_x < p_x)  # r < p/q, without dividing by q
-    if n == k:
-        return n, int(inverse_cdf(p[k], uniforms(position + k, TARGET)))
-    residual = (p[n] - q[n]).clamp(min=0)
+    r = uniforms.span(position, k, ACCEPT).to(p.dtype).to(p.device)
+    n = (r * q_x < p_x).long().cumprod(dim=0).sum()  # leading accepted drafts (r < p/q without dividing by q)
+    q_n = q[n.clamp(max=k - 1)] * (n < k)  # q at the first rejection; zero when all k were accepted
+    residual = (p[n] - q_n).clamp(min=0)
     # In exact arithmetic a rejection implies p_n != q_n, so the residual has mass; guard rounding.
-    residual = residual if residual.sum() > 0 else p[n]
-    return n, int(inverse_cdf(residual, uniforms(position + n, TARGET)))
+    residual = torch.where(residual.sum() > 0, residual, p[n])
+    u = uniforms.span(position, k + 1, TARGET)
+    u = u.to(torch.float64 if supports_float64(p.device) else torch.float32).to(p.device)[n]
+    n, token = torch.stack([n, inverse_cdf(residual, u)]).tolist()
+    return n, token
 
 
 def row_scores(logits: Tensor, tree: DraftTree, sequence: list[int], processor: LogitsProcessor) -> Tensor:
@@ -123,7 +124,7 @@ def accept(
         path, token = greedy_accept_tree(scores, tree.tokens, tree.parents)
         return path, token, None
     p = scores.softmax(dim=-1)
-    if q is None:
+    if q is None or not len(tree):
         path, token = coupled_accept_tree(p, tree.tokens, tree.parents, uniforms, position)
         return path, token, p
     draft_ids = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)

@@ -71,7 +71,7 @@ def beam_search_generate(
     logits = runner.start(gen.prefix)
     for length in range(1, max_len + 1):
         # 1. Expand: the top_k tokens of each live beam, scored by the beam's new sum.
-        log_probs = logits.double().log_softmax(dim=-1).cpu()
+        log_probs = logits.cpu().double().log_softmax(dim=-1)  # on the host: a device may lack float64 (MPS)
         k = min(top_k, log_probs.shape[-1])
         top_log_probs, top_tokens = log_probs.topk(k, dim=-1)
         candidates = (scores[:, None] + top_log_probs).flatten()

@@ -178,6 +178,7 @@ class ModelDrafter:
         lengths = [max(0, min(max_drafts, depth)) for depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
+        synchronize(*self.runner.devices)  # the clock starts once the queued work is done
         start = time.perf_counter()
         # Catch up on what each drafting row has not seen; then one pass per draft, rows in lockstep.
         feeds = [(sequence[self.runner.row_length(b) :] if k else [], None)
@@ -198,7 +199,7 @@ class ModelDrafter:
                 feeds.append(([drafts[b][-1]] if i + 1 < k else [], None))  # the last draft is fed only if accepted
             if any(tokens for tokens, _ in feeds):
                 logits = self.runner.forward_rows(feeds, [int(bool(tokens)) for tokens, _ in feeds])
-        synchronize(self.runner.device)
+        synchronize(*self.runner.devices)
         seconds = (time.perf_counter() - start) / max(lengths)
         previous = self.seconds_per_draft
         self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from utils.logits_processors import inverse_cdf
+from utils.logits_processors import inverse_cdf, supports_float64
 
 __all__ = ["ACCEPT", "CHUNK", "DRAFT", "TARGET", "PositionUniforms", "inverse_cdf"]
 
@@ -45,9 +45,10 @@ class PositionUniforms:
 
     def _extend(self, positions: int) -> None:
         while len(self._table) < positions:
-            device = self.generator.device if self.generator is not None else "cpu"
-            chunk = torch.rand(CHUNK, 3, generator=self.generator, dtype=torch.float64, device=device)
-            self._table = torch.cat([self._table, chunk.cpu()])
+            device = self.generator.device if self.generator is not None else torch.device("cpu")
+            dtype = torch.float64 if supports_float64(device) else torch.float32  # an MPS generator: float32 numbers
+            chunk = torch.rand(CHUNK, 3, generator=self.generator, dtype=dtype, device=device)
+            self._table = torch.cat([self._table, chunk.cpu().double()])
 
     def __call__(self, position: int, stream: int = TARGET) -> float:
         self._extend(position + 1)

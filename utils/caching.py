@@ -81,10 +81,31 @@ def input_device(model: PreTrainedModel) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA runs asynchronously) before reading a clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def model_devices(model: torch.nn.Module) -> tuple[torch.device, ...]:
+    """The devices that hold the model's parameters (several with a `device_map`; `meta`, an
+    offloaded weight, is left out: accelerate runs it on another)."""
+    devices = {parameter.device for parameter in model.parameters()}
+    return tuple(sorted((d for d in devices if d.type != "meta"), key=str))
+
+
+def synchronize(*devices: torch.device) -> None:
+    """Wait for the queued work of every device (accelerators run asynchronously) before a clock is
+    read: CUDA, XPU and MPS; the CPU runs synchronously."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elif device.type == "xpu" and hasattr(torch, "xpu"):
+            torch.xpu.synchronize(device)
+        elif device.type == "mps" and hasattr(torch, "mps"):
+            torch.mps.synchronize()
+
+
+def _index_on(index: Tensor, device: torch.device, copies: dict[torch.device, Tensor]) -> Tensor:
+    """`index` on `device`, copied there once per call: the layers of a model split by `device_map`
+    live on several devices, and each layer's cache is indexed where it lives."""
+    if device not in copies:
+        copies[device] = index.to(device)
+    return copies[device]
 
 
 @functools.cache
@@ -114,6 +135,7 @@ class ModelRunner:
         self.model = model
         self.use_cache = use_cache
         self.device = input_device(model)
+        self.devices = model_devices(model)  # what a timing waits for: every device the model spans
         self.rows: list[list[int]] = [[] for _ in range(rows)]  # each row's tokens in the cache
         self.forward_passes = 0
         # Several rows: one shared cache with live slots (`_live`, `_positions`: (rows, slots)), or
@@ -207,11 +229,13 @@ class ModelRunner:
         few = self.costs is not None and num_drafts < cpu_passes.MAX_ROWS
         if shortcuts is None and few:
             shortcuts = self.costs.shortcuts_for(num_drafts)
+        if timed and few:
+            synchronize(*self.devices)  # the clock starts when the queued work is done, not before
         start = time.perf_counter()
         with self._few_token_pass.using(shortcuts or Shortcuts()):
             outputs = self._call(ids, kwargs)
         if timed and few:
-            synchronize(self.device)
+            synchronize(*self.devices)
             self.costs.observe(num_drafts, time.perf_counter() - start)
         self.forward_passes += 1
         return outputs
@@ -290,10 +314,11 @@ class ModelRunner:
         start = root_index + 1
         source = [start + node for node in path]
         if source != list(range(start, start + len(path))):
-            index = torch.tensor(source, device=self.device)
+            index, copies = torch.tensor(source), {}
             for layer in self._cache.layers:
-                layer.keys[..., start : start + len(path), :] = layer.keys.index_select(-2, index)
-                layer.values[..., start : start + len(path), :] = layer.values.index_select(-2, index)
+                index_there = _index_on(index, layer.keys.device, copies)
+                layer.keys[..., start : start + len(path), :] = layer.keys.index_select(-2, index_there)
+                layer.values[..., start : start + len(path), :] = layer.values.index_select(-2, index_there)
         self.tokens[start : start + len(path)] = [self.tokens[i] for i in source]
         self.rollback(start + len(path))
 
@@ -357,10 +382,12 @@ class ModelRunner:
             kwargs["logits_to_keep"] = keep
         # Timed apart from the one-row table: B rows cost more than one row of as many tokens (each
         # row attends to its own cache); `PassCosts.batch_ratio` reads these timings.
+        if self.costs is not None:
+            synchronize(*self.devices)
         start = time.perf_counter()
         outputs = self._timed_call(block.ids.to(self.device), kwargs, timed=False)
         if self.costs is not None:
-            synchronize(self.device)
+            synchronize(*self.devices)
             self.costs.observe_batch(len(self.rows), width, time.perf_counter() - start)
         self._live = torch.cat([self._live, block.live], dim=1)
         self._positions = torch.cat([self._positions, block.positions], dim=1)
@@ -419,10 +446,11 @@ class ModelRunner:
         """Move each row's live slots together (left padding): a gather over the whole cache."""
         index, live = compaction(self._live)
         positions = self._positions.gather(1, index)
-        gather = index.to(self.device)[:, None, :, None]
+        gather, copies = index[:, None, :, None], {}
         for layer in self._cache.layers:
-            layer.keys = layer.keys.gather(2, gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-            layer.values = layer.values.gather(2, gather.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            there = _index_on(gather, layer.keys.device, copies)
+            layer.keys = layer.keys.gather(2, there.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, there.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
         self._live, self._positions = live, positions
 
     def _row_slots(self, row: int) -> Tensor:
@@ -460,10 +488,10 @@ class ModelRunner:
         if self._live is None:
             assert keep == [0], "a one-row runner keeps its row"
             return
-        index = torch.tensor(keep, dtype=torch.long)
+        index, copies = torch.tensor(keep, dtype=torch.long), {}
         for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
-            layer.values = layer.values.index_select(0, index.to(layer.values.device))
+            layer.keys = layer.keys.index_select(0, _index_on(index, layer.keys.device, copies))
+            layer.values = layer.values.index_select(0, _index_on(index, layer.values.device, copies))
         self._live, self._positions = self._live[index], self._positions[index]
         self.rows = [self.rows[row] for row in keep]
         if len(keep) == 1:

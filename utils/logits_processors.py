@@ -32,6 +32,7 @@ __all__ = [
     "TopKNucleusProcessor",
     "TransformersProcessor",
     "inverse_cdf",
+    "supports_float64",
 ]
 
 
@@ -69,14 +70,23 @@ def top_k_filter(logits: Tensor, top_k: int) -> Tensor:
     return logits.masked_fill(logits < kth_value, -math.inf)
 
 
+def supports_float64(device: torch.device | str) -> bool:
+    """Whether tensors on `device` can be float64 (Apple's MPS has no float64)."""
+    return torch.device(device).type != "mps"
+
+
 def inverse_cdf(probs: Tensor, u: Tensor | float) -> Tensor:
     """The token y with F(y - 1) <= u * total < F(y) for each row: a sample of `probs` driven by u.
 
-    probs: (..., V) non-negative (rows need not sum exactly to 1); u: (...) or a float, in [0, 1).
-    Returns (...) int64. A token of probability zero is never returned (rounding included).
+    probs: (..., V) non-negative (rows need not sum exactly to 1); u: (...) or a float, in [0, 1),
+    on any device. Returns (...) int64. A token of probability zero is never returned (rounding
+    included). The CDF is summed in float64, or float32 on a device without it (`supports_float64`):
+    the same rule, rounded coarser.
     """
-    cdf = probs.double().cumsum(dim=-1)
-    u = torch.as_tensor(u, dtype=torch.float64, device=probs.device).expand(cdf.shape[:-1])
+    dtype = torch.float64 if supports_float64(probs.device) else torch.float32
+    cdf = probs.to(dtype).cumsum(dim=-1)
+    u = u if isinstance(u, Tensor) else torch.tensor(u, dtype=dtype)  # a float keeps its 53 bits where it can
+    u = u.to(dtype).to(probs.device).expand(cdf.shape[:-1])
     tokens = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0]
     # u * total may round up to the total: fall back to the last token that has mass.
     last = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(dim=-1)
@@ -141,9 +151,10 @@ class LogitsProcessor:
     def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Draw one token per row of `probs` (..., vocab) -> (...,) int64 (inverse CDF of one
         uniform number per row; the decoding loops draw theirs by position, `sampling.randomness`)."""
-        u = torch.rand(probs.shape[:-1], generator=generator, dtype=torch.float64,
-                       device=generator.device if generator is not None else "cpu")
-        return inverse_cdf(probs, u.to(probs.device))
+        device = generator.device if generator is not None else torch.device("cpu")
+        u = torch.rand(probs.shape[:-1], generator=generator, device=device,
+                       dtype=torch.float64 if supports_float64(device) else torch.float32)
+        return inverse_cdf(probs, u)  # moved to probs' device there (float32 where float64 is missing)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in vars(self).items())
