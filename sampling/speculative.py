@@ -203,6 +203,9 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
                  logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step,
                  tokenizer=None, drafter_tokenizer=None):
     if not isinstance(drafter, torch.nn.Module):  # your own drafter: the `Drafter` protocol (docs/drafters.md)
+        if drafter_tokenizer is not None:
+            raise ValueError("drafter_tokenizer is for a drafter model with another vocabulary; a Drafter object "
+                             "proposes the target's token ids: pass drafter_tokenizer=None")
         return _with_drafter_object(
             inputs, drafter, target, encoder_decoder=encoder_decoder, use_cache=use_cache, gamma=gamma,
             max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
