@@ -35,19 +35,21 @@ from ngram_assisted.drafter import NgramDrafter
 from utils.cost_model import PRIOR, _interpolate
 
 
-def record(data: Path, per_category: int, offset: int, max_new_tokens: int, out: Path, model_name: str | None) -> None:
+def record(data: Path, per_category: int, offset: int, max_new_tokens: int, out: Path, model_name: str | None,
+           device: str | None = None) -> None:
     from sampling import autoregressive_generate
+    from utils.caching import input_device
     from utils.calibration import pass_costs
     from utils.loading import end_token_ids, load_model
 
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, device=device)
     end = end_token_ids(model, tokenizer)
     traces = []
     for task, text in load_prompts(data, per_category, held_out=True, offset=offset):
         prompt = encode(tokenizer, text)
         generated = autoregressive_generate(prompt, model, max_gen_len=max_new_tokens, end_tokens_id=end)
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+            logits = model(torch.tensor([prompt + generated], device=input_device(model))).logits[0, len(prompt) - 1 : -1]
         top3 = logits.float().softmax(dim=-1).topk(3, dim=-1)
         traces.append({"task": task, "prompt": prompt, "generated": generated, "top3": top3.indices.tolist(),
                        "top3_p": top3.values.tolist(), "vocab": logits.shape[-1]})
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     rec.add_argument("--offset", type=int, default=2, help="skip each task's first held-out prompts")
     rec.add_argument("--max-new-tokens", type=int, default=128)
     rec.add_argument("--model", default=None)
+    rec.add_argument("--device", default=None, help="where the model runs: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
     rec.add_argument("--out", type=Path, default=Path("nasd_traces.json"))
     rep = commands.add_parser("replay")
     rep.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     cmp.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
     args = parser.parse_args(argv)
     if args.command == "record":
-        record(args.data, args.per_category, args.offset, args.max_new_tokens, args.out, args.model)
+        record(args.data, args.per_category, args.offset, args.max_new_tokens, args.out, args.model, args.device)
     elif args.command == "compare":
         compare(args.traces)
     elif args.drafter == "suffix":

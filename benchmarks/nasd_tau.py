@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-k-filler", type=int, default=3)
     parser.add_argument("--cut", action="store_true", help="stop_if_unknown=True (the cost cut)")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default=None, help="where the model runs: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
     args = parser.parse_args(argv)
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     end = end_token_ids(model, tokenizer)
     prompts = load_prompts(args.data, args.per_category, held_out=True)
     tau: dict[int, dict[str, list[float]]] = {b: defaultdict(list) for b in args.branching}

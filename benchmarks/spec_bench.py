@@ -36,6 +36,7 @@ from benchmarks.suffix_decoding import cache_with_responses, load_peer, run_suff
 from benchmarks.summary import BASELINE, CONTROL, goal_lines, noise_verdict, report, summarise, tasks_in
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
+from utils.caching import input_device
 from utils.calibration import machine, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
@@ -88,8 +89,10 @@ class Runner:
     def hf(self, ids, seed: int, **kwargs):
         sampling = dict(do_sample=True, top_k=0, **self.sample) if self.sample else dict(do_sample=False)
         torch.manual_seed(seed)
+        device = input_device(self.target)  # transformers' baseline gets its ids where the model runs
         out = self.target.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=self.n,
+            torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+            max_new_tokens=self.n,
             eos_token_id=self.end, pad_token_id=self.end[0] if self.end else None, **sampling, **kwargs,
         )
         return out[0, len(ids):].tolist(), None
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="target (default: the built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="drafter (default: a bfloat16 copy of the target)")
     parser.add_argument("--device-map", default=None, help="accelerate placement of the target, e.g. auto")
+    parser.add_argument("--device", default=None, help="where target and drafter run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--quiet", action="store_true")
@@ -231,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU processes talk over gloo
     console = Console(quiet=args.quiet or not state.is_main_process)
     device = str(state.device) if state.num_processes > 1 and state.device.type != "cpu" and not args.device_map else None
+    device = args.device or device
     target, tokenizer = load_model(args.model, device_map=args.device_map, device=device)
     if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
         drafter, drafter_tokenizer = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32",

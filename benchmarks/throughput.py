@@ -28,6 +28,7 @@ from rich.table import Table
 from benchmarks.prompts import WORKLOADS, encode, load_workload
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate
+from utils.caching import input_device
 from utils.calibration import machine
 from utils.loading import end_token_ids, load_model
 
@@ -42,8 +43,9 @@ class Methods:
 
     def hf_batched(self, batch: list[list[int]]) -> list[list[int]]:
         width, pad = max(map(len, batch)), self.end[0]
-        ids = torch.tensor([[pad] * (width - len(row)) + row for row in batch])
-        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in batch])
+        device = input_device(self.model)  # transformers' baseline gets its ids where the model runs
+        ids = torch.tensor([[pad] * (width - len(row)) + row for row in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in batch], device=device)
         out = self.model.generate(ids, attention_mask=mask, max_new_tokens=self.n, do_sample=False,
                                   eos_token_id=self.end, pad_token_id=pad)
         rows = []
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
+    parser.add_argument("--device", default=None, help="where the models run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     texts = [text for _, text in load_workload(args.workload, per_task, held_out=True, path=args.data)][: args.prompts]
     if not texts:
         parser.error(f"no prompts: --prompts {args.prompts} of workload {args.workload}")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     prompts = [encode(tokenizer, text) for text in texts]
     methods = Methods(model, end_token_ids(model, tokenizer), args.max_new_tokens)
     records = run(methods, prompts, batch_sizes, args.repeats)

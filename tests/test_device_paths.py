@@ -165,3 +165,23 @@ def test_every_cache_layer_is_indexed_on_its_own_device(monkeypatch):
     layers = list(batch._cache.layers)
     assert asked == [d for layer in layers for d in (layer.keys.device, layer.values.device)] + \
         [layer.keys.device for layer in layers]
+
+
+def test_the_benchmarks_honour_device(tmp_path, monkeypatch):
+    """`--device cpu` reaches load_model, and transformers' baselines get their ids on the model's device."""
+    from benchmarks import spec_bench, throughput
+    from tests.saved_model import save_tiny_chat_model
+
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=2048)
+    asked, fed = [], []
+    for module in (spec_bench, throughput):
+        real = module.load_model
+        monkeypatch.setattr(module, "load_model", lambda *a, real=real, **k: asked.append(k.get("device")) or real(*a, **k))
+        monkeypatch.setattr(module, "input_device", lambda m: fed.append(m.device) or m.device)
+    spec_bench.main(["--workload", "humaneval", "--model", str(model), "--per-category", "1", "--repeats", "1",
+                     "--max-new-tokens", "4", "--methods", "hf_plain,ours_ar", "--device", "cpu",
+                     "--out", str(tmp_path / "sb"), "--quiet"])
+    throughput.main(["--workload", "humaneval", "--model", str(model), "--prompts", "2", "--batch-sizes", "2",
+                     "--max-new-tokens", "4", "--repeats", "1", "--device", "cpu", "--out", str(tmp_path / "tp"), "--quiet"])
+    assert asked and set(asked) == {"cpu"}
+    assert fed and set(fed) == {torch.device("cpu")}
