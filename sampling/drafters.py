@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from sampling.randomness import DRAFT, PositionUniforms
+from sampling.randomness import DRAFT, TARGET, PositionUniforms
 from utils.caching import ModelRunner, synchronize
 from utils.logits_processors import LogitsProcessor, inverse_cdf
 
@@ -121,6 +121,11 @@ class ModelDrafter:
 
     Each row's cache always holds a prefix of its accepted sequence: what it has not seen yet (the
     target's token, and the last draft when all were accepted) is fed at the next `draft`.
+
+    `coupled` (drafter-invariant sampling, Daliri et al. 2024 with the inverse-CDF coupling): the
+    draft at position t is F_q^{-1}(u_t), with the uniform u_t the target samples that position
+    with, and the chain is verified as deterministic drafts: accepted iff F_p^{-1}(u_t) equals it.
+    Every emitted token is then F_p^{-1}(u_t), plain sampling's own, whatever was drafted.
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class ModelDrafter:
         uniforms: list[PositionUniforms],
         use_cache: bool = True,
         encoder_input_ids: list[list[int]] | None = None,
+        coupled: bool = False,
     ) -> None:
         rows = len(uniforms)
         if encoder_input_ids is not None and rows == 1:
@@ -140,6 +146,9 @@ class ModelDrafter:
         self.processor = processor
         self.vocab_size = vocab_size  # the target's logit width: q must live in the same space as p
         self.uniforms = uniforms  # row b's draft at position t: the inverse CDF of q at its DRAFT number
+        # Drafter-invariant sampling: draft with the very number the target's token at that position
+        # uses (TARGET), and hand the chain over as deterministic drafts (q None: the coupled rule).
+        self.coupled = coupled
         self._accepted_lengths = [0] * rows  # len(sequence) of each row when the last draft started
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
@@ -171,7 +180,8 @@ class ModelDrafter:
     def _sample(self, q: Tensor, row: int, position: int) -> int:
         if self.processor.is_greedy:
             return int(q.argmax())
-        return int(inverse_cdf(q, self.uniforms[row](position - self.uniforms[row].prefix_length, DRAFT)))
+        stream = TARGET if self.coupled else DRAFT
+        return int(inverse_cdf(q, self.uniforms[row](position - self.uniforms[row].prefix_length, stream)))
 
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
@@ -203,7 +213,8 @@ class ModelDrafter:
         seconds = (time.perf_counter() - start) / max(lengths)
         previous = self.seconds_per_draft
         self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)
-        return [(DraftTree.chain(tokens), None if self.processor.is_greedy or not tokens else torch.stack(q))
+        deterministic = self.processor.is_greedy or self.coupled
+        return [(DraftTree.chain(tokens), None if deterministic or not tokens else torch.stack(q))
                 for tokens, q in zip(drafts, qs, strict=True)]
 
     def update(self, sequences, paths, target_logits, p) -> None:

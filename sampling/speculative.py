@@ -201,11 +201,16 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
                  logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step,
-                 tokenizer=None, drafter_tokenizer=None):
+                 tokenizer=None, drafter_tokenizer=None, drafter_invariant=None):
+    if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
+        raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
     if not isinstance(drafter, torch.nn.Module):  # your own drafter: the `Drafter` protocol (docs/drafters.md)
         if drafter_tokenizer is not None:
             raise ValueError("drafter_tokenizer is for a drafter model with another vocabulary; a Drafter object "
                              "proposes the target's token ids: pass drafter_tokenizer=None")
+        if drafter_invariant:
+            raise ValueError("drafter_invariant=True is for a drafter model; a Drafter object's drafts with q None "
+                             "are already decided by the coupled rule")
         return _with_drafter_object(
             inputs, drafter, target, encoder_decoder=encoder_decoder, use_cache=use_cache, gamma=gamma,
             max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
@@ -232,6 +237,9 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
             drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms,
         )
+    # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
+    # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
+    model_drafter.coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant
     model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     if adaptive_gamma:
         draft_length = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
@@ -291,6 +299,7 @@ def speculative_generate(
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
     drafter_tokenizer=None,
+    drafter_invariant: bool | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
     object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
@@ -309,12 +318,18 @@ def speculative_generate(
     compatibility and unused. A drafter with another tokenizer: pass `tokenizer` (the target's) and
     `drafter_tokenizer` (the drafter's); it drafts in its own vocabulary, inputs and outputs stay
     target ids, greedy and sampling stay exact (`sampling/universal.py`; decoder-only models).
+    `drafter_invariant` (sampling): the drafter drafts with the target's own random number of each
+    position and a draft is accepted iff it is the token the target samples there, so the output is
+    plain seeded sampling's (`autoregressive_generate` with the same generator) whatever gamma,
+    adaptive_gamma or timings chose; it accepts less than the standard min(1, p/q) rule. None (the
+    default): on with `adaptive_gamma` (draft lengths follow timings: only this makes a seed give
+    one output), off with a fixed gamma (the standard rule already reproduces itself there).
     """
     return _speculative(
         inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant,
     )
 
 
@@ -335,6 +350,7 @@ def speculative_generate_encoder_decoder(
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
     drafter_tokenizer=None,
+    drafter_invariant: bool | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
     form `speculative_generate` takes (each model's encoder runs once); returns the decoder's generated ids without the start token.
@@ -343,5 +359,5 @@ def speculative_generate_encoder_decoder(
         inputs, drafter, target, encoder_decoder=True, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant,
     )

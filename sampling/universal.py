@@ -306,7 +306,7 @@ class UniversalDrafter(ModelDrafter):
             if tree.tokens:
                 row.cached = row.tokens + tree.tokens[:-1]  # the last draft is not fed
                 assert len(row.cached) == self.runner.row_length(b), "drafter cache out of step"
-            if q is not None:  # sampling: one target token per draft, all in the intersection
+            if not self.processor.is_greedy and tree.tokens:  # sampling: one target token per draft, all in the intersection
                 out.append((DraftTree.chain(self._to_target[tree.tokens].tolist()), q))
             else:
                 out.append((self._greedy_tree(row, tree.tokens, max_drafts, k) if tree.tokens else DraftTree.chain([]), None))
