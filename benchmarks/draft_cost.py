@@ -5,14 +5,19 @@
 Prints the machine, then for each k the cost under every combination of the CPU shortcuts
 (median and min-max over interleaved repeats), which one is fastest, and the table the library
 will use here (`utils.calibration.pass_costs`: from the calibration cache, or calibrated now).
-A draft of k tokens pays only if its expected accepted tokens + 1 exceed this ratio.
+A draft of k tokens pays only if its expected accepted tokens + 1 exceed this ratio. Also the
+memory-bandwidth bound of plain decoding: every weight is read once per token, so tokens/s cannot
+exceed (measured copy bandwidth) / (weight bytes); a memory-bound model's pass over 1 + k tokens
+then costs about one pass, which is what speculation needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -25,6 +30,28 @@ from utils.loading import load_model
 def describe(choice: cpu_passes.Shortcuts) -> str:
     names = [name for name, on in zip(("linear", "gqa"), choice, strict=True) if on]
     return "+".join(names) or "none"
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second a tensor copy moves here (read + write), the best of `repeats`."""
+    source = torch.ones(megabytes * 2**20 // 4)
+    sink = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sink.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one token's pass reads (tied embeddings counted once: the head reads them)."""
+    seen, total = set(), 0
+    for parameter in model.parameters():
+        if parameter.data_ptr() not in seen:
+            seen.add(parameter.data_ptr())
+            total += parameter.numel() * parameter.element_size()
+    return total
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +85,12 @@ def main(argv: list[str] | None = None) -> None:
                   "relative to it: " + ", ".join(f"k={k}: {costs(k):.2f} ({describe(costs.shortcuts_for(k))})"
                                                  for k in DRAFT_SIZES))
     console.print(f"calibration key: {calibration_key(model)}")
+    bandwidth, size = copy_bandwidth(), weight_bytes(model)
+    bound = bandwidth / size
+    measured = 1 / costs.seconds(0) if costs.seconds(0) else None
+    console.print(f"memory bound of plain decoding: copy bandwidth {bandwidth / 1e9:.1f} GB/s, weights {size / 1e9:.2f} GB "
+                  f"-> at most {bound:.1f} tokens/s; the one-token pass runs "
+                  + (f"{measured:.1f} tokens/s ({measured / bound:.0%} of the bound)" if measured else "untimed"))
 
 
 if __name__ == "__main__":

@@ -205,8 +205,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sample", action="store_true", help="sampling mode (else greedy)")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--model", default=None, help="target (default: the built-in SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=None, help="drafter (default: a bfloat16 copy of the target)")
+    parser.add_argument("--target", "--model", dest="model", default=None,
+                        help="target: a name load_model takes (default: the built-in SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=None, help="drafter, e.g. qwen2.5-coder-0.5b-instruct "
+                        "(default: a bfloat16 copy of the target)")
+    parser.add_argument("--dtype", default=None, help="of target and drafter (default: load_model's: float32, "
+                        "or for the offline real models the faster of float32 and bfloat16 here)")
     parser.add_argument("--device-map", default=None, help="accelerate placement of the target, e.g. auto")
     parser.add_argument("--device", default=None, help="where target and drafter run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
     parser.add_argument("--seed", type=int, default=0)
@@ -236,9 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     console = Console(quiet=args.quiet or not state.is_main_process)
     device = str(state.device) if state.num_processes > 1 and state.device.type != "cpu" and not args.device_map else None
     device = args.device or device
-    target, tokenizer = load_model(args.model, device_map=args.device_map, device=device)
+    target, tokenizer = load_model(args.model, dtype=args.dtype, device_map=args.device_map, device=device)
     if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
-        drafter, drafter_tokenizer = load_model(args.drafter or args.model, dtype="bfloat16" if not args.drafter else "float32",
+        drafter, drafter_tokenizer = load_model(args.drafter or args.model, dtype=target.dtype if args.drafter else "bfloat16",
                                                 device=device)
     else:
         drafter, drafter_tokenizer = copy.deepcopy(target).to(torch.bfloat16), tokenizer

@@ -27,19 +27,21 @@ from rich.table import Table
 
 from benchmarks.prompts import WORKLOADS, encode, load_workload
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
-from sampling import autoregressive_generate
+from sampling import autoregressive_generate, speculative_generate
 from utils.caching import input_device
 from utils.calibration import machine
 from utils.loading import end_token_ids, load_model
 
 METHODS = ["hf_batched", "ours_ar", "ours_nasd"]
 GOALS = [("ours_ar", "hf_batched", 0.97, "every B"), ("ours_nasd", "hf_batched", 1.2, 4),
-         ("ours_nasd", "ours_ar", 0.97, "every B")]
+         ("ours_nasd", "ours_ar", 0.97, "every B"), ("ours_nasd", "ours_ar", 1.3, 4), ("ours_sd", "ours_ar", 1.2, 4),
+         ("ours_sd", "ours_ar", 0.97, "every B")]
 
 
 class Methods:
-    def __init__(self, model, end_tokens: list[int], max_new_tokens: int) -> None:
-        self.model, self.end, self.n = model, end_tokens, max_new_tokens
+    def __init__(self, model, end_tokens: list[int], max_new_tokens: int, drafter=None) -> None:
+        self.model, self.end, self.n, self.drafter = model, end_tokens, max_new_tokens, drafter
+        self.names = METHODS + (["ours_sd"] if drafter is not None else [])
 
     def hf_batched(self, batch: list[list[int]]) -> list[list[int]]:
         width, pad = max(map(len, batch)), self.end[0]
@@ -57,6 +59,10 @@ class Methods:
     def ours_ar(self, batch):
         return autoregressive_generate(batch, self.model, max_gen_len=self.n, end_tokens_id=self.end)
 
+    def ours_sd(self, batch):
+        return [ids for ids, _ in speculative_generate(batch, self.drafter, self.model, adaptive_gamma=True,
+                                                       max_gen_len=self.n, end_tokens_id=self.end)]
+
     def ours_nasd(self, batch):
         pools = [MultiDynaGram(8) for _ in batch]
         return [ids for ids, _ in ngram_assisted_speculative_generate(batch, pools, self.model, max_gen_len=self.n,
@@ -66,13 +72,14 @@ class Methods:
 def run(methods: Methods, prompts: list[list[int]], batch_sizes: list[int], repeats: int) -> list[dict]:
     """One record per (repeat, batch size, method): tokens, seconds, mismatches against batch 1."""
     reference = [methods.ours_ar(row) for row in prompts]
-    for method in METHODS:  # warm-up
+    for method in methods.names:  # warm-up
         getattr(methods, method)(prompts[:2])
     records = []
     for repeat in range(repeats):
         for b, size in enumerate(batch_sizes):
-            shift = (repeat + b) % len(METHODS)
-            for method in METHODS[shift:] + METHODS[:shift]:
+            names = methods.names
+            shift = (repeat + b) % len(names)
+            for method in names[shift:] + names[:shift]:
                 outputs, start = [], time.perf_counter()
                 for i in range(0, len(prompts), size):
                     outputs += getattr(methods, method)(prompts[i : i + size])
@@ -86,13 +93,14 @@ def run(methods: Methods, prompts: list[list[int]], batch_sizes: list[int], repe
 def summarise(records: list[dict], batch_sizes: list[int]) -> dict:
     """method -> batch size -> {tokens_per_s (median over repeats), vs_hf, mismatches}."""
     summary: dict = {}
-    for method in METHODS:
+    names = list(dict.fromkeys(r["method"] for r in records))
+    for method in names:
         for size in batch_sizes:
             mine = [r for r in records if r["method"] == method and r["batch_size"] == size]
             summary.setdefault(method, {})[size] = {
                 "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in mine),
                 "mismatches": max(r["mismatches"] for r in mine)}
-    for method in METHODS:
+    for method in names:
         for size in batch_sizes:
             summary[method][size]["vs_hf"] = summary[method][size]["tokens_per_s"] / summary["hf_batched"][size]["tokens_per_s"]
     return summary
@@ -101,6 +109,8 @@ def summarise(records: list[dict], batch_sizes: list[int]) -> dict:
 def goal_lines(summary: dict, batch_sizes: list[int]) -> list[str]:
     lines = []
     for method, other, minimum, where in GOALS:
+        if method not in summary:
+            continue
         sizes = batch_sizes if where == "every B" else [where] if where in batch_sizes else []
         if not sizes:
             continue
@@ -120,7 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-sizes", default="1,2,4,8")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
+    parser.add_argument("--target", "--model", dest="model", default=None,
+                        help="a name load_model takes (default: the built-in SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=None, help="a drafter model sharing the target's tokenizer: adds "
+                        "speculative decoding with it (adaptive_gamma) to the methods")
+    parser.add_argument("--dtype", default=None, help="default: load_model's")
     parser.add_argument("--device", default=None, help="where the models run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--quiet", action="store_true")
@@ -134,19 +148,21 @@ def main(argv: list[str] | None = None) -> dict:
     texts = [text for _, text in load_workload(args.workload, per_task, held_out=True, path=args.data)][: args.prompts]
     if not texts:
         parser.error(f"no prompts: --prompts {args.prompts} of workload {args.workload}")
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = [encode(tokenizer, text) for text in texts]
-    methods = Methods(model, end_token_ids(model, tokenizer), args.max_new_tokens)
+    drafter = load_model(args.drafter, dtype=model.dtype, device=args.device)[0] if args.drafter else None
+    methods = Methods(model, end_token_ids(model, tokenizer), args.max_new_tokens, drafter)
     records = run(methods, prompts, batch_sizes, args.repeats)
     summary = summarise(records, batch_sizes)
     settings = {"workload": args.workload, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                "model": args.model or "SmolLM2-135M-Instruct", "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+                "model": args.model or "SmolLM2-135M-Instruct", "drafter": args.drafter, "dtype": str(model.dtype),
+                "date": time.strftime("%Y-%m-%d"), "machine": machine()}
     goals = goal_lines(summary, batch_sizes)
     lines = [f"Throughput, greedy (tokens/s over {len(prompts)} held-out prompts, median of {args.repeats} repeats; "
              "x: against transformers' batched `generate` at the same batch size).", "",
              f"Machine: {settings['machine']}", "", f"Settings: {settings}", "",
              "| method | " + " | ".join(f"B = {s}" for s in batch_sizes) + " |", "|---|" + "---|" * len(batch_sizes)]
-    for method in METHODS:
+    for method in methods.names:
         cells = [f"{row['tokens_per_s']:.1f} ({row['vs_hf']:.2f}x){' mismatches ' + str(row['mismatches']) if row['mismatches'] else ''}"
                  for row in (summary[method][s] for s in batch_sizes)]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -157,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "throughput.md").write_text("\n".join(lines) + "\n")
     console = Console(quiet=args.quiet)
     table = Table("method", *(f"B = {s}" for s in batch_sizes), title="tokens/s (x transformers' batched generate)")
-    for method in METHODS:
+    for method in methods.names:
         table.add_row(method, *(f"{summary[method][s]['tokens_per_s']:.1f} ({summary[method][s]['vs_hf']:.2f}x)"
                                 for s in batch_sizes))
     console.print(table)

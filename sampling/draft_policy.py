@@ -73,8 +73,9 @@ class CostAwareDraftLength:
 
     def __init__(self, max_gamma: int, target_costs: PassCosts, drafter_costs: PassCosts,
                  draft_seconds: Callable[[], float | None] = lambda: None,
-                 warm: Callable[[], bool] = lambda: True) -> None:
+                 warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False) -> None:
         self.max_gamma = max_gamma
+        self.per_token_stop = per_token_stop
         self.target_costs = target_costs
         self.drafter_costs = drafter_costs
         self.draft_seconds = draft_seconds
@@ -94,6 +95,10 @@ class CostAwareDraftLength:
         drafter = self.draft_seconds() or self.drafter_costs.seconds(0)
         return drafter / target if target and drafter else 1.0
 
+    def verify_cost(self, k: int) -> float:
+        """The verification pass over 1 + k tokens (every row), in one-token target passes."""
+        return self.cost(k) - k * self.drafter_step_cost()
+
     def cost(self, k: int) -> float:
         if self.rows == 1:
             return self.target_costs(k) + k * self.drafter_step_cost()
@@ -109,7 +114,9 @@ class CostAwareDraftLength:
             return 1
         if k:
             self.probe_after = self.PROBE_AFTER
-        return k
+        # With a per-token stop (`sampling.draft_confidence`) the drafter's confidence sizes the
+        # chain: the single rate only decides whether to start one.
+        return self.max_gamma if k and self.per_token_stop else k
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from sampling.draft_confidence import ConfidenceStop
 from sampling.randomness import DRAFT, TARGET, PositionUniforms
 from utils.caching import ModelRunner, synchronize
 from utils.logits_processors import LogitsProcessor, inverse_cdf
@@ -150,6 +151,10 @@ class ModelDrafter:
         # uses (TARGET), and hand the chain over as deterministic drafts (q None: the coupled rule).
         self.coupled = coupled
         self._accepted_lengths = [0] * rows  # len(sequence) of each row when the last draft started
+        # With adaptive drafting, when to stop: the drafter's confidence in each draft (q of the
+        # drafted token) against the measured costs (`sampling.draft_confidence`); None: fixed gamma.
+        self.stop: ConfidenceStop | None = None
+        self._confidences: list[list[float]] = [[] for _ in range(rows)]  # of each row's last chain
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
         self.seconds_per_draft: float | None = None
@@ -196,23 +201,32 @@ class ModelDrafter:
         logits = self.runner.forward_rows(feeds, [int(k > 0) for k in lengths])
         drafts: list[list[int]] = [[] for _ in sequences]
         qs: list[list[Tensor]] = [[] for _ in sequences]
+        confidences: list[list[float]] = [[] for _ in sequences]
         for i in range(max(lengths)):
             feeds = []
-            for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True)):
-                if i >= k:
+            for b, sequence in enumerate(sequences):
+                if i >= lengths[b]:
                     feeds.append(([], None))
                     continue
                 history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
                 q = self._distribution(logits[b][-1], history)
                 drafts[b].append(self._sample(q, b, len(sequence) + i))
                 qs[b].append(q)
-                feeds.append(([drafts[b][-1]] if i + 1 < k else [], None))  # the last draft is fed only if accepted
+                if self.stop is not None:
+                    confidences[b].append(float(q[drafts[b][-1]]))
+                    if not self.stop.keep_drafting(confidences[b]):
+                        lengths[b] = i + 1
+                feeds.append(([drafts[b][-1]] if i + 1 < lengths[b] else [], None))  # the last draft is fed only if accepted
             if any(tokens for tokens, _ in feeds):
                 logits = self.runner.forward_rows(feeds, [int(bool(tokens)) for tokens, _ in feeds])
         synchronize(*self.runner.devices)
         seconds = (time.perf_counter() - start) / max(lengths)
         previous = self.seconds_per_draft
         self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)
+        if self.stop is not None:  # drafted already: keep what the verification pass can afford
+            kept = [self.stop.keep(c) for c in confidences]
+            drafts, qs = [d[:k] for d, k in zip(drafts, kept, strict=True)], [q[:k] for q, k in zip(qs, kept, strict=True)]
+            self._confidences = [c[:k] for c, k in zip(confidences, kept, strict=True)]
         deterministic = self.processor.is_greedy or self.coupled
         return [(DraftTree.chain(tokens), None if deterministic or not tokens else torch.stack(q))
                 for tokens, q in zip(drafts, qs, strict=True)]
@@ -221,8 +235,12 @@ class ModelDrafter:
         # Keep the accepted drafts each row's cache has seen; drop the rejected ones.
         for b, path in enumerate(paths):
             self.runner.rollback_row(b, min(self.runner.row_length(b), self._accepted_lengths[b] + len(path)))
+            if self.stop is not None and self._confidences[b]:
+                self.stop.acceptance.update(self._confidences[b], len(path))
+                self._confidences[b] = []
 
     def select_rows(self, keep: list[int]) -> None:
         self.runner.select_rows(keep)
         self.uniforms = [self.uniforms[b] for b in keep]
         self._accepted_lengths = [self._accepted_lengths[b] for b in keep]
+        self._confidences = [self._confidences[b] for b in keep]

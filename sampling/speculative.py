@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, prepare
 from sampling.custom_drafters import CheckedDrafter, check_drafter
+from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
 from sampling.drafters import Drafter, ModelDrafter
 from sampling.universal import UniversalDrafter, check_tokenizers
@@ -244,7 +245,8 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     if adaptive_gamma:
         draft_length = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
                                             draft_seconds=lambda: model_drafter.seconds_per_draft,
-                                            warm=model_drafter.is_warm)
+                                            warm=model_drafter.is_warm, per_token_stop=True)
+        model_drafter.stop = ConfidenceStop(draft_length.cost, draft_length.verify_cost, draft_length.max_gamma)
     else:
         draft_length = DraftLength(gamma)
     result = speculative_loop(

@@ -1,0 +1,93 @@
+"""When a drafter model should stop drafting: its own confidence, learned into acceptance odds.
+
+A fixed draft length (or one chosen from a single acceptance rate) drafts as long after a token the
+drafter is unsure of as after one it is sure of. But the drafter's probability of its own draft,
+c = q(x), says much about whether the target will accept it: on a real pair (Qwen2.5-Coder 0.5B for
+1.5B) code is drafted at c > 0.9 for long stretches and prose at c ~ 0.3-0.6. transformers stops
+drafting below a fixed c (`assistant_confidence_threshold`, 0.4); here the threshold follows from
+the measured costs instead:
+
+- `ConfidenceAcceptance` maps c to P(accepted | the drafts before it were), per bucket of c, from
+  a prior (the bucket's own c: a calibrated drafter) refined online by what the target accepted.
+- `ConfidenceStop` drafts token after token while the drafts' expected accepted tokens per unit of
+  cost can still grow (looking ahead over further drafts as likely as the last), then keeps the
+  best prefix: the tokens drafted are paid for, so only the verification's cost counts there.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+
+from sampling.draft_policy import best_tree_size
+
+EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # bucket b holds c in [EDGES[b-1], EDGES[b])
+
+
+class ConfidenceAcceptance:
+    """P(draft accepted | its drafter probability c, the drafts before it accepted), learned online."""
+
+    PRIOR_WEIGHT = 2.0
+    FORGET = 0.995  # per judged draft: the estimates follow roughly the last 200 drafts
+
+    def __init__(self) -> None:
+        lows, highs = (0.0, *EDGES), (*EDGES, 1.0)
+        self.accepted = [self.PRIOR_WEIGHT * (low + high) / 2 for low, high in zip(lows, highs, strict=True)]
+        self.judged = [self.PRIOR_WEIGHT] * len(self.accepted)
+
+    def __call__(self, c: float) -> float:
+        b = bisect_right(EDGES, c)
+        return self.accepted[b] / self.judged[b]
+
+    def update(self, confidences: Sequence[float], num_accepted: int) -> None:
+        """A chain whose drafts had these confidences; the first `num_accepted` were accepted, the
+        next (if any) rejected, the rest never judged."""
+        judged = confidences[: num_accepted + 1]
+        for i, c in enumerate(judged):
+            b = bisect_right(EDGES, c)
+            self.accepted = [a * self.FORGET for a in self.accepted]
+            self.judged = [j * self.FORGET for j in self.judged]
+            self.accepted[b] += i < num_accepted
+            self.judged[b] += 1.0
+
+
+class ConfidenceStop:
+    """The per-token stopping rule of an adaptive model drafter (one instance per generation).
+
+    `cost(k)`: a step with k drafts, drafter passes included, in one-token target passes;
+    `verify_cost(k)`: the target's pass over 1 + k tokens alone (what keeping a drafted token costs).
+    """
+
+    def __init__(self, cost: Callable[[int], float], verify_cost: Callable[[int], float], max_drafts: int) -> None:
+        self.cost, self.verify_cost, self.max_drafts = cost, verify_cost, max_drafts
+        self.acceptance = ConfidenceAcceptance()
+
+    def reaches(self, confidences: Sequence[float]) -> list[float]:
+        """P(draft j and every draft before it accepted), for each draft of a chain."""
+        reaches, survive = [], 1.0
+        for c in confidences:
+            survive *= self.acceptance(c)
+            reaches.append(survive)
+        return reaches
+
+    def keep_drafting(self, confidences: Sequence[float]) -> bool:
+        """Whether one more draft (and a drafter pass for it) can raise the rate (1 + E) / cost,
+        supposing the drafts to come as likely to be accepted as the last one."""
+        j = len(confidences)
+        if j >= self.max_drafts:
+            return False
+        reaches = self.reaches(confidences)
+        expected = 1.0 + sum(reaches)
+        now = max((1.0 + sum(reaches[:k])) / self.cost(k) for k in range(j + 1))
+        a, reach = self.acceptance(confidences[-1]), reaches[-1]
+        for k in range(j + 1, self.max_drafts + 1):  # a cost table can be flat after a step: look past it
+            reach *= a
+            expected += reach
+            if expected / self.cost(k) > now:
+                return True
+        return False
+
+    def keep(self, confidences: Sequence[float]) -> int:
+        """How many of the drafted tokens to send to the target: they are drafted already, so only
+        the verification pass's cost decides."""
+        return best_tree_size(self.reaches(confidences), self.verify_cost)

@@ -1,0 +1,48 @@
+"""The adaptive model drafter's per-token stop: confident drafts go on, doubtful ones stop, the
+learned odds follow what the target accepted, and greedy identity holds whatever it stops at."""
+
+from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
+from sampling.draft_confidence import ConfidenceAcceptance, ConfidenceStop
+from tests.models import tiny_model
+
+
+def linear_cost(slope: float, drafter: float = 0.1):
+    return (lambda k: 1.0 + slope * k + drafter * k), (lambda k: 1.0 + slope * k)
+
+
+def test_the_prior_is_the_drafters_own_confidence_and_learning_moves_it():
+    acceptance = ConfidenceAcceptance()
+    assert 0.9 < acceptance(0.97) < 0.99 and 0.0 < acceptance(0.05) < 0.1
+    for _ in range(200):  # drafts at c = 0.97 that the target always rejects
+        acceptance.update([0.97], 0)
+    assert acceptance(0.97) < 0.1
+
+
+def test_confident_drafts_go_on_and_doubtful_ones_stop():
+    cost, verify = linear_cost(0.05)
+    stop = ConfidenceStop(cost, verify, max_drafts=16)
+    assert stop.keep_drafting([0.99, 0.99, 0.99])
+    assert not stop.keep_drafting([0.99, 0.05])
+    assert not stop.keep_drafting([0.99] * 16)  # the budget
+    assert stop.keep([0.99, 0.99, 0.05]) == 2  # the doubtful last draft is not worth verifying
+    dear, dear_verify = linear_cost(1.0)  # every token costs a full pass: drafting cannot pay
+    assert not ConfidenceStop(dear, dear_verify, 16).keep_drafting([0.7])
+
+
+def test_a_flat_step_after_a_dear_one_is_seen():
+    table = {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0}
+    stop = ConfidenceStop(lambda k: table[min(k, 8)], lambda k: table[min(k, 8)], max_drafts=8)
+    assert stop.keep_drafting([0.999, 0.999, 0.999])  # the step 2 -> 3 pays over eight drafts
+
+
+def test_greedy_identity_with_the_per_token_stop():
+    target, drafter = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    prompt = list(range(5, 17))
+    reference = autoregressive_generate(prompt, target, max_gen_len=24)
+    stats = SpeculativeStats()
+    out, _ = speculative_generate(prompt, drafter, target, adaptive_gamma=True, max_gen_len=24, stats=stats)
+    assert out == reference
+    self_drafted, _ = speculative_generate(prompt, target, target, adaptive_gamma=True, max_gen_len=24)
+    assert self_drafted == reference
+    batch = speculative_generate([prompt, prompt[:7]], drafter, target, adaptive_gamma=True, max_gen_len=24)
+    assert [ids for ids, _ in batch] == [reference, autoregressive_generate(prompt[:7], target, max_gen_len=24)]
