@@ -7,6 +7,7 @@ model runner serves decoder-only and encoder-decoder targets.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -17,6 +18,10 @@ from sampling.custom_drafters import CheckedDrafter, check_drafter
 from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
 from sampling.drafters import Drafter, ModelDrafter
+from sampling.hybrid import HybridDrafter, HybridLength
+
+if TYPE_CHECKING:
+    from ngram_assisted.dynagram import DynaGram
 from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.caching import vocab_size
 from utils.calibration import pass_costs
@@ -202,13 +207,15 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
                  logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step,
-                 tokenizer=None, drafter_tokenizer=None, drafter_invariant=None):
+                 tokenizer=None, drafter_tokenizer=None, drafter_invariant=None, ngram=None):
     if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
         raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
     if not isinstance(drafter, torch.nn.Module):  # your own drafter: the `Drafter` protocol (docs/drafters.md)
         if drafter_tokenizer is not None:
             raise ValueError("drafter_tokenizer is for a drafter model with another vocabulary; a Drafter object "
                              "proposes the target's token ids: pass drafter_tokenizer=None")
+        if ngram is not None:
+            raise ValueError("ngram= combines a pool with a drafter model; a Drafter object drafts alone: pass ngram=None")
         if drafter_invariant:
             raise ValueError("drafter_invariant=True is for a drafter model; a Drafter object's drafts with q None "
                              "are already decided by the coupled rule")
@@ -242,20 +249,49 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
     model_drafter.coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant
     model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
+    policy = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
+                                  draft_seconds=lambda: model_drafter.seconds_per_draft,
+                                  warm=model_drafter.is_warm, per_token_stop=True)
     if adaptive_gamma:
-        draft_length = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
-                                            draft_seconds=lambda: model_drafter.seconds_per_draft,
-                                            warm=model_drafter.is_warm, per_token_stop=True)
-        model_drafter.stop = ConfidenceStop(draft_length.cost, draft_length.verify_cost, draft_length.max_gamma)
+        draft_length = policy
+        model_drafter.stop = ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma)
     else:
         draft_length = DraftLength(gamma)
+    drafter_in_loop = model_drafter
+    if ngram is not None:  # the pool's draft or the model's, per step and row (sampling/hybrid.py)
+        drafter_in_loop = HybridDrafter(ngram_rows(ngram, gen, universal), model_drafter, policy,
+                                        fixed_gamma=None if adaptive_gamma else gamma)
+        draft_length = HybridLength(max(policy.max_gamma, gamma))
     result = speculative_loop(
-        gen, model_drafter, logits_processor=logits_processor, draft_length=draft_length,
+        gen, drafter_in_loop, logits_processor=logits_processor, draft_length=draft_length,
         stats=stats, on_step=on_step,
     )
     if universal and stats is not None:
         stats.retokenize_seconds += model_drafter.retokenize_seconds
     return result
+
+
+def ngram_rows(ngram, gen: Generation, universal: bool):
+    """NASD's drafter over the rows of `gen` (one pool shared, or one per row), at its defaults, for
+    hybrid drafting; checked before any model runs."""
+    from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
+    from ngram_assisted.dynagram import DynaGram
+
+    if universal:
+        raise ValueError("ngram= drafts in the target's vocabulary beside a drafter sharing it; with "
+                         "drafter_tokenizer (another vocabulary) pass ngram=None")
+    rows = len(gen.prefixes)
+    pools = list(ngram) if isinstance(ngram, (list, tuple)) else [ngram] * rows
+    if len(pools) != rows or not all(isinstance(pool, DynaGram) for pool in pools):
+        raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram (or one per row of the batch), got {ngram!r}")
+    vocab = vocab_size(gen.runner.model)
+    for pool in pools:
+        pool.bind_vocabulary(vocab)
+    branching = AUTO_BRANCHING if gen.runner.supports_trees else 1
+    return NgramRows([NgramDrafter(pool, vocab_size=vocab, source_tokens=source, draft_cost=gen.runner.costs,
+                                   branching=branching)
+                      for pool, source in zip(pools, gen.encoder_input_ids or [()] * rows, strict=True)],
+                     gen.runner.costs, stop_if_unknown=True)
 
 
 def _with_drafter_object(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
@@ -302,6 +338,7 @@ def speculative_generate(
     on_step: OnStep | None = None,
     drafter_tokenizer=None,
     drafter_invariant: bool | None = None,
+    ngram: DynaGram | list[DynaGram] | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
     object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
@@ -326,12 +363,15 @@ def speculative_generate(
     adaptive_gamma or timings chose; it accepts less than the standard min(1, p/q) rule. None (the
     default): on with `adaptive_gamma` (draft lengths follow timings: only this makes a seed give
     one output), off with a fixed gamma (the standard rule already reproduces itself there).
+    `ngram` (a `MultiDynaGram(8)`, say; one pool shared by a batch's rows, or a list with one per
+    row): hybrid drafting: each step and row drafts from the pool or with the model, whichever is
+    expected to give more tokens per unit of measured cost (`sampling/hybrid.py`), exact either way.
     """
     return _speculative(
         inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant,
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
     )
 
 
@@ -353,6 +393,7 @@ def speculative_generate_encoder_decoder(
     on_step: OnStep | None = None,
     drafter_tokenizer=None,
     drafter_invariant: bool | None = None,
+    ngram: DynaGram | list[DynaGram] | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
     form `speculative_generate` takes (each model's encoder runs once); returns the decoder's generated ids without the start token.
@@ -361,5 +402,5 @@ def speculative_generate_encoder_decoder(
         inputs, drafter, target, encoder_decoder=True, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant,
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
     )

@@ -1,0 +1,111 @@
+"""Hybrid drafting: an n-gram pool and a drafter model, the better of the two per step and per row.
+
+NASD's pool drafts for free where the text repeats (code re-using the prompt's names, a function
+rewritten, a summary quoting its source) and knows nothing elsewhere; a drafter model guesses
+everywhere but costs a pass per drafted token (SAM-Decoding, ACL 2025, and REST-style hybrids use
+the retrieval draft when its match is long and the model otherwise). Here the choice follows the
+expected accepted tokens per unit of measured cost, in one-token target passes:
+
+- the pool's tree of n nodes: (1 + sum of its nodes' reaches) / verify(n), its reaches the pool's
+  own acceptance estimates (match length, the target's top choice...), verify(n) the target's
+  measured pass over 1 + n tokens: the pool costs nothing else;
+- the model's chain: what its steps achieved, (1 + accepted) / (verify(k) + k drafted tokens'
+  timed cost), a running average from the cost model's prior.
+
+Drafts of either kind go through the same acceptance rules (a pool's with q None by the coupled
+rule, a model's with q by speculative sampling), so the output is exact whichever is chosen.
+"""
+
+from __future__ import annotations
+
+from sampling.draft_policy import CostAwareDraftLength, best_draft_length
+from sampling.drafters import ModelDrafter
+
+
+class HybridDrafter:
+    """A batch `Drafter` over an n-gram drafter (`ngram_assisted.drafter.NgramRows`) and a
+    `ModelDrafter` that share the rows. `policy` prices a model chain (its costs, its acceptance
+    rate, whether drafting with the model can pay now); `fixed_gamma`: the model's chain length
+    when the user fixed it (None: the policy's confidence stop sizes it)."""
+
+    RATE_WEIGHT = 0.2  # of one model step in the running average of its rate
+
+    def __init__(self, ngram, model: ModelDrafter, policy: CostAwareDraftLength, fixed_gamma: int | None) -> None:
+        self.ngram, self.model, self.policy, self.fixed_gamma = ngram, model, policy, fixed_gamma
+        self.model_rate: float | None = None  # (1 + accepted) / cost of the model's steps, averaged
+        self._chose_model: list[bool] = []
+        self._model_drafts: list[int] = []
+        self.ngram_steps = self.model_steps = 0  # row-steps drafted by each (for stats and reports)
+
+    @property
+    def forward_passes(self) -> int:
+        return self.model.forward_passes
+
+    def start(self, sequences: list[list[int]]) -> None:
+        self.ngram.start(sequences)
+        self.model.start(sequences)
+
+    def _expected_model_rate(self) -> float:
+        """What a model step is expected to yield per unit of cost (the prior: the policy's rate)."""
+        if self.model_rate is not None:
+            return self.model_rate
+        gamma = self.fixed_gamma or best_draft_length([min(self.policy.alpha, 0.99)] * self.policy.max_gamma, self.policy.cost)
+        expected = sum(self.policy.alpha ** j for j in range(1, gamma + 1))
+        return (1.0 + expected) / self.policy.cost(gamma)
+
+    def draft(self, sequences, max_drafts, max_depths):
+        self.policy.rows = len(sequences)
+        pool_drafts = self.ngram.draft(sequences, max_drafts, max_depths)
+        model_gamma = self.fixed_gamma or self.policy.gamma  # 0: the model cannot pay now
+        model_rate = self._expected_model_rate() if model_gamma else 0.0
+        self._chose_model = []
+        for drafter, (tree, _) in zip(self.ngram.drafters, pool_drafts, strict=True):
+            pool_rate = (1.0 + sum(drafter.reaches[: len(tree)])) / self.policy.verify_cost(len(tree))
+            self._chose_model.append(model_gamma > 0 and model_rate > pool_rate)
+        if not any(self._chose_model):
+            return pool_drafts
+        depths = [depth if model else 0 for depth, model in zip(max_depths, self._chose_model, strict=True)]
+        model_drafts = self.model.draft(sequences, min(model_gamma, max_drafts), depths)
+        for b, model in enumerate(self._chose_model):
+            if model:
+                self.ngram.drafters[b].keep(0)  # the pool's tree is not verified: it learns from the model's step
+        self._model_drafts = [len(tree) if model else 0 for (tree, _), model in zip(model_drafts, self._chose_model, strict=True)]
+        return [model_draft if model else pool_draft
+                for model_draft, pool_draft, model in zip(model_drafts, pool_drafts, self._chose_model, strict=True)]
+
+    def update(self, sequences, paths, target_logits, p) -> None:
+        chose = self._chose_model or [False] * len(paths)
+        if any(chose):  # its cache keeps the accepted tokens (untouched on steps it did not draft)
+            self.model.update(sequences, paths, target_logits, p)
+        # The pool learns every step's accepted tokens and the target's top-k after its own nodes.
+        self.ngram.update(sequences, [[] if model else path for path, model in zip(paths, chose, strict=True)],
+                          target_logits, p)
+        for b, model in enumerate(chose):
+            if not model:
+                self.ngram_steps += len(target_logits[b]) > 1
+                continue
+            self.model_steps += 1
+            k, n = self._model_drafts[b], len(paths[b])
+            self.policy.update(k, n)
+            if k:
+                rate = (1.0 + n) / self.policy.cost(k)
+                previous = self.model_rate
+                self.model_rate = rate if previous is None else previous + self.RATE_WEIGHT * (rate - previous)
+        self._chose_model = []
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.ngram.select_rows(keep)
+        self.model.select_rows(keep)
+
+
+class HybridLength:
+    """The loop's draft budget for a hybrid step: `max_gamma` nodes at most (the pool's tree, or
+    the model's chain within its own rule); the hybrid drafter learns from each step itself."""
+
+    def __init__(self, max_gamma: int) -> None:
+        self.gamma = max_gamma
+        self.rows = 1
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        pass
+
