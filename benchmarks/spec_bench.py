@@ -42,7 +42,7 @@ from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_n3", "ours_nasd_chain", "ours_anpd",
-           "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd"]
+           "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd", "ours_hybrid"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
                     "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
@@ -127,6 +127,9 @@ class Runner:
         elif method == "ours_sd":
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           **common)
+        elif method == "ours_hybrid":  # the drafter model and NASD's pool, the better per step
+            out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
+                                          ngram=MultiDynaGram(8), **common)
         elif method == "ours_sd_universal":
             out, _ = speculative_generate(ids, self.drafter, self.target, tokenizer=self.tokenizer,
                                           drafter_tokenizer=self.drafter_tokenizer, gamma=4, adaptive_gamma=True,
