@@ -147,7 +147,7 @@ class NgramDrafter:
         self._base = 0  # len(sequence) when the last draft started
         self._tree = DraftTree.chain([])
         self._judged: list[tuple[Kind, float]] = []  # (kind, estimate) of each node of the last tree
-        self.expected = 0.0  # expected accepted drafts of the last tree
+        self.reaches: list[float] = []  # P(node and its whole path accepted), each node of the last tree
 
     def start(self, sequence: list[int]) -> None:
         self.pool.bind_vocabulary(self.vocab_size)
@@ -164,7 +164,10 @@ class NgramDrafter:
         estimates = [self.acceptance.estimate(kind) for kind in kinds]
         return [(reach * a, parent, kind, a, c) for kind, a, c in zip(kinds, estimates, found, strict=True)]
 
-    def draft(self, sequence: list[int], max_drafts: int, max_depth: int | None = None) -> tuple[DraftTree, None]:
+    def draft(self, sequence: list[int], max_drafts: int, max_depth: int | None = None,
+              cut: bool | None = None) -> tuple[DraftTree, None]:
+        """`cut` (default: stop_if_unknown): cut the tree to the size that pays under `draft_cost`;
+        a batch cuts its rows' trees together instead (`NgramRows`)."""
         self._base = len(sequence)
         max_depth = max_drafts if max_depth is None else max_depth
         tokens, parents, reaches, judged, depths = [], [], [], [], []
@@ -182,18 +185,17 @@ class NgramDrafter:
             depths.append(1 + (depths[parent] if parent >= 0 else 0))
             if depths[node] < max_depth:  # only a path's depth can become generated tokens
                 frontier += self._candidates(histories[node], node, reach)
-        if self.stop_if_unknown:
-            # Nodes come in order of falling reach, parents first: a prefix is a tree.
-            size = best_tree_size(reaches, self.draft_cost)
-            tokens, parents, judged, reaches = tokens[:size], parents[:size], judged[:size], reaches[:size]
-        self._tree = DraftTree(tokens, parents)
-        self._judged = judged
-        self.expected = sum(reaches)  # expected accepted drafts of this tree
+        self._tree, self._judged, self.reaches = DraftTree(tokens, parents), judged, reaches
+        if self.stop_if_unknown if cut is None else cut:
+            return self.keep(best_tree_size(reaches, self.draft_cost)), None
         return self._tree, None
 
-    def withdraw(self) -> DraftTree:
-        """Drop the tree just drafted (the batch will not verify it) -> the empty tree."""
-        self._tree, self._judged, self.expected = DraftTree.chain([]), [], 0.0
+    def keep(self, size: int) -> DraftTree:
+        """Cut the tree just drafted to its first `size` nodes -> that tree. Nodes come in order of
+        falling reach, parents first, so a prefix is a tree (0: the empty tree, a plain step)."""
+        tree = self._tree
+        self._tree = DraftTree(tree.tokens[:size], tree.parents[:size])
+        self._judged, self.reaches = self._judged[:size], self.reaches[:size]
         return self._tree
 
     def update(self, sequence: list[int], path: list[int], target_logits: Tensor, p: Tensor | None) -> None:
@@ -246,12 +248,25 @@ class NgramDrafter:
 
 
 class NgramRows(PerRow):
-    """The n-gram drafters of a batch's rows (`PerRow`), with the step's rule for a batch: the
-    step's pass is as wide as the widest row's tree, and the step count is set by the rows that
-    advance slowest, so drafts are verified only if every row expects to gain what the wider pass
-    costs (min over rows of 1 + E_b >= r(width), r timed by `PassCosts.batch_ratio`); otherwise
-    the step is plain for all rows. A row that drafts nothing then holds the others back, which is
-    the right call when a pass's cost hardly grows with its rows (memory-bound CPUs and GPUs)."""
+    """The n-gram drafters of a batch's rows (`PerRow`), with the step's rule for a batch.
+
+    A step's pass is as wide as the widest row's tree, so the rows' trees are cut together, to the
+    width W (1 + drafted nodes per row; 1 is a plain step) that maximises
+
+        (1 + E_min(W) + s * sum_b (E_b(W) - E_min(W))) / r(W),
+
+    E_b(W) the expected accepted drafts of row b's tree cut to W - 1 nodes (its nodes' reaches,
+    from its own drafter's acceptance estimates, which start from priors that let a row try and
+    then follow what that row's drafts really achieved), r(W) what a pass of the batch's rows x W
+    tokens costs against a plain one (timed, `PassCosts.batch_ratio`), and s the share of a plain
+    pass a row saves when it leaves the batch (`PassCosts.row_ratio`). The batch ends with its
+    slowest row: its gain counts in full, a faster row's only by what finishing earlier saves, so
+    where a pass costs the same whatever its rows (memory-bound) this is the slowest row's rule,
+    and where cost grows with rows it is the batch's throughput. Every width is weighed, so short
+    drafts that cost about a plain pass are taken even where long ones would not pay.
+    With stop_if_unknown=False (the user asked for drafts) or a given `draft_cost`, each row drafts
+    as it would alone.
+    """
 
     def __init__(self, drafters: list[NgramDrafter], costs, stop_if_unknown: bool) -> None:
         super().__init__(drafters)
@@ -259,10 +274,25 @@ class NgramRows(PerRow):
         self.stop_if_unknown = stop_if_unknown
 
     def draft(self, sequences, max_drafts, max_depths):
-        drafts = super().draft(sequences, max_drafts, max_depths)
-        if len(drafts) == 1 or not self.stop_if_unknown or self.costs is None:
-            return drafts
-        width = 1 + max(len(tree) for tree, _ in drafts)
-        if width > 1 and 1 + min(d.expected for d in self.drafters) < self.costs.batch_ratio(len(drafts), width):
-            return [(drafter.withdraw(), None) for drafter in self.drafters]
-        return drafts
+        if len(sequences) == 1 or not self.stop_if_unknown or self.costs is None:
+            return super().draft(sequences, max_drafts, max_depths)
+        for drafter, sequence, depth in zip(self.drafters, sequences, max_depths, strict=True):
+            drafter.draft(sequence, max_drafts, depth, cut=False)
+        size = batch_width(self.costs, [drafter.reaches for drafter in self.drafters]) - 1
+        return [(drafter.keep(size), None) for drafter in self.drafters]
+
+
+def batch_width(costs, reaches: list[list[float]]) -> int:
+    """The pass width W (1 + nodes per row) for rows whose trees' nodes have these `reaches`, by
+    the rule of `NgramRows`; 1 when no drafting pays."""
+    rows = len(reaches)
+    share = 1.0 - costs.row_ratio(rows)  # of a plain pass, saved by a row that leaves
+    best_width, best_rate = 1, 1.0
+    expected = [0.0] * rows
+    for width in range(2, 2 + max(map(len, reaches), default=0)):
+        expected = [e + (r[width - 2] if width - 2 < len(r) else 0.0) for e, r in zip(expected, reaches, strict=True)]
+        slowest = min(expected)
+        rate = (1.0 + slowest + share * sum(e - slowest for e in expected)) / costs.batch_ratio(rows, width)
+        if rate > best_rate:
+            best_width, best_rate = width, rate
+    return best_width

@@ -57,8 +57,8 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     )
     for pool in pools:
         pool.bind_vocabulary(vocab)
-    # Unless the caller gave one, the draft length's cost is the target's, measured on this machine,
-    # for a pass over every row (a step of B rows drafting k nodes each feeds B x (1 + k) tokens).
+    # Unless the caller gave one, the draft length's cost is the target's, measured on this machine
+    # (one row; a batch's rows are cut together by `NgramRows`, from its timed batched passes).
     # Trees where the model can verify them in one pass (else chains, still exact); None: up to
     # AUTO_BRANCHING candidates per node, kept only where they pay (a chain when none does).
     if not gen.runner.supports_trees:
@@ -66,7 +66,7 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     elif branching is None:
         branching = AUTO_BRANCHING if stop_if_unknown else 1
     draft_length = DraftLength(gamma)
-    cost = draft_cost or BatchCost(gen.runner.costs, draft_length)
+    cost = draft_cost or gen.runner.costs
     drafter = NgramRows([
         NgramDrafter(pool, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
                      source_tokens=source, draft_cost=cost, branching=branching)
@@ -75,29 +75,6 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     return speculative_loop(
         gen, drafter, logits_processor=logits_processor, draft_length=draft_length, stats=stats, on_step=on_step,
     )
-
-
-class BatchCost:
-    """What drafting k nodes costs one row of a step of `draft_length.rows` rows, in units of a
-    plain step, for the per-row rule "draft if (1 + E_k) / cost(k) beats 1".
-
-    A row's k drafts make the one pass of the step feed rows x (1 + k) tokens (the other rows are
-    padded to the same width), while only that row gains its E_k accepted tokens; r is the cost of
-    that pass against a plain one, as timed (`PassCosts.batch_ratio`). The batch gains
-    (rows + E_k) tokens for r = c(rows (1 + k) - 1) / c(rows - 1) times a plain step's cost, which
-    beats a plain step iff E_k / rows >= r - 1, i.e. iff (1 + E_k) >= 1 + rows (r - 1): so the
-    row's cost is 1 + rows (r - 1). One row: c(k), the measured table itself.
-    """
-
-    def __init__(self, costs, draft_length: DraftLength) -> None:
-        self.costs = costs
-        self.draft_length = draft_length
-
-    def __call__(self, k: int) -> float:
-        rows = self.draft_length.rows
-        if rows == 1:
-            return self.costs(k)
-        return 1.0 + rows * (self.costs.batch_ratio(rows, 1 + k) - 1.0)
 
 
 def ngram_assisted_speculative_generate(

@@ -231,3 +231,51 @@ def test_the_shared_cache_keeps_rows_apart_through_rollbacks_compaction_and_drop
         torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-5)
     batch.select_rows([1])  # one row left: the one-row layout, no dead slots
     assert batch._live is None and batch.tokens == rows[1] + tail[1]
+
+
+# Greedy fixed points of the tiny models: after these prompts the continuation repeats the last
+# token for ever, so each row's continuation is a copy of its prompt (checked in the test).
+COPY_ROWS = {"llama": (50, [[3] + [50] * 12, [14] + [50] * 16, [20] + [50] * 12]),
+             "gpt2": (14, [[7] + [14] * 12, [9] + [14] * 16, [12] + [14] * 12])}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("stop_if_unknown", [False, True])
+def test_rows_that_copy_their_prompts_speculate_in_a_batch(name, stop_if_unknown):
+    """stop_if_unknown=False asks for drafts: every row drafts gamma tokens as alone; True: the
+    batch rule drafts where the wider pass pays. Either way copyable rows take far fewer target
+    passes than tokens, and each row's tokens are the single call's."""
+    model = tiny_model(name)
+    token, rows = COPY_ROWS[name]
+    single = [autoregressive_generate(row, model, max_gen_len=30) for row in rows]
+    assert single == [[token] * 30] * 3
+    stats = SpeculativeStats()
+    batch = ngram_assisted_speculative_generate(rows, MultiDynaGram(3), model, gamma=8, max_gen_len=30,
+                                                stop_if_unknown=stop_if_unknown, stats=stats)
+    assert [out for out, _ in batch] == single
+    assert stats.target_forwards <= 0.5 * 30, stats
+
+
+class FlatCosts:
+    """Batched passes over 2 or 3 tokens a row cost about a plain pass; wider ones cost much more."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+
+    def batch_ratio(self, rows: int, width: int) -> float:
+        return {1: 1.0, 2: 1.0, 3: 1.03}.get(width, 2.0 + width)
+
+    def row_ratio(self, rows: int) -> float:
+        return 1.0 - self.share
+
+
+def test_the_batch_rule_sees_short_drafts_that_cost_about_a_plain_pass():
+    from ngram_assisted.drafter import batch_width
+
+    sure, unsure, none = [0.9, 0.8, 0.7, 0.6, 0.5], [0.3], []
+    assert batch_width(FlatCosts(0.0), [sure, sure, sure]) == 3  # long drafts would not pay, short ones do
+    # A row with nothing to draft: the others still draft where a row that leaves earlier saves work...
+    assert batch_width(FlatCosts(0.2), [sure, none, unsure]) == 3
+    # ...not where the batch ends with its slowest row whatever the others do (memory-bound).
+    assert batch_width(FlatCosts(0.0), [sure, none, unsure]) == 1
+    assert batch_width(FlatCosts(0.3), [none, none, none]) == 1  # nothing drafted: a plain step

@@ -127,6 +127,14 @@ class PassCosts:
             return wide[0] / plain[0]
         return self(rows * width - 1) / self(rows - 1)
 
+    def row_ratio(self, rows: int) -> float:
+        """What a plain pass of `rows` - 1 rows costs against one of `rows` rows (1.0 where a pass
+        costs the same whatever its rows): as timed, else from the one-row table."""
+        fewer, plain = self._batches.get((rows - 1, 1)), self._batches.get((rows, 1))
+        if rows > 2 and fewer and plain and fewer[1] >= ONLINE_MIN and plain[1] >= ONLINE_MIN:
+            return min(1.0, fewer[0] / plain[0])
+        return min(1.0, self(rows - 2) / self(rows - 1))
+
     def table(self) -> dict[int, float]:
         """The relative costs it uses now, at 0 and the measured k (for reports)."""
         return {k: round(self(k), 3) for k in (0, *DRAFT_SIZES)}
