@@ -1,0 +1,111 @@
+"""Acceptance of drafter-invariant sampling (the coupled rule) against the standard rule, for one pair.
+
+    python -m benchmarks.coupling_acceptance --target qwen2.5-coder-1.5b-instruct \
+        --drafter qwen2.5-coder-0.5b-instruct --prompts 10 --max-new-tokens 128 [--out coupling.json]
+
+Sampling at temperature 0.7, top-p 0.9, a fixed gamma. Two measures, printed (and written with
+--out) as one JSON object:
+
+- `alpha`: drafts accepted / drafts proposed of `speculative_generate` with the standard rule
+  (min(1, p/q), `drafter_invariant=False`) and with the coupled one (`drafter_invariant=True`), the
+  same prompts and seeds; and tokens per target pass (`tau`) of each.
+- `position_acceptance`: along the target's own sampled text, the exact chance, averaged over
+  positions, that one draft is accepted by each rule: standard sum_x min(p, q) (the most any
+  coupling reaches), inverse-CDF coupling (the shipped rule: the overlap of the two CDFs' intervals
+  of each token) and Gumbel-max coupling (Daliri et al. 2024: argmax(log p + G) = argmax(log q + G),
+  Monte Carlo over `--gumbel-samples` noise vectors; not shipped, for comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.prompts import encode, load_workload
+from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
+from utils.loading import load_model
+from utils.logits_processors import NucleusProcessor
+
+
+def acceptance_chances(p: torch.Tensor, q: torch.Tensor, gumbel_samples: int, generator: torch.Generator) -> dict[str, float]:
+    """P(one draft accepted) under each rule at one position, p and q (V,) distributions (float64)."""
+    standard = float(torch.minimum(p, q).sum())
+    p_high, q_high = p.cumsum(0), q.cumsum(0)
+    overlap = torch.minimum(p_high, q_high) - torch.maximum(p_high - p, q_high - q)
+    inverse_cdf = float(overlap.clamp(min=0).sum())
+    uniform = torch.rand(gumbel_samples, len(p), generator=generator, dtype=p.dtype).clamp(min=1e-300)
+    noise = -(-uniform.log()).log()
+    gumbel = float(((p.log() + noise).argmax(-1) == (q.log() + noise).argmax(-1)).double().mean())
+    return {"standard": standard, "inverse_cdf": inverse_cdf, "gumbel_max": gumbel}
+
+
+@torch.no_grad()
+def position_acceptance(target, drafter, prompt: list[int], output: list[int], processor, gumbel_samples: int,
+                        generator: torch.Generator) -> list[dict[str, float]]:
+    """`acceptance_chances` at every generated position of `output` (the target's sample after `prompt`)."""
+    ids = torch.tensor([prompt + output], device=target.device)
+    width = min(target.config.vocab_size, drafter.config.vocab_size)
+    logits_p = target(ids).logits[0, len(prompt) - 1 : -1, :width].double().cpu()
+    logits_q = drafter(ids.to(drafter.device)).logits[0, len(prompt) - 1 : -1, :width].double().cpu()
+    chances = []
+    for t in range(len(output)):
+        history = prompt + output[:t]
+        p = processor(logits_p[t : t + 1], history)[0]
+        q = processor(logits_q[t : t + 1], history)[0]
+        chances.append(acceptance_chances(p, q, gumbel_samples, generator))
+    return chances
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="a name or folder for utils.loading.load_model")
+    parser.add_argument("--drafter", required=True, help="a name or folder for utils.loading.load_model")
+    parser.add_argument("--workload", default="humaneval", choices=("humaneval", "spec_bench"))
+    parser.add_argument("--prompts", type=int, default=10, help="HumanEval prompts (Spec-Bench: per task)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gumbel-samples", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+
+    target, tokenizer = load_model(args.target)
+    drafter, _ = load_model(args.drafter)
+    processor = NucleusProcessor(temperature=args.temperature, top_p=args.top_p)
+    prompts = [encode(tokenizer, text) for _, text in load_workload(args.workload, args.prompts)]
+    eos = tokenizer.eos_token_id
+    stats = {"standard": SpeculativeStats(), "coupled": SpeculativeStats()}
+    chances: list[dict[str, float]] = []
+    noise = torch.Generator().manual_seed(args.seed)
+    for i, prompt in enumerate(prompts):
+        for rule, stat in stats.items():
+            speculative_generate(prompt, drafter, target, gamma=args.gamma, logits_processor=processor,
+                                 max_gen_len=args.max_new_tokens, end_tokens_id=eos, stats=stat,
+                                 generator=torch.Generator().manual_seed(args.seed + i),
+                                 drafter_invariant=rule == "coupled")
+        output = autoregressive_generate(prompt, target, logits_processor=processor, max_gen_len=args.max_new_tokens,
+                                         end_tokens_id=eos, generator=torch.Generator().manual_seed(args.seed + i))
+        chances += position_acceptance(target, drafter, prompt, output, processor, args.gumbel_samples, noise)
+    result = {
+        "target": args.target, "drafter": args.drafter, "workload": args.workload, "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "gamma": args.gamma, "temperature": args.temperature, "top_p": args.top_p,
+        "alpha": {rule: round(stat.alpha, 4) for rule, stat in stats.items()},
+        "tau": {rule: round(stat.generated_tokens / max(1, stat.target_forwards), 3) for rule, stat in stats.items()},
+        "position_acceptance": {rule: round(sum(c[rule] for c in chances) / max(1, len(chances)), 4)
+                                for rule in ("standard", "inverse_cdf", "gumbel_max")},
+        "positions": len(chances),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
