@@ -136,7 +136,9 @@ def time_passes(
     pruned: bool = True,
 ) -> dict[tuple[int, Shortcuts], list[float]]:
     """Seconds of each (k, shortcuts) pass, `repeats` times each, interleaved; `pruned`: a choice
-    far behind at some k in the warm-up round is not repeated there (`prune`). With a `watch`,
+    far behind at some k in the warm-up round is not repeated there (`prune`), and the repeats of
+    passes over more than one token stop at `BUDGET_SECONDS` (one at least; a 1.5B model in float32
+    on 2 cores: one repeat, ~60 s in all). With a `watch`,
     raises `MachineBusy` as soon as it says busy (after `BUSY_AFTER` seconds)."""
     limit = context_length(model)
     context = CONTEXT if limit is None else max(1, min(CONTEXT, limit - max(DRAFT_SIZES) - 2))
@@ -154,11 +156,18 @@ def time_passes(
     progress = tqdm(total=(repeats + 1) * len(plan), desc="Measuring pass costs here (once)",
                     unit="pass", leave=False, file=sys.stderr, disable=os.environ.get(PROGRESS_ENV) == "0")
     next_check = BUSY_AFTER
+    full_rounds, warm_start = repeats, time.perf_counter()
     try:
         for round_ in range(repeats + 1):  # the first round warms every shape up and is not kept
             if round_ == 1 and pruned:  # a kernel choice far behind at some k is not timed again there
                 plan = prune(plan, times)
-                progress.total = progress.n + repeats * len(plan)
+                # A large model's passes are dear: as many full rounds as fit the budget (one at least),
+                # the cheap one-token passes (the spread check's) in every round.
+                warm, full = time.perf_counter() - warm_start, sum(times[pair][0] for pair in plan)
+                full_rounds = max(1, min(repeats, int((BUDGET_SECONDS - warm) / full)))
+                progress.total = progress.n + full_rounds * len(plan) + (repeats - full_rounds) * len(choices)
+            if round_ > full_rounds:
+                plan = [(k, choice) for k, choice in plan if k == 0]
             for k, choice in plan:
                 progress.update()
                 synchronize(device)
@@ -177,6 +186,7 @@ def time_passes(
     return {key: values[1:] for key, values in times.items() if len(values) > 1}
 
 
+BUDGET_SECONDS = 40.0  # of a first calibration, past the warm-up round: repeats beyond it are dropped
 PRUNE_FACTOR = 1.5  # a choice whose warm-up pass took this many times the fastest's at that k is dropped
 
 

@@ -18,7 +18,7 @@ from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir
 
 __all__ = ["CACHE_ENV", "DEFAULT_MODEL", "cache_dir", "default_model_path", "end_token_ids", "fastest_dtype",
-           "load_model", "resolve"]
+           "load_model", "native_bfloat16", "resolve"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # what the Hub accepts as a repository id
@@ -70,18 +70,29 @@ def resolve(name_or_path: str | os.PathLike | None) -> str:
                             f"cannot be reached from here; offline models by name: {known}")
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU computes in bfloat16 (AVX-512-BF16 or AMX). Elsewhere a bfloat16 matmul over
+    a few rows is converted on the fly and grows with the rows: on a 2-core AMD EPYC with AVX2 only,
+    the 1.5B's pass over 5 tokens cost 3.98x its one-token pass in bfloat16, 1.39x in float32, which
+    no draft can pay for (docs/results.md)."""
+    return any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 @functools.cache
 def fastest_dtype() -> torch.dtype:
-    """float32 or bfloat16, whichever multiplies a 1.5B model's MLP weight by a few tokens faster
-    here (timed once per process, ~0.1 s; bfloat16 must win by 15%: it also rounds more)."""
+    """float32 or bfloat16 for the offline real models: float32 unless this CPU computes in bfloat16
+    (`native_bfloat16`); there, whichever multiplies a 1.5B model's MLP weight by 1 token (plain
+    decoding) plus 9 tokens (verifying 8 drafts) faster, timed once per process (~0.2 s; bfloat16
+    must win by 15%: it also rounds more)."""
+    if not native_bfloat16():
+        return torch.float32
     weights = {dtype: torch.randn(8960, 1536).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
     times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in weights}
     for _ in range(5):  # interleaved: a burst of load lands on both
         for dtype, weight in weights.items():
-            x = torch.randn(4, 1536).to(dtype)
             start = time.perf_counter()
-            for _ in range(3):
-                torch.nn.functional.linear(x, weight)
+            for rows in (1, 9):
+                torch.nn.functional.linear(torch.randn(rows, 1536).to(dtype), weight)
             times[dtype].append(time.perf_counter() - start)
     fp32, bf16 = (statistics.median(times[dtype]) for dtype in (torch.float32, torch.bfloat16))
     return torch.bfloat16 if bf16 * 1.15 < fp32 else torch.float32
@@ -109,10 +120,10 @@ def load_model(
     SmolLM2-135M-Instruct, or an offline model's short name (`utils.offline_models`:
     "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"; `make models`
     installs them). `dtype`: None is float32, except for the offline real models, which take
-    whichever of float32 and bfloat16 runs faster on this machine (`fastest_dtype`).
+    float32, or bfloat16 where this CPU computes in it and it runs faster here (`fastest_dtype`).
     `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory`
-    (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in `offload_folder` (default: a folder under the cache). 8/4-bit loading needs bitsandbytes
-    (`pip install bitsandbytes`).
+    (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in `offload_folder` (default: a
+    folder under the cache). 8/4-bit loading needs bitsandbytes (`pip install bitsandbytes`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
