@@ -45,8 +45,11 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights one token's pass reads (tied embeddings counted once: the head reads them)."""
-    seen, total = set(), 0
+    """Bytes of the weights one token's pass reads: all but the input embedding's rows of other
+    tokens (a tied embedding counts once: the head reads it whole)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
+    seen, total = set() if tied else {embedding.weight.data_ptr()}, 0
     for parameter in model.parameters():
         if parameter.data_ptr() not in seen:
             seen.add(parameter.data_ptr())

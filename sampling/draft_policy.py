@@ -62,7 +62,8 @@ class CostAwareDraftLength:
     After `probe_after` plain steps in a row one token is drafted anyway, so that a drafter that
     became useful again is noticed, but only if drafting could pay at all (at an acceptance rate of
     0.99 under the measured costs: a drafter too dear to pay even then is never probed), only if it
-    has drafted in this generation (a cold drafter's first draft costs a pass over the whole prompt),
+    has drafted in this generation (a cold drafter's first draft costs a pass over the whole prompt;
+    with the per-token stop, one cold probe per generation is allowed),
     and every probe that is not followed by drafting doubles the wait (up to `MAX_PROBE_AFTER`): a
     probe costs a catch-up pass over every token the drafter missed.
     """
@@ -76,6 +77,11 @@ class CostAwareDraftLength:
                  warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False) -> None:
         self.max_gamma = max_gamma
         self.per_token_stop = per_token_stop
+        # One probe before the drafter has drafted in this generation: without it a prior that says
+        # "does not pay" is never tested (Qwen2.5-Coder 0.5B for 1.5B on HumanEval: no draft in 276 of
+        # 302 steps where transformers' fixed schedule made 1.53x). The confidence stop makes it cheap:
+        # a doubtful first draft costs one drafter pass and is not verified.
+        self.cold_probe = per_token_stop
         self.target_costs = target_costs
         self.drafter_costs = drafter_costs
         self.draft_seconds = draft_seconds
@@ -108,9 +114,10 @@ class CostAwareDraftLength:
     @property
     def gamma(self) -> int:
         k = best_draft_length([min(self.alpha, 0.99)] * self.max_gamma, self.cost)
-        if (k == 0 and self.plain_steps >= self.probe_after and self.warm()
+        if (k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe)
                 and best_draft_length([0.99] * self.max_gamma, self.cost)):
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
+            self.cold_probe = False
             return 1
         if k:
             self.probe_after = self.PROBE_AFTER

@@ -199,6 +199,11 @@ class ModelDrafter:
         feeds = [(sequence[self.runner.row_length(b) :] if k else [], None)
                  for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True))]
         logits = self.runner.forward_rows(feeds, [int(k > 0) for k in lengths])
+        if max(len(tokens) for tokens, _ in feeds) > max(lengths) + 1:
+            # A cold catch-up (the prompt, or a long stretch the drafter skipped) is paid once, not
+            # per drafted token: timed in, it would price every later draft out of paying.
+            synchronize(*self.runner.devices)
+            start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in sequences]
         qs: list[list[Tensor]] = [[] for _ in sequences]
         confidences: list[list[float]] = [[] for _ in sequences]

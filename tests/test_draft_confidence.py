@@ -46,3 +46,33 @@ def test_greedy_identity_with_the_per_token_stop():
     assert self_drafted == reference
     batch = speculative_generate([prompt, prompt[:7]], drafter, target, adaptive_gamma=True, max_gen_len=24)
     assert [ids for ids, _ in batch] == [reference, autoregressive_generate(prompt[:7], target, max_gen_len=24)]
+
+
+class FlatCosts:
+    """A target whose passes cost 1.1x a one-token pass, whatever the tokens; one-token pass 1 s."""
+
+    def __call__(self, k: int) -> float:
+        return 1.0 if k == 0 else 1.1
+
+    def seconds(self, k: int) -> float:
+        return 1.0
+
+
+def test_one_cold_probe_per_generation_breaks_a_prior_that_says_no():
+    from sampling.draft_policy import CostAwareDraftLength
+
+    # A drafted token costs 0.8 of a target pass: at the prior acceptance (0.6) drafting does not pay,
+    # at 0.99 it would. Before the drafter has drafted (warm() False), one probe is allowed.
+    policy = CostAwareDraftLength(16, FlatCosts(), FlatCosts(), draft_seconds=lambda: 0.8, warm=lambda: False,
+                                  per_token_stop=True)
+    gammas = []
+    for _ in range(3 * CostAwareDraftLength.PROBE_AFTER):
+        gammas.append(policy.gamma)
+        policy.update(gammas[-1], 0)
+    assert gammas.count(1) == 1 and set(gammas) == {0, 1}
+    whole_chain = CostAwareDraftLength(16, FlatCosts(), FlatCosts(), draft_seconds=lambda: 0.8, warm=lambda: False)
+    gammas = []
+    for _ in range(3 * CostAwareDraftLength.PROBE_AFTER):  # without the per-token stop: no cold probe
+        gammas.append(whole_chain.gamma)
+        whole_chain.update(gammas[-1], 0)
+    assert set(gammas) == {0}
