@@ -325,8 +325,9 @@ def _tell(message: str) -> None:
     global _told
     if not _told:
         _told = True
-        print(f"specdec: {message}; using the prior pass costs for this run, nothing cached "
-              f"(measured again at the next start; {CALIBRATE_ENV}=0 skips measuring)", file=sys.stderr)
+        # stderr, as the progress bars: stdout is the caller's (a notebook's cell, the console's answer)
+        sys.stderr.write(f"specdec: {message}; using the prior pass costs for this run, nothing cached "
+                         f"(measured again at the next start; {CALIBRATE_ENV}=0 skips measuring)\n")
 
 
 def _store(key: dict, path: Path, costs: PassCosts, spread: float) -> None:
