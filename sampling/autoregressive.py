@@ -37,7 +37,7 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
         if not running:
             return gen.results(generated)
         if len(running) < len(active):
-            gen.runner.select_rows(running)  # finished rows stop costing compute
+            gen.runner = gen.runner.select_rows(running)  # finished rows stop costing compute
             active = [active[i] for i in running]
         logits = gen.runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
 

@@ -59,8 +59,7 @@ def beam_search_generate(
         logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
     )
     max_len = gen.max_new_tokens[0]
-    runner = BeamRunner(model, use_cache=use_cache)
-    runner.costs = gen.runner.costs  # the CPU shortcuts measured fastest here
+    runner = BeamRunner(model, use_cache=use_cache, costs=gen.runner.costs)  # the CPU shortcuts measured fastest here
 
     def best_possible(score: float, length: int) -> float:
         # Log-probabilities only decrease a sum (<= 0); the penalty may still favour either end.

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.randomness import PositionUniforms
-from utils.caching import ModelRunner, context_length
+from utils.caching import Runner, context_length, make_runner
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
 from utils.validation import (
@@ -49,7 +49,7 @@ class Generation:
     """A checked request over one or more rows: the target's runner, each row's decoder prefix,
     random numbers and length budget, and the stopping rules."""
 
-    runner: ModelRunner  # every row (`ModelRunner.rows`)
+    runner: Runner  # every row (`utils/runners/`)
     prefixes: list[list[int]]  # decoder-only: the prompts; encoder-decoder: [decoder_start_token_id] each
     encoder_input_ids: list[list[int]] | None
     end_tokens: frozenset[int]
@@ -131,7 +131,7 @@ def prepare(
     limit = context_length(model)
     max_new = [max_gen_len if limit is None else min(max_gen_len, limit - len(prefix)) for prefix in prefixes]
     uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(generators, prefixes, strict=True)]
-    runner = ModelRunner(model, use_cache=use_cache, rows=len(rows),
-                         encoder_input_ids=encoder_input_ids if len(rows) > 1 or encoder_input_ids is None else encoder_input_ids[0])
-    runner.costs = pass_costs(model)  # the kernels measured fastest here (calibrated once per machine)
+    # Its costs: the kernels measured fastest here (calibrated once per machine).
+    runner = make_runner(model, rows=len(rows), use_cache=use_cache, encoder_input_ids=encoder_input_ids,
+                         costs=pass_costs(model))
     return Generation(runner, prefixes, encoder_input_ids, end_tokens, max_new, uniforms, batched)

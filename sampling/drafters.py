@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 
 from sampling.draft_confidence import ConfidenceStop
 from sampling.randomness import DRAFT, TARGET, PositionUniforms
-from utils.caching import ModelRunner, synchronize
+from utils.caching import make_runner, synchronize
+from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor, inverse_cdf
 
 
@@ -139,11 +140,12 @@ class ModelDrafter:
         use_cache: bool = True,
         encoder_input_ids: list[list[int]] | None = None,
         coupled: bool = False,
+        costs: PassCosts | None = None,
     ) -> None:
         rows = len(uniforms)
-        if encoder_input_ids is not None and rows == 1:
-            encoder_input_ids = encoder_input_ids[0]
-        self.runner = ModelRunner(model, use_cache=use_cache, encoder_input_ids=encoder_input_ids, rows=rows)
+        # Its costs: its kernels, and its step's cost for adaptive gamma (`utils.calibration.pass_costs`).
+        self.runner = make_runner(model, rows=rows, use_cache=use_cache, encoder_input_ids=encoder_input_ids,
+                                  costs=costs)
         self.processor = processor
         self.vocab_size = vocab_size  # the target's logit width: q must live in the same space as p
         self.uniforms = uniforms  # row b's draft at position t: the inverse CDF of q at its DRAFT number
@@ -245,7 +247,7 @@ class ModelDrafter:
                 self._confidences[b] = []
 
     def select_rows(self, keep: list[int]) -> None:
-        self.runner.select_rows(keep)
+        self.runner = self.runner.select_rows(keep)
         self.uniforms = [self.uniforms[b] for b in keep]
         self._accepted_lengths = [self._accepted_lengths[b] for b in keep]
         self._confidences = [self._confidences[b] for b in keep]

@@ -176,7 +176,7 @@ def speculative_loop(
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
         drafter.update(active, paths, logits, ps)
         if 0 < len(running) < len(rows):  # finished rows stop costing compute
-            target.select_rows(running)
+            target = gen.runner = target.select_rows(running)  # the runner to use from now on
             drafter.select_rows(running)
         rows = [rows[i] for i in running]
 
@@ -239,16 +239,15 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/universal.py)
         model_drafter = UniversalDrafter(drafter, logits_processor, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
                                          target_vocab_size=vocab_size(target), uniforms=gen.uniforms, use_cache=use_cache,
-                                         trees=gen.runner.supports_trees)
+                                         trees=gen.runner.supports_trees, costs=pass_costs(drafter))
     else:
         model_drafter = ModelDrafter(
             drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
-            encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms,
+            encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, costs=pass_costs(drafter),
         )
     # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
     model_drafter.coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant
-    model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     policy = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
                                   warm=model_drafter.is_warm, per_token_stop=True)

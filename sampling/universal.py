@@ -42,6 +42,7 @@ from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree, ModelDrafter
 from sampling.randomness import PositionUniforms
 from sampling.vocabularies import check_round_trip, check_tokenizer, intersection, same_vocabulary
 from utils.caching import vocab_size
+from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
 
 LOOKBEHIND = 8  # target tokens behind the end re-encoded every step: a word's tokens may still merge
@@ -158,8 +159,10 @@ class UniversalDrafter(ModelDrafter):
 
     def __init__(self, model: PreTrainedModel, processor: LogitsProcessor, *, tokenizer: PreTrainedTokenizerBase,
                  drafter_tokenizer: PreTrainedTokenizerBase, target_vocab_size: int,
-                 uniforms: list[PositionUniforms], use_cache: bool = True, trees: bool = False) -> None:
-        super().__init__(model, processor, vocab_size=target_vocab_size, uniforms=uniforms, use_cache=use_cache)
+                 uniforms: list[PositionUniforms], use_cache: bool = True, trees: bool = False,
+                 costs: PassCosts | None = None) -> None:
+        super().__init__(model, processor, vocab_size=target_vocab_size, uniforms=uniforms, use_cache=use_cache,
+                         costs=costs)
         self.drafter_tokens = min(len(drafter_tokenizer), vocab_size(model))  # ids past it are padding rows
         self.bridge = bridge(tokenizer, drafter_tokenizer, target_vocab_size, vocab_size(model))
         if not processor.is_greedy and len(self.bridge.drafter_ids) == 0:
@@ -169,7 +172,7 @@ class UniversalDrafter(ModelDrafter):
         self._to_drafter[self.bridge.target_ids] = self.bridge.drafter_ids
         self._to_target = torch.full((vocab_size(model),), -1, dtype=torch.long)
         self._to_target[self.bridge.drafter_ids] = self.bridge.target_ids
-        self.trees = trees  # whether the target verifies token trees (`ModelRunner.supports_trees`)
+        self.trees = trees  # whether the target verifies token trees (`Runner.supports_trees`)
         self.retokenize_seconds = 0.0
         self._rows: list[_RowText] = []
         self._sequences: list[list[int]] = []  # the target sequences of the running draft step

@@ -173,12 +173,12 @@ def test_each_row_of_a_sampled_batch_follows_its_own_law():
 
 
 def test_bad_batches_are_refused_before_any_model_runs(monkeypatch):
-    from utils.caching import ModelRunner
+    from utils.runners.passes import ModelPasses
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model ran")
 
-    monkeypatch.setattr(ModelRunner, "forward_rows", forbidden)
+    monkeypatch.setattr(ModelPasses, "run", forbidden)  # every pass of every runner, batches included
     model = tiny_model("llama")
     cases = [
         ([[3, 4], []], ValueError, r"inputs\[1\] must hold at least one token id"),
@@ -207,11 +207,12 @@ def test_bad_batches_are_refused_before_any_model_runs(monkeypatch):
 def test_the_shared_cache_keeps_rows_apart_through_rollbacks_compaction_and_dropped_rows(name):
     """Runner level: after ragged rollbacks, a compaction and a dropped row, each row's logits are
     those of a one-row runner fed the row's tokens (Mistral: the sliding window counts positions)."""
-    from utils.caching import ModelRunner
+    from utils.runners import SequenceRunner, SharedBatchRunner, make_runner
 
     model = tiny_model(name)
     rows = [prompt(10 + b, length=6 + 7 * b) for b in range(3)]
-    batch = ModelRunner(model, rows=3)
+    batch = make_runner(model, rows=3)
+    assert isinstance(batch, SharedBatchRunner)
     batch.forward_rows([(row, None) for row in rows], [1, 1, 1])
     for step in range(6):  # each row feeds 4 tokens and keeps 1, 2 or 3 of them: holes everywhere
         new = [prompt(20 + step + b, length=4) for b in range(3)]
@@ -221,16 +222,17 @@ def test_the_shared_cache_keeps_rows_apart_through_rollbacks_compaction_and_drop
             rows[b] += new[b][: 1 + (b + step) % 3]
     assert batch._live.shape[1] > max(map(len, rows))  # dead slots in the cache
     batch._compact()
-    batch.select_rows([0, 2])
+    batch = batch.select_rows([0, 2])
     rows = [rows[0], rows[2]]
     tail = [[5, 6, 7], [8, 9]]
     logits = batch.forward_rows([(t, None) for t in tail], [3, 2])
     for row, extra, mine in zip(rows, tail, logits, strict=True):
-        alone = ModelRunner(model).forward(row + extra, num_logits=len(extra))
+        alone = SequenceRunner(model).forward(row + extra, num_logits=len(extra))
         # Llama-style eager attention takes its softmax in float32: padding keys change the last bits.
         torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-5)
-    batch.select_rows([1])  # one row left: the one-row layout, no dead slots
-    assert batch._live is None and batch.tokens == rows[1] + tail[1]
+    one = batch.select_rows([1])  # one row left: a one-sequence runner over the compacted cache, no dead slots
+    assert isinstance(one, SequenceRunner) and one.tokens == rows[1] + tail[1]
+    assert one._cache.get_seq_length() == len(one.tokens)
 
 
 # Greedy fixed points of the tiny models: after these prompts the continuation repeats the last

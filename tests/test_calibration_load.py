@@ -65,8 +65,8 @@ def test_a_busy_machine_stops_the_calibration_and_every_later_one_in_the_process
     monkeypatch.setattr(calibration, "_scheduler_times", lambda: (time.perf_counter(),) * 2)  # waited half the time
     monkeypatch.setattr(calibration, "BUSY_AFTER", 0.0)  # a tiny model's whole calibration takes under a second
     passes = []
-    real_forward = calibration.ModelRunner.forward
-    monkeypatch.setattr(calibration.ModelRunner, "forward", lambda self, *a, **k: passes.append(1) or real_forward(self, *a, **k))
+    real_forward = calibration.SequenceRunner.forward
+    monkeypatch.setattr(calibration.SequenceRunner, "forward", lambda self, *a, **k: passes.append(1) or real_forward(self, *a, **k))
     model = copy.deepcopy(tiny_model("qwen2"))
     assert not is_measured(model)
     costs = pass_costs(model)

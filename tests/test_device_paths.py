@@ -9,12 +9,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sampling.acceptance
 import sampling.randomness
-import utils.caching
 import utils.logits_processors
+import utils.runners.compat
+import utils.runners.passes
 from sampling.acceptance import speculative_accept
 from sampling.randomness import ACCEPT, TARGET, PositionUniforms
 from tests.models import prompt, tiny_model
-from utils.caching import ModelRunner, model_devices, synchronize
+from utils.caching import ModelRunner, make_runner, model_devices, synchronize
 from utils.logits_processors import NucleusProcessor, inverse_cdf, supports_float64
 
 
@@ -122,8 +123,7 @@ def test_a_timed_pass_starts_the_clock_after_the_queued_work(monkeypatch):
     from utils.calibration import pass_costs
 
     model = tiny_model("llama")
-    runner = ModelRunner(model)
-    runner.costs = pass_costs(model)
+    runner = ModelRunner(model, costs=pass_costs(model))
     runner.forward(prompt(0, length=8))  # the prefill is not timed
     events = []
 
@@ -133,8 +133,8 @@ def test_a_timed_pass_starts_the_clock_after_the_queued_work(monkeypatch):
             events.append("clock")
             return float(len(events))
 
-    monkeypatch.setattr(utils.caching, "synchronize", lambda *devices: events.append(("sync", devices)))
-    monkeypatch.setattr(utils.caching, "time", Clock)
+    monkeypatch.setattr(utils.runners.passes, "synchronize", lambda *devices: events.append(("sync", devices)))
+    monkeypatch.setattr(utils.runners.passes, "time", Clock)
     runner.forward([5, 6])
     assert events == [("sync", runner.devices), "clock", ("sync", runner.devices), "clock"]
 
@@ -144,13 +144,13 @@ def test_every_cache_layer_is_indexed_on_its_own_device(monkeypatch):
     select_rows index each layer with an index on that layer's device (copied once per device)."""
     model = tiny_model("llama")
     asked = []
-    original = utils.caching._index_on
+    original = utils.runners.compat._index_on
 
     def recording(index, device, copies):
         asked.append(device)
         return original(index, device, copies)
 
-    monkeypatch.setattr(utils.caching, "_index_on", recording)
+    monkeypatch.setattr(utils.runners.compat, "_index_on", recording)
     runner = ModelRunner(model)
     runner.forward(prompt(1, length=6))
     runner.forward_tree(7, [8, 9, 10], [-1, -1, 1])  # root, two children, a grandchild under the second
@@ -158,10 +158,10 @@ def test_every_cache_layer_is_indexed_on_its_own_device(monkeypatch):
     layers = list(runner._cache.layers)
     assert asked == [layer.keys.device for layer in layers]
     asked.clear()
-    batch = ModelRunner(model, rows=2)
+    batch = make_runner(model, rows=2)
     batch.forward_rows([(prompt(2, length=5), None), (prompt(3, length=9), None)], [1, 1])
     batch.forward_rows([([4, 5], None), ([6], None)], [1, 1])
-    batch.select_rows([1])  # one row left: the rows' slots are compacted too
+    batch = batch.select_rows([1])  # one row left: the rows' slots are compacted too
     layers = list(batch._cache.layers)
     assert asked == [d for layer in layers for d in (layer.keys.device, layer.values.device)] + \
         [layer.keys.device for layer in layers]

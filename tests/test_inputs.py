@@ -75,13 +75,12 @@ def test_tensors_and_tokenizer_outputs_give_the_tokens_of_the_lists(name):
 
 @pytest.fixture
 def no_forward(monkeypatch):
-    from utils.caching import ModelRunner
+    from utils.runners.passes import ModelPasses
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model ran before the input was checked")
 
-    monkeypatch.setattr(ModelRunner, "forward", forbidden)
-    monkeypatch.setattr(ModelRunner, "forward_rows", forbidden)
+    monkeypatch.setattr(ModelPasses, "run", forbidden)  # every pass of every runner, batches included
 
 
 BAD = [

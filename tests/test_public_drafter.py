@@ -151,12 +151,12 @@ def test_a_batch_of_rows_of_different_lengths_equals_the_single_calls(name):
 
 
 def test_a_drafter_object_is_checked_before_any_model_runs(monkeypatch):
-    from utils.caching import ModelRunner
+    from utils.runners.passes import ModelPasses
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model ran")
 
-    monkeypatch.setattr(ModelRunner, "forward_rows", forbidden)
+    monkeypatch.setattr(ModelPasses, "run", forbidden)  # every pass of every runner
     model = tiny_model("llama")
 
     class Incomplete:

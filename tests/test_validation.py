@@ -17,12 +17,12 @@ from utils.logits_processors import GreedyProcessor
 @pytest.fixture
 def no_forward(monkeypatch):
     """Any forward pass fails the test: the checks must come first."""
-    from utils.caching import ModelRunner
+    from utils.runners.passes import ModelPasses
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model ran before the input was checked")
 
-    monkeypatch.setattr(ModelRunner, "forward", forbidden)
+    monkeypatch.setattr(ModelPasses, "run", forbidden)  # every pass of every runner
 
 
 llama = lambda: tiny_model("llama")  # noqa: E731

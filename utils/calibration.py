@@ -27,8 +27,8 @@
    when they disagree by more than the table's own spread (and `cost_model.STALE_MIN`), its file
    is deleted, and the next start measures again.
 
-The layering: `utils/cost_model.py` (the costs, no model) <- `utils/caching.py` (the runner uses
-and refines them) <- this module (runs the runner to measure them).
+The layering: `utils/cost_model.py` (the costs, no model) <- `utils/runners/` (the runners use
+and refine them) <- this module (runs the runner to measure them).
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from utils import cost_model, cpu_passes
-from utils.caching import ModelRunner, context_length, input_device, is_encoder_decoder, synchronize, vocab_size
+from utils.caching import context_length, input_device, is_encoder_decoder, synchronize, vocab_size
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
 from utils.loading import cache_dir
+from utils.runners import SequenceRunner
 
 __all__ = ["CoreWatch", "MachineBusy", "calibrate", "calibration_key", "is_measured", "machine", "pass_costs", "time_passes"]
 
@@ -146,7 +147,7 @@ def time_passes(
     tokens = torch.randint(3, min(vocab_size(model), 10_000), (context + max(DRAFT_SIZES) + 1,), generator=generator)
     tokens = tokens.tolist()
     encoder_ids = tokens[:context] if is_encoder_decoder(model) else None
-    runner = ModelRunner(model, encoder_input_ids=encoder_ids)
+    runner = SequenceRunner(model, encoder_input_ids=encoder_ids)
     runner.forward(tokens[:context])
     device = runner.device
     times: dict[tuple[int, Shortcuts], list[float]] = {}

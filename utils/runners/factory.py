@@ -1,0 +1,34 @@
+"""The one place that chooses a runner's mode from the model and the request."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from utils.cost_model import PassCosts
+from utils.runners.model_info import shares_passes
+from utils.runners.per_row import PerRowRunner
+from utils.runners.protocol import Runner
+from utils.runners.sequence import SequenceRunner
+from utils.runners.shared_batch import SharedBatchRunner
+
+
+def make_runner(
+    model: PreTrainedModel,
+    *,
+    rows: int = 1,
+    use_cache: bool = True,
+    encoder_input_ids: list[list[int]] | None = None,
+    costs: PassCosts | None = None,
+) -> Runner:
+    """A runner over `rows` sequences of `model`: one row -> a `SequenceRunner`; a batch of a model
+    that takes a custom 4D mask with a cache -> a `SharedBatchRunner` (one pass for every row);
+    any other batch -> a `PerRowRunner` (one pass per row). `encoder_input_ids`: an
+    encoder-decoder's encoder ids, one list per row (None for a decoder-only model); `costs`: the
+    model's `PassCosts` (`utils.calibration.pass_costs`), or None (no CPU shortcuts, no timing)."""
+    assert rows >= 1 and (encoder_input_ids is None or len(encoder_input_ids) == rows)
+    if rows == 1:
+        ids = None if encoder_input_ids is None else encoder_input_ids[0]
+        return SequenceRunner(model, use_cache=use_cache, encoder_input_ids=ids, costs=costs)
+    if shares_passes(model, use_cache):
+        return SharedBatchRunner(model, rows=rows, costs=costs)
+    return PerRowRunner(model, rows=rows, use_cache=use_cache, encoder_input_ids=encoder_input_ids, costs=costs)

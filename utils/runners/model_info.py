@@ -1,0 +1,83 @@
+"""What the runners (and the input checks) read from a model: its kind, sizes and devices.
+
+Nothing here depends on the transformers release (`compat.py` holds those differences) and
+nothing is keyed on a model class: every answer comes from the config or the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+__all__ = ["context_length", "input_device", "is_encoder_decoder", "model_devices", "shares_passes",
+           "sliding_window", "vocab_size"]
+
+
+def is_encoder_decoder(model: PreTrainedModel) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def decoder_config(model: PreTrainedModel):
+    """The config of the (decoder of the) model: multimodal configs hold it apart."""
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def context_length(model: PreTrainedModel) -> int | None:
+    """The largest number of positions the (decoder of the) model accepts, None if unbounded."""
+    config = decoder_config(model)
+    for name in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None  # relative position schemes (T5) have no hard limit
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    """Width of the model's logits (may exceed the tokenizer's size: padded embeddings)."""
+    embeddings = model.get_output_embeddings()
+    if embeddings is not None and hasattr(embeddings, "weight"):
+        return int(embeddings.weight.shape[0])
+    return int(decoder_config(model).vocab_size)
+
+
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where the model's input ids must go: the device its input embeddings run on.
+
+    Not `model.device`: a model dispatched by accelerate (`device_map`) may be split over devices
+    or offloaded to disk, where `model.device` is the first parameter's device (`meta` when
+    offloaded). Accelerate's hook on the embeddings knows the execution device; without a hook the
+    embedding weights' device is the answer.
+    """
+    embeddings = model.get_input_embeddings()
+    hook_device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(f"cuda:{hook_device}" if isinstance(hook_device, int) else hook_device)
+    device = embeddings.weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def model_devices(model: torch.nn.Module) -> tuple[torch.device, ...]:
+    """The devices that hold the model's parameters (several with a `device_map`; `meta`, an
+    offloaded weight, is left out: accelerate runs it on another)."""
+    devices = {parameter.device for parameter in model.parameters()}
+    return tuple(sorted((d for d in devices if d.type != "meta"), key=str))
+
+
+def shares_passes(model: PreTrainedModel, use_cache: bool) -> bool:
+    """Whether the model takes a custom 4D mask with per-row positions exactly: decoder-only, with
+    a cache, eager or SDPA attention, layers that share one mask (no mix of sliding and full).
+    Such a model verifies token trees and shares one cache between the rows of a batch."""
+    config = decoder_config(model)
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    return (use_cache and not is_encoder_decoder(model) and len(layer_types) <= 1
+            and getattr(config, "_attn_implementation", None) in ("eager", "sdpa"))
+
+
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """The attention window of a sliding-window model (Mistral style), None for full attention."""
+    config = decoder_config(model)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
