@@ -8,7 +8,7 @@ with one sequence runner per row (`per_row.py`). Beam search has its own (`beam.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from utils.cost_model import PassCosts
 Blocks = list[tuple[list[int], list[int] | None]]
 
 
+@runtime_checkable
 class Runner(Protocol):
     model: PreTrainedModel
     device: torch.device  # where input ids go
