@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -97,7 +97,30 @@ def row_generators(generator: object, rows: int, batched: bool) -> list[torch.Ge
     return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
 
-def prepare(
+@dataclass(frozen=True)
+class Request:
+    """A checked request, before any model runs: its rows of token ids (decoder-only: the prompts;
+    encoder-decoder: the encoder's ids), each row's generator, the end tokens and the settings."""
+
+    model: PreTrainedModel
+    encoder_decoder: bool
+    use_cache: bool
+    inputs: list[list[int]]  # one list of token ids per row
+    batched: bool  # the inputs were a batch: results come back as a list, one per row
+    end_tokens: frozenset[int]
+    max_gen_len: int
+    generators: list[torch.Generator | None]  # one per row
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.inputs)
+
+    def row(self, i: int) -> Request:
+        """Row i alone, as a one-sequence request (beam search searches a batch row by row)."""
+        return replace(self, inputs=[self.inputs[i]], batched=False, generators=[self.generators[i]])
+
+
+def check_request(
     inputs: Inputs,
     model: PreTrainedModel,
     *,
@@ -108,12 +131,10 @@ def prepare(
     end_tokens_id: int | list[int] | None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     model_name: str = "model",
-) -> Generation:
-    """Validate a request (before any forward pass) and build the target's runner over its rows.
+) -> Request:
+    """Validate what every decoding function takes, once per call and before any model runs.
     `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
-    removed by the attention mask there (`check_batch`), in this one place for every function.
-    Callers check their own arguments first: the runner's pass costs may be calibrated here,
-    running the model."""
+    removed by the attention mask there (`check_batch`), in this one place for every function."""
     check_model(model, model_name, encoder_decoder)
     rows, batched = check_batch(inputs, "inputs", model)
     check_int(max_gen_len, "max_gen_len", 1)
@@ -124,14 +145,30 @@ def prepare(
     for i, row in enumerate(rows):
         check_fits(len(row), model, f"inputs[{i}]" if batched else "inputs")
     generators = row_generators(generator, len(rows), batched)
-    if encoder_decoder:
+    return Request(model, encoder_decoder, use_cache, rows, batched, end_tokens, max_gen_len, generators)
+
+
+def start_generation(request: Request) -> Generation:
+    """The target's runner over a checked request's rows, each row's prefix, budget and random
+    numbers. Callers check their own arguments first: the runner's pass costs may be calibrated
+    here, running the model."""
+    model, rows = request.model, request.inputs
+    if request.encoder_decoder:
         prefixes, encoder_input_ids = [[check_decoder_start(model)] for _ in rows], rows
     else:
         prefixes, encoder_input_ids = rows, None
     limit = context_length(model)
+    max_gen_len = request.max_gen_len
     max_new = [max_gen_len if limit is None else min(max_gen_len, limit - len(prefix)) for prefix in prefixes]
-    uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(generators, prefixes, strict=True)]
+    uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(request.generators, prefixes, strict=True)]
+    use_cache = request.use_cache
     runner = ModelRunner(model, use_cache=use_cache, rows=len(rows),
                          encoder_input_ids=encoder_input_ids if len(rows) > 1 or encoder_input_ids is None else encoder_input_ids[0])
     runner.costs = pass_costs(model)  # the kernels measured fastest here (calibrated once per machine)
-    return Generation(runner, prefixes, encoder_input_ids, end_tokens, max_new, uniforms, batched)
+    return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched)
+
+
+def prepare(inputs: Inputs, model: PreTrainedModel, **settings) -> Generation:
+    """`check_request` then `start_generation`: for a function with no argument of its own to check
+    between them (`check_request` takes the keyword `settings`)."""
+    return start_generation(check_request(inputs, model, **settings))
