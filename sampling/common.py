@@ -77,7 +77,7 @@ class Generation:
         return per_row if self.batched else per_row[0]
 
 
-def row_generators(generator: object, rows: int, batched: bool) -> list[torch.Generator | None]:
+def row_generators(generator: object, num_rows: int, batched: bool) -> list[torch.Generator | None]:
     """`generator=`: None, a torch.Generator, or (batches) a list of one per row -> one per row.
 
     One generator (or None: torch's global one) for a batch gives each row its own stream, seeded
@@ -86,12 +86,12 @@ def row_generators(generator: object, rows: int, batched: bool) -> list[torch.Ge
     if isinstance(generator, (list, tuple)):
         if not batched:
             raise TypeError("generator must be a torch.Generator or None for one sequence; a list is for a batch")
-        return check_rows_argument(generator, "generator", rows, torch.Generator)
+        return check_rows_argument(generator, "generator", num_rows, torch.Generator)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, a list of them (a batch) or None, got {generator!r}")
     if not batched:
         return [generator]
-    seeds = torch.randint(0, 2**62, (rows,), generator=generator,
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=generator,
                           device=generator.device if generator is not None else "cpu").tolist()
     device = generator.device if generator is not None else "cpu"
     return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
@@ -136,16 +136,16 @@ def check_request(
     `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
     removed by the attention mask there (`check_batch`), in this one place for every function."""
     check_model(model, model_name, encoder_decoder)
-    rows, batched = check_batch(inputs, "inputs", model)
+    row_ids, batched = check_batch(inputs, "inputs", model)
     check_int(max_gen_len, "max_gen_len", 1)
     check_processor(logits_processor)
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
     end_tokens = check_end_tokens(end_tokens_id, model)
-    for i, row in enumerate(rows):
-        check_fits(len(row), model, f"inputs[{i}]" if batched else "inputs")
-    generators = row_generators(generator, len(rows), batched)
-    return Request(model, encoder_decoder, use_cache, rows, batched, end_tokens, max_gen_len, generators)
+    for i, ids in enumerate(row_ids):
+        check_fits(len(ids), model, f"inputs[{i}]" if batched else "inputs")
+    generators = row_generators(generator, len(row_ids), batched)
+    return Request(model, encoder_decoder, use_cache, row_ids, batched, end_tokens, max_gen_len, generators)
 
 
 def start_generation(request: Request) -> Generation:
@@ -167,8 +167,3 @@ def start_generation(request: Request) -> Generation:
     runner.costs = pass_costs(model)  # the kernels measured fastest here (calibrated once per machine)
     return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched)
 
-
-def prepare(inputs: Inputs, model: PreTrainedModel, **settings) -> Generation:
-    """`check_request` then `start_generation`: for a function with no argument of its own to check
-    between them (`check_request` takes the keyword `settings`)."""
-    return start_generation(check_request(inputs, model, **settings))

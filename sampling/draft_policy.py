@@ -44,11 +44,11 @@ def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) 
 class DraftPolicy(Protocol):
     """How many nodes the loop lets each row draft in a step (`sampling.speculative_loop`).
 
-    `budget(rows)` is asked once per step, before drafting, with the number of rows verified
+    `budget(num_rows)` is asked once per step, before drafting, with the number of rows verified
     together in that step's pass -> the step's `max_drafts` (0: a plain step). `update` is told each
     row's outcome: `num_drafts` nodes drafted, `num_accepted` of them accepted."""
 
-    def budget(self, rows: int) -> int: ...
+    def budget(self, num_rows: int) -> int: ...
 
     def update(self, num_drafts: int, num_accepted: int) -> None: ...
 
@@ -60,7 +60,7 @@ class DraftLength:
     def __init__(self, gamma: int) -> None:
         self.gamma = gamma
 
-    def budget(self, rows: int) -> int:
+    def budget(self, num_rows: int) -> int:
         return self.gamma
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
@@ -105,8 +105,8 @@ class CostAwareDraftLength:
         self.accepted, self.judged = self.PRIOR_RATE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
         self.plain_steps = 0
         self.probe_after = self.PROBE_AFTER
-        # Rows verified together in the step being drafted (`budget`): its pass covers rows x (1 + k) tokens.
-        self._rows = 1
+        # Rows verified together in the step being drafted (`budget`): its pass covers num_rows x (1 + k) tokens.
+        self._num_rows = 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -126,20 +126,20 @@ class CostAwareDraftLength:
     def cost(self, k: int) -> float:
         """A step with k drafts per row, drafter passes included, in one-token target passes; its
         rows are those of the step being drafted (the last `budget`)."""
-        if self._rows == 1:
+        if self._num_rows == 1:
             return self.target_costs(k) + k * self.drafter_step_cost()
-        plain = self.target_costs(self._rows - 1)  # a batch: its pass as timed, relative to a plain one
-        return plain * self.target_costs.batch_ratio(self._rows, 1 + k) + k * self.drafter_step_cost()
+        plain = self.target_costs(self._num_rows - 1)  # a batch: its pass as timed, relative to a plain one
+        return plain * self.target_costs.batch_ratio(self._num_rows, 1 + k) + k * self.drafter_step_cost()
 
     @property
     def gamma(self) -> int:
         """The draft length for one sequence this step: `budget(1)`."""
         return self.budget(1)
 
-    def budget(self, rows: int) -> int:
-        """This step's draft length for `rows` rows verified together (0: a plain step); `cost` then
-        prices that step until the next call."""
-        self._rows = rows
+    def budget(self, num_rows: int) -> int:
+        """This step's draft length for `num_rows` rows verified together (0: a plain step); `cost`
+        then prices that step until the next call."""
+        self._num_rows = num_rows
         k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_gamma, self.cost)
         if (k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe)
                 and best_draft_length([0.99] * self.max_gamma, self.cost)):

@@ -91,16 +91,16 @@ class HybridDrafter:
     def draft(self, sequences, max_drafts, max_depths):
         adaptive = self.policy.budget(len(sequences))  # also prices this step's pass over these rows
         pool_drafts = self.ngram.draft(sequences, max_drafts, max_depths)
-        model_gamma = self.fixed_gamma or adaptive  # 0: the model cannot pay now
-        model_rate = self._expected_model_rate() if model_gamma else 0.0
+        model_length = self.fixed_gamma or adaptive  # the model's chain this step; 0: it cannot pay now
+        model_rate = self._expected_model_rate() if model_length else 0.0
         self._chose_model = []
         for drafter, (tree, _) in zip(self.ngram.drafters, pool_drafts, strict=True):
             pool_rate = (1.0 + sum(drafter.reaches[: len(tree)])) / self.policy.verify_cost(len(tree))
-            self._chose_model.append(model_gamma > 0 and model_rate > pool_rate)
+            self._chose_model.append(model_length > 0 and model_rate > pool_rate)
         if not any(self._chose_model):
             return pool_drafts
         depths = [depth if model else 0 for depth, model in zip(max_depths, self._chose_model, strict=True)]
-        model_drafts = self.model.draft(sequences, min(model_gamma, max_drafts), depths)
+        model_drafts = self.model.draft(sequences, min(model_length, max_drafts), depths)
         for b, model in enumerate(self._chose_model):
             if model:
                 self.ngram.drafters[b].keep(0)  # the pool's tree is not verified: it learns from the model's step
