@@ -48,11 +48,11 @@ def pool_rows(ngram: object, request: Request) -> Callable[[Generation], Drafter
                     f"row, got {type(first).__name__}")
 
 
-def hybrid_drafter(ngram_rows: Drafter, model: ModelDrafter, policy: CostAwareDraftLength, *, gamma: int,
+def hybrid_drafter(pool_drafter: Drafter, model: ModelDrafter, policy: CostAwareDraftLength, *, gamma: int,
                    adaptive_gamma: bool) -> tuple[HybridDrafter, DraftLength]:
     """The hybrid drafter and the loop's cap for it: the pool's tree or the model's chain, within
     `max(policy.max_gamma, gamma)` nodes (the model's chain by its own rule: `gamma` when fixed)."""
-    drafter = HybridDrafter(ngram_rows, model, policy, fixed_gamma=None if adaptive_gamma else gamma)
+    drafter = HybridDrafter(pool_drafter, model, policy, fixed_gamma=None if adaptive_gamma else gamma)
     return drafter, DraftLength(max(policy.max_gamma, gamma))
 
 
