@@ -15,66 +15,28 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
 from ngram_assisted.dynagram import DynaGram
-from sampling.common import OnStep, prepare
+from ngram_assisted.rows import ngram_rows
+from sampling.common import OnStep, check_request, start_generation
 from sampling.draft_policy import DraftLength
-from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
-from utils.caching import vocab_size
+from sampling.loop import SpeculativeStats, speculative_loop
+from sampling.speculative import check_gamma
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs, check_batch, check_int, check_model, check_rows_argument
+from utils.validation import Inputs
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
           max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step):
-    pools = ngram if isinstance(ngram, (list, tuple)) else [ngram]
-    for i, pool in enumerate(pools):
-        if not isinstance(pool, DynaGram):
-            where = f"ngram[{i}]" if isinstance(ngram, (list, tuple)) else "ngram"
-            raise TypeError(f"{where} must be a SimpleDynaGram or MultiDynaGram, got {type(pool).__name__}")
+    """Check every argument (before any model runs), build the pool's drafter rows, run the loop."""
     gamma = check_gamma(gamma)
-    if not isinstance(stop_if_unknown, bool):
-        raise TypeError(f"stop_if_unknown must be a bool, got {stop_if_unknown!r}")
-    check_model(target, "target", encoder_decoder)
-    vocab = vocab_size(target)
-    check_int(top_k_filler, "top_k_filler", 1)
-    if top_k_filler > vocab:
-        raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab}, got {top_k_filler}")
-    if branching is not None:
-        check_int(branching, "branching", 1)
-    if draft_cost is not None and not callable(draft_cost):
-        raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
-    rows, batched = check_batch(inputs, "inputs", target)
-    if isinstance(ngram, (list, tuple)):
-        if not batched:
-            raise TypeError("ngram must be one pool for one sequence; a list of pools is for a batch")
-        pools = check_rows_argument(list(ngram), "ngram", len(rows), DynaGram)
-    else:
-        pools = [ngram] * len(rows)  # one pool shared by every row: each drafts from it and teaches it
-    gen = prepare(
-        inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
-    )
-    for pool in pools:
-        pool.bind_vocabulary(vocab)
-    # Unless the caller gave one, the draft length's cost is the target's, measured on this machine
-    # (one row; a batch's rows are cut together by `NgramRows`, from its timed batched passes).
-    # Trees where the model can verify them in one pass (else chains, still exact); None: up to
-    # AUTO_BRANCHING candidates per node, kept only where they pay (a chain when none does).
-    if not gen.runner.supports_trees:
-        branching = 1
-    elif branching is None:
-        branching = AUTO_BRANCHING if stop_if_unknown else 1
-    draft_length = DraftLength(gamma)
-    cost = draft_cost or gen.runner.costs
-    drafter = NgramRows([
-        NgramDrafter(pool, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
-                     source_tokens=source, draft_cost=cost, branching=branching)
-        for pool, source in zip(pools, gen.encoder_input_ids or [()] * len(pools), strict=True)
-    ], gen.runner.costs if draft_cost is None else None, stop_if_unknown)
-    return speculative_loop(
-        gen, drafter, logits_processor=logits_processor, draft_length=draft_length, stats=stats, on_step=on_step,
-    )
+    request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
+                            logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
+                            model_name="target")
+    build_rows = ngram_rows(ngram, request, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
+                            draft_cost=draft_cost, branching=branching)
+    gen = start_generation(request)
+    return speculative_loop(gen, build_rows(gen), logits_processor=logits_processor, policy=DraftLength(gamma),
+                            stats=stats, on_step=on_step)
 
 
 def ngram_assisted_speculative_generate(

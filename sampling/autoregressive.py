@@ -6,7 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.acceptance import accept
-from sampling.common import Generation, OnStep, Step, prepare
+from sampling.common import Generation, OnStep, Step, check_request, start_generation
 from sampling.drafters import DraftTree
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import Inputs
@@ -18,11 +18,11 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
     """The plain loop over every row of `gen`; rows that finish leave the batch."""
     sequences = [list(prefix) for prefix in gen.prefixes]  # what the processor sees as history (the decoder's ids)
     generated: list[list[int]] = [[] for _ in sequences]
-    active = list(range(len(sequences)))  # the rows still decoding, in the runner's order
-    logits = gen.runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(active))  # prefill
+    live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's order
+    logits = gen.runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(live))  # prefill
     while True:
-        feeds, running = [], []
-        for i, row in enumerate(active):
+        feeds, going_on = [], []  # going_on: positions in `live` of the rows not finished
+        for i, row in enumerate(live):
             # The target's token: a speculative step with nothing drafted (argmax, or the inverse
             # CDF of the processed distribution at this position's uniform number).
             _, token, _ = accept(logits[i], NO_DRAFTS, None, sequences[row], logits_processor, gen.uniforms[row])
@@ -32,13 +32,13 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
             if on_step is not None:
                 on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens), row=row))
             if not finished:
-                running.append(i)
+                going_on.append(i)
                 feeds.append(([token], None))
-        if not running:
+        if not going_on:
             return gen.results(generated)
-        if len(running) < len(active):
-            gen.runner = gen.runner.select_rows(running)  # finished rows stop costing compute
-            active = [active[i] for i in running]
+        if len(going_on) < len(live):
+            gen.runner = gen.runner.select_rows(going_on)  # finished rows stop costing compute
+            live = [live[i] for i in going_on]
         logits = gen.runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
 
 
@@ -67,11 +67,11 @@ def autoregressive_generate(
     makes sampling reproducible (`sampling.randomness`); `on_step` receives each new token as a
     `Step` (streaming; `Step.row` says which row).
     """
-    gen = prepare(
+    request = check_request(
         inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
     )
-    return _decode(gen, logits_processor, on_step)
+    return _decode(start_generation(request), logits_processor, on_step)
 
 
 def autoregressive_generate_encoder_decoder(
@@ -92,8 +92,8 @@ def autoregressive_generate_encoder_decoder(
     list); the encoder runs once. Returns the decoder's generated ids,
     without the decoder start token.
     """
-    gen = prepare(
+    request = check_request(
         inputs, model, encoder_decoder=True, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
     )
-    return _decode(gen, logits_processor, on_step)
+    return _decode(start_generation(request), logits_processor, on_step)

@@ -7,10 +7,10 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from sampling.common import prepare
+from sampling.common import Generation, check_request, start_generation
 from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
-from utils.validation import Inputs, check_batch, check_int
+from utils.validation import Inputs, check_int
 
 
 def length_penalty(length: int, min_length: int, alpha: float) -> float:
@@ -50,14 +50,17 @@ def beam_search_generate(
     check_int(min_length, "min_length", 0)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a number, got {alpha!r}")
-    rows, batched = check_batch(inputs, "inputs", model)
-    if batched:  # the beams of one row already fill the batch dimension: rows are searched one by one
-        return [beam_search_generate(row, model, max_gen_len, end_tokens_id, pad_token_id, top_k, num_beams,
-                                     min_length, alpha, use_cache) for row in rows]
-    gen = prepare(
-        inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
-    )
+    request = check_request(inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
+                            logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id)
+    # The beams of one row already fill the batch dimension: a batch's rows are searched one by one.
+    results = [_search(start_generation(request.row(i)), model, top_k, num_beams, min_length, alpha, use_cache)
+               for i in range(request.num_rows)]
+    return results if request.batched else results[0]
+
+
+def _search(gen: Generation, model: PreTrainedModel, top_k: int, num_beams: int, min_length: int, alpha: float,
+            use_cache: bool) -> list[int]:
+    """Beam search of one sequence (`gen` holds one row) -> the best finished sequence's generated ids."""
     max_len = gen.max_new_tokens[0]
     runner = BeamRunner(model, use_cache=use_cache, costs=gen.runner.costs)  # the CPU shortcuts measured fastest here
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -77,7 +77,7 @@ class Generation:
         return per_row if self.batched else per_row[0]
 
 
-def row_generators(generator: object, rows: int, batched: bool) -> list[torch.Generator | None]:
+def row_generators(generator: object, num_rows: int, batched: bool) -> list[torch.Generator | None]:
     """`generator=`: None, a torch.Generator, or (batches) a list of one per row -> one per row.
 
     One generator (or None: torch's global one) for a batch gives each row its own stream, seeded
@@ -86,18 +86,41 @@ def row_generators(generator: object, rows: int, batched: bool) -> list[torch.Ge
     if isinstance(generator, (list, tuple)):
         if not batched:
             raise TypeError("generator must be a torch.Generator or None for one sequence; a list is for a batch")
-        return check_rows_argument(generator, "generator", rows, torch.Generator)
+        return check_rows_argument(generator, "generator", num_rows, torch.Generator)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, a list of them (a batch) or None, got {generator!r}")
     if not batched:
         return [generator]
-    seeds = torch.randint(0, 2**62, (rows,), generator=generator,
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=generator,
                           device=generator.device if generator is not None else "cpu").tolist()
     device = generator.device if generator is not None else "cpu"
     return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
 
-def prepare(
+@dataclass(frozen=True)
+class Request:
+    """A checked request, before any model runs: its rows of token ids (decoder-only: the prompts;
+    encoder-decoder: the encoder's ids), each row's generator, the end tokens and the settings."""
+
+    model: PreTrainedModel
+    encoder_decoder: bool
+    use_cache: bool
+    inputs: list[list[int]]  # one list of token ids per row
+    batched: bool  # the inputs were a batch: results come back as a list, one per row
+    end_tokens: frozenset[int]
+    max_gen_len: int
+    generators: list[torch.Generator | None]  # one per row
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.inputs)
+
+    def row(self, i: int) -> Request:
+        """Row i alone, as a one-sequence request (beam search searches a batch row by row)."""
+        return replace(self, inputs=[self.inputs[i]], batched=False, generators=[self.generators[i]])
+
+
+def check_request(
     inputs: Inputs,
     model: PreTrainedModel,
     *,
@@ -108,30 +131,37 @@ def prepare(
     end_tokens_id: int | list[int] | None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     model_name: str = "model",
-) -> Generation:
-    """Validate a request (before any forward pass) and build the target's runner over its rows.
+) -> Request:
+    """Validate what every decoding function takes, once per call and before any model runs.
     `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
-    removed by the attention mask there (`check_batch`), in this one place for every function.
-    Callers check their own arguments first: the runner's pass costs may be calibrated here,
-    running the model."""
+    removed by the attention mask there (`check_batch`), in this one place for every function."""
     check_model(model, model_name, encoder_decoder)
-    rows, batched = check_batch(inputs, "inputs", model)
+    row_ids, batched = check_batch(inputs, "inputs", model)
     check_int(max_gen_len, "max_gen_len", 1)
     check_processor(logits_processor)
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
     end_tokens = check_end_tokens(end_tokens_id, model)
-    for i, row in enumerate(rows):
-        check_fits(len(row), model, f"inputs[{i}]" if batched else "inputs")
-    generators = row_generators(generator, len(rows), batched)
-    if encoder_decoder:
+    for i, ids in enumerate(row_ids):
+        check_fits(len(ids), model, f"inputs[{i}]" if batched else "inputs")
+    generators = row_generators(generator, len(row_ids), batched)
+    return Request(model, encoder_decoder, use_cache, row_ids, batched, end_tokens, max_gen_len, generators)
+
+
+def start_generation(request: Request) -> Generation:
+    """The target's runner over a checked request's rows, each row's prefix, budget and random
+    numbers. Callers check their own arguments first: the runner's pass costs may be calibrated
+    here, running the model."""
+    model, rows = request.model, request.inputs
+    if request.encoder_decoder:
         prefixes, encoder_input_ids = [[check_decoder_start(model)] for _ in rows], rows
     else:
         prefixes, encoder_input_ids = rows, None
     limit = context_length(model)
+    max_gen_len = request.max_gen_len
     max_new = [max_gen_len if limit is None else min(max_gen_len, limit - len(prefix)) for prefix in prefixes]
-    uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(generators, prefixes, strict=True)]
+    uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(request.generators, prefixes, strict=True)]
     # Its costs: the kernels measured fastest here (calibrated once per machine).
-    runner = make_runner(model, rows=len(rows), use_cache=use_cache, encoder_input_ids=encoder_input_ids,
+    runner = make_runner(model, rows=len(rows), use_cache=request.use_cache, encoder_input_ids=encoder_input_ids,
                          costs=pass_costs(model))
-    return Generation(runner, prefixes, encoder_input_ids, end_tokens, max_new, uniforms, batched)
+    return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched)

@@ -10,8 +10,11 @@ cuts a tree to its first branch where the target verifies chains only.
 from __future__ import annotations
 
 from torch import Tensor
+from transformers import PreTrainedModel
 
+from sampling.common import Generation
 from sampling.drafters import DraftTree
+from utils.caching import vocab_size
 
 DRAFTER_METHODS = ("start", "draft", "update", "select_rows")
 
@@ -29,6 +32,33 @@ def check_drafter(drafter: object) -> None:
     passes = drafter.forward_passes
     if isinstance(passes, bool) or not isinstance(passes, int):
         raise TypeError(f"drafter.forward_passes must be an int, got {passes!r}")
+
+
+def check_drafter_options(drafter: object, *, adaptive_gamma: bool, drafter_tokenizer: object, ngram: object,
+                          drafter_invariant: bool | None) -> None:
+    """A drafter object (`check_drafter`) with no option that is for a drafter model: each raises naming it."""
+    check_drafter(drafter)
+    if drafter_tokenizer is not None:
+        raise ValueError("drafter_tokenizer is for a drafter model with another vocabulary; a Drafter object "
+                         "proposes the target's token ids: pass drafter_tokenizer=None")
+    if ngram is not None:
+        raise ValueError("ngram= combines a pool with a drafter model; a Drafter object drafts alone: pass ngram=None")
+    if drafter_invariant:
+        raise ValueError("drafter_invariant=True is for a drafter model; a Drafter object's drafts with q None "
+                         "are already decided by the coupled rule")
+    if adaptive_gamma:
+        # The rule learns one acceptance rate for a chain and prices a draft by a drafter model's
+        # timed passes; a drafter object may draft trees and costs what it costs. It sizes its own
+        # drafts within gamma, as NASD's n-gram drafter does by its cost rule.
+        raise ValueError(
+            f"adaptive_gamma=True sizes a drafter model's chains; a {type(drafter).__name__} drafter "
+            f"chooses its own draft size up to gamma: pass adaptive_gamma=False (the default)"
+        )
+
+
+def checked_drafter(drafter: object, target: PreTrainedModel, gen: Generation) -> CheckedDrafter:
+    """A drafter object (checked by `check_drafter_options`) as the loop over `gen`'s target sees it."""
+    return CheckedDrafter(drafter, vocab=vocab_size(target), trees=gen.runner.supports_trees)
 
 
 def first_branch(tree: DraftTree) -> DraftTree:

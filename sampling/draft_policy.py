@@ -12,6 +12,7 @@ llama.cpp rule, here with costs measured on the machine in use: `utils/cost_mode
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from utils.cost_model import PassCosts
 
@@ -40,12 +41,27 @@ def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) 
     return best_tree_size(reaches, cost)
 
 
+class DraftPolicy(Protocol):
+    """How many nodes the loop lets each row draft in a step (`sampling.speculative_loop`).
+
+    `budget(num_rows)` is asked once per step, before drafting, with the number of rows verified
+    together in that step's pass -> the step's `max_drafts` (0: a plain step). `update` is told each
+    row's outcome: `num_drafts` nodes drafted, `num_accepted` of them accepted."""
+
+    def budget(self, num_rows: int) -> int: ...
+
+    def update(self, num_drafts: int, num_accepted: int) -> None: ...
+
+
 class DraftLength:
-    """A fixed draft length: `gamma` tokens every step (the user asked for it)."""
+    """A fixed draft length: `gamma` nodes every step (the user asked for it, or a drafter that
+    sizes its own drafts is given this cap: an n-gram pool, a hybrid, your own `Drafter`)."""
 
     def __init__(self, gamma: int) -> None:
         self.gamma = gamma
-        self.rows = 1
+
+    def budget(self, num_rows: int) -> int:
+        return self.gamma
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
         pass
@@ -54,7 +70,7 @@ class DraftLength:
 class CostAwareDraftLength:
     """A model drafter's draft length, chosen each step by `best_draft_length`.
 
-    The acceptance rate alpha of the drafter's tokens is learned online (a running count that
+    The acceptance rate of the drafter's tokens is learned online (a running count that
     forgets old steps, from a weak prior), so it follows the text and the sampling mode it runs in;
     the cost of k drafts is the target's measured pass over 1 + k tokens plus k times what a drafted
     token really costs, in one-token target passes: `draft_seconds()` (the drafter's timed
@@ -68,7 +84,7 @@ class CostAwareDraftLength:
     probe costs a catch-up pass over every token the drafter missed.
     """
 
-    PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 2.0
+    PRIOR_RATE, PRIOR_WEIGHT = 0.6, 2.0
     FORGET = 0.97  # per judged draft: the estimate follows roughly the last 30 drafts
     PROBE_AFTER, MAX_PROBE_AFTER = 16, 256
 
@@ -86,13 +102,15 @@ class CostAwareDraftLength:
         self.drafter_costs = drafter_costs
         self.draft_seconds = draft_seconds
         self.warm = warm  # whether the drafter has drafted in this generation (its cache holds the prompt)
-        self.accepted, self.judged = self.PRIOR_ALPHA * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
+        self.accepted, self.judged = self.PRIOR_RATE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
         self.plain_steps = 0
         self.probe_after = self.PROBE_AFTER
-        self.rows = 1  # rows verified together: a step's pass covers rows x (1 + k) tokens
+        # Rows verified together in the step being drafted (`budget`): its pass covers num_rows x (1 + k) tokens.
+        self._num_rows = 1
 
     @property
-    def alpha(self) -> float:
+    def acceptance_rate(self) -> float:
+        """The drafter's tokens accepted / judged, learned online (not the `alpha` a generation returns)."""
         return self.accepted / self.judged
 
     def drafter_step_cost(self) -> float:
@@ -106,14 +124,23 @@ class CostAwareDraftLength:
         return self.cost(k) - k * self.drafter_step_cost()
 
     def cost(self, k: int) -> float:
-        if self.rows == 1:
+        """A step with k drafts per row, drafter passes included, in one-token target passes; its
+        rows are those of the step being drafted (the last `budget`)."""
+        if self._num_rows == 1:
             return self.target_costs(k) + k * self.drafter_step_cost()
-        plain = self.target_costs(self.rows - 1)  # a batch: its pass as timed, relative to a plain one
-        return plain * self.target_costs.batch_ratio(self.rows, 1 + k) + k * self.drafter_step_cost()
+        plain = self.target_costs(self._num_rows - 1)  # a batch: its pass as timed, relative to a plain one
+        return plain * self.target_costs.batch_ratio(self._num_rows, 1 + k) + k * self.drafter_step_cost()
 
     @property
     def gamma(self) -> int:
-        k = best_draft_length([min(self.alpha, 0.99)] * self.max_gamma, self.cost)
+        """The draft length for one sequence this step: `budget(1)`."""
+        return self.budget(1)
+
+    def budget(self, num_rows: int) -> int:
+        """This step's draft length for `num_rows` rows verified together (0: a plain step); `cost`
+        then prices that step until the next call."""
+        self._num_rows = num_rows
+        k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_gamma, self.cost)
         if (k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe)
                 and best_draft_length([0.99] * self.max_gamma, self.cost)):
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)

@@ -128,6 +128,9 @@ class ModelDrafter:
     draft at position t is F_q^{-1}(u_t), with the uniform u_t the target samples that position
     with, and the chain is verified as deterministic drafts: accepted iff F_p^{-1}(u_t) equals it.
     Every emitted token is then F_p^{-1}(u_t), plain sampling's own, whatever was drafted.
+
+    `stop` (adaptive drafting): the per-token rule that ends each chain (`sampling.draft_confidence`);
+    None: every row drafts the `max_drafts` it is given.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class ModelDrafter:
         encoder_input_ids: list[list[int]] | None = None,
         coupled: bool = False,
         costs: PassCosts | None = None,
+        stop: ConfidenceStop | None = None,
     ) -> None:
         rows = len(uniforms)
         # Its costs: its kernels, and its step's cost for adaptive gamma (`utils.calibration.pass_costs`).
@@ -155,7 +159,7 @@ class ModelDrafter:
         self._accepted_lengths = [0] * rows  # len(sequence) of each row when the last draft started
         # With adaptive drafting, when to stop: the drafter's confidence in each draft (q of the
         # drafted token) against the measured costs (`sampling.draft_confidence`); None: fixed gamma.
-        self.stop: ConfidenceStop | None = None
+        self.stop = stop
         self._confidences: list[list[float]] = [[] for _ in range(rows)]  # of each row's last chain
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.

@@ -18,8 +18,42 @@ rule, a model's with q by speculative sampling), so the output is exact whicheve
 
 from __future__ import annotations
 
-from sampling.draft_policy import CostAwareDraftLength, best_draft_length
-from sampling.drafters import ModelDrafter
+from collections.abc import Callable
+
+from sampling.common import Generation, Request
+from sampling.draft_policy import CostAwareDraftLength, DraftLength, best_draft_length
+from sampling.drafters import Drafter, ModelDrafter
+
+# How each kind of pool builds its drafter over a batch's rows: (ngram, request) -> checked now, a
+# builder of the rows for the generation later. The pool's package registers it (ngram_assisted:
+# `ngram_assisted/rows.py`), so that sampling/, the floor it stands on, never imports it.
+NgramPool = object  # what `ngram=` takes: a pool of a registered kind (ngram_assisted's SimpleDynaGram, MultiDynaGram)
+RowsBuilder = Callable[[object, Request], Callable[[Generation], Drafter]]
+_POOL_ROWS: dict[type, RowsBuilder] = {}
+
+
+def register_pool(kind: type, rows_builder: RowsBuilder) -> None:
+    """`speculative_generate(..., ngram=pool)` takes pools of `kind` (or one per row of a batch)."""
+    _POOL_ROWS[kind] = rows_builder
+
+
+def pool_rows(ngram: object, request: Request) -> Callable[[Generation], Drafter]:
+    """Check `ngram=` (before any model runs) -> the builder of its drafter over the request's rows,
+    at the pool's defaults (NASD's: `ngram_assisted.rows.ngram_rows`)."""
+    first = ngram[0] if isinstance(ngram, (list, tuple)) and ngram else ngram
+    for kind, rows_builder in _POOL_ROWS.items():
+        if isinstance(first, kind):
+            return rows_builder(ngram, request)
+    raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram (ngram_assisted), or for a batch one per "
+                    f"row, got {type(first).__name__}")
+
+
+def hybrid_drafter(pool_drafter: Drafter, model: ModelDrafter, policy: CostAwareDraftLength, *, gamma: int,
+                   adaptive_gamma: bool) -> tuple[HybridDrafter, DraftLength]:
+    """The hybrid drafter and the loop's cap for it: the pool's tree or the model's chain, within
+    `max(policy.max_gamma, gamma)` nodes (the model's chain by its own rule: `gamma` when fixed)."""
+    drafter = HybridDrafter(pool_drafter, model, policy, fixed_gamma=None if adaptive_gamma else gamma)
+    return drafter, DraftLength(max(policy.max_gamma, gamma))
 
 
 class HybridDrafter:
@@ -49,23 +83,24 @@ class HybridDrafter:
         """What a model step is expected to yield per unit of cost (the prior: the policy's rate)."""
         if self.model_rate is not None:
             return self.model_rate
-        gamma = self.fixed_gamma or best_draft_length([min(self.policy.alpha, 0.99)] * self.policy.max_gamma, self.policy.cost)
-        expected = sum(self.policy.alpha ** j for j in range(1, gamma + 1))
-        return (1.0 + expected) / self.policy.cost(gamma)
+        rate = self.policy.acceptance_rate
+        length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_gamma, self.policy.cost)
+        expected = sum(rate ** j for j in range(1, length + 1))
+        return (1.0 + expected) / self.policy.cost(length)
 
     def draft(self, sequences, max_drafts, max_depths):
-        self.policy.rows = len(sequences)
+        adaptive = self.policy.budget(len(sequences))  # also prices this step's pass over these rows
         pool_drafts = self.ngram.draft(sequences, max_drafts, max_depths)
-        model_gamma = self.fixed_gamma or self.policy.gamma  # 0: the model cannot pay now
-        model_rate = self._expected_model_rate() if model_gamma else 0.0
+        model_length = self.fixed_gamma or adaptive  # the model's chain this step; 0: it cannot pay now
+        model_rate = self._expected_model_rate() if model_length else 0.0
         self._chose_model = []
         for drafter, (tree, _) in zip(self.ngram.drafters, pool_drafts, strict=True):
             pool_rate = (1.0 + sum(drafter.reaches[: len(tree)])) / self.policy.verify_cost(len(tree))
-            self._chose_model.append(model_gamma > 0 and model_rate > pool_rate)
+            self._chose_model.append(model_length > 0 and model_rate > pool_rate)
         if not any(self._chose_model):
             return pool_drafts
         depths = [depth if model else 0 for depth, model in zip(max_depths, self._chose_model, strict=True)]
-        model_drafts = self.model.draft(sequences, min(model_gamma, max_drafts), depths)
+        model_drafts = self.model.draft(sequences, min(model_length, max_drafts), depths)
         for b, model in enumerate(self._chose_model):
             if model:
                 self.ngram.drafters[b].keep(0)  # the pool's tree is not verified: it learns from the model's step
@@ -96,16 +131,3 @@ class HybridDrafter:
     def select_rows(self, keep: list[int]) -> None:
         self.ngram.select_rows(keep)
         self.model.select_rows(keep)
-
-
-class HybridLength:
-    """The loop's draft budget for a hybrid step: `max_gamma` nodes at most (the pool's tree, or
-    the model's chain within its own rule); the hybrid drafter learns from each step itself."""
-
-    def __init__(self, max_gamma: int) -> None:
-        self.gamma = max_gamma
-        self.rows = 1
-
-    def update(self, num_drafts: int, num_accepted: int) -> None:
-        pass
-

@@ -160,9 +160,11 @@ class UniversalDrafter(ModelDrafter):
     def __init__(self, model: PreTrainedModel, processor: LogitsProcessor, *, tokenizer: PreTrainedTokenizerBase,
                  drafter_tokenizer: PreTrainedTokenizerBase, target_vocab_size: int,
                  uniforms: list[PositionUniforms], use_cache: bool = True, trees: bool = False,
-                 costs: PassCosts | None = None) -> None:
+                 coupled: bool = False, costs: PassCosts | None = None) -> None:
+        # No confidence stop (`sampling.draft_confidence`): it reads q at the drafter's token id, and q
+        # here lives in the target's vocabulary (or, greedy, is raw scores); `adaptive_gamma` still sizes the drafts.
         super().__init__(model, processor, vocab_size=target_vocab_size, uniforms=uniforms, use_cache=use_cache,
-                         costs=costs)
+                         coupled=coupled, stop=None, costs=costs)
         self.drafter_tokens = min(len(drafter_tokenizer), vocab_size(model))  # ids past it are padding rows
         self.bridge = bridge(tokenizer, drafter_tokenizer, target_vocab_size, vocab_size(model))
         if not processor.is_greedy and len(self.bridge.drafter_ids) == 0:
@@ -177,17 +179,6 @@ class UniversalDrafter(ModelDrafter):
         self._rows: list[_RowText] = []
         self._sequences: list[list[int]] = []  # the target sequences of the running draft step
         self._offsets: list[int] = []  # target position - drafter position of each row's first draft
-
-    @property
-    def stop(self) -> None:
-        """No confidence stop (`sampling.draft_confidence`): it reads q at the drafter's token id,
-        and q here lives in the target's vocabulary (or, greedy, is raw scores). `adaptive_gamma`
-        still sizes the drafts."""
-        return None
-
-    @stop.setter
-    def stop(self, value) -> None:
-        pass
 
     def start(self, sequences: list[list[int]]) -> None:
         super().start(sequences)

@@ -1,0 +1,76 @@
+"""The one builder of NASD's drafter over a batch's rows, for NASD and for hybrid drafting.
+
+`ngram` is one pool shared by every row (each row drafts from it and teaches it) or, for a batch, a
+list with one pool per row. Checked before any model runs; built once the target's runner exists
+(its measured costs price the drafts, and whether it verifies trees decides their shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
+from ngram_assisted.dynagram import DynaGram
+from sampling.common import Generation, Request
+from sampling.hybrid import register_pool
+from utils.caching import vocab_size
+from utils.validation import check_int, check_rows_argument
+
+
+def check_pools(ngram: object, request: Request) -> list[DynaGram]:
+    """`ngram`: a pool, or for a batch a list of one pool per row -> one pool per row."""
+    many = isinstance(ngram, (list, tuple))
+    for i, pool in enumerate(ngram if many else [ngram]):
+        if not isinstance(pool, DynaGram):
+            raise TypeError(f"{f'ngram[{i}]' if many else 'ngram'} must be a SimpleDynaGram or MultiDynaGram, "
+                            f"got {type(pool).__name__}")
+    if not many:
+        return [ngram] * request.num_rows
+    if not request.batched:
+        raise TypeError("ngram must be one pool for one sequence; a list of pools is for a batch")
+    return check_rows_argument(list(ngram), "ngram", request.num_rows, DynaGram)
+
+
+def ngram_rows(ngram: object, request: Request, *, top_k_filler: int = 3, stop_if_unknown: bool = True,
+               draft_cost: Callable[[int], float] | None = None,
+               branching: int | None = None) -> Callable[[Generation], NgramRows]:
+    """Check NASD's drafting arguments (`ngram_assisted_speculative_generate` says what each means)
+    -> the builder of its drafter over the rows of a generation of `request`.
+
+    Trees where the target verifies them in one pass (else chains, still exact); `branching` None:
+    up to AUTO_BRANCHING candidates per node where `stop_if_unknown` cuts them to what pays, a chain
+    otherwise. Unless `draft_cost` is given, drafts are priced by the target's measured costs (one
+    row; a batch's rows are cut together by `NgramRows`, from its timed batched passes)."""
+    pools = check_pools(ngram, request)
+    if not isinstance(stop_if_unknown, bool):
+        raise TypeError(f"stop_if_unknown must be a bool, got {stop_if_unknown!r}")
+    vocab = vocab_size(request.model)
+    check_int(top_k_filler, "top_k_filler", 1)
+    if top_k_filler > vocab:
+        raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab}, got {top_k_filler}")
+    if branching is not None:
+        check_int(branching, "branching", 1)
+    if draft_cost is not None and not callable(draft_cost):
+        raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
+    for pool in pools:
+        pool.bind_vocabulary(vocab)  # a pool filled under another vocabulary is refused here
+
+    def build(gen: Generation) -> NgramRows:
+        if not gen.runner.supports_trees:
+            width = 1
+        elif branching is None:
+            width = AUTO_BRANCHING if stop_if_unknown else 1
+        else:
+            width = branching
+        cost = draft_cost or gen.runner.costs
+        sources = gen.encoder_input_ids or [()] * len(pools)  # encoder-decoder: the source text, where copying happens
+        return NgramRows([
+            NgramDrafter(pool, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
+                         source_tokens=source, draft_cost=cost, branching=width)
+            for pool, source in zip(pools, sources, strict=True)
+        ], gen.runner.costs if draft_cost is None else None, stop_if_unknown)
+
+    return build
+
+
+register_pool(DynaGram, ngram_rows)  # `speculative_generate(..., ngram=pool)` builds the pool's rows here, at its defaults

@@ -1,0 +1,174 @@
+"""The one speculative loop (Leviathan et al. 2023, Chen et al. 2023): draft -> verify -> accept ->
+roll back, over every row of a batch, with any `Drafter` and any `DraftPolicy`; and its counters.
+
+Every speculative function ends here (`sampling/speculative.py`, `ngram_assisted/nasd.py`): only
+the drafter differs. Decoder-only versus encoder-decoder is the runner's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sampling.acceptance import accept
+from sampling.common import Generation, OnStep, Step
+from sampling.draft_policy import DraftPolicy
+from sampling.drafters import Drafter
+from utils.logits_processors import LogitsProcessor
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one (or several) speculative generations. Pass one as `stats=` to fill it; the
+    counters add up over calls and over the rows of a batch.
+
+    A *step* is one verification of one sequence: the target scores the row's last accepted token
+    and its drafts (none, a chain or a tree), and the row gains its accepted drafts plus the
+    target's own token (cut at an end token or `max_gen_len`). The prompt pass (prefill) is not a
+    step. In a batch, one shared target pass verifies every running row: it is one target forward
+    and as many steps as rows.
+
+    - `drafts_proposed`, `drafts_accepted`: drafted tokens (tree nodes) over all steps, and those accepted.
+    - `generated_tokens`: tokens returned, all rows together.
+    - `steps`: row-steps (each row's verifications, summed over rows).
+    - `steps_without_drafts`: row-steps in which nothing was drafted (plain decoding at a
+      verification's cost: the policy found nothing worth drafting, or the room was used up).
+    - `target_forwards`, `drafter_forwards`: forward passes of each model, the prefill included; a
+      batch's shared pass counts once.
+    - `proposed_by_position`, `accepted_by_position`: per draft position (per depth for a tree), the
+      steps that drafted that far and those that accepted that far.
+    - `tau` (property): generated tokens / steps, Spec-Bench's "mean accepted tokens" (the
+      accepted drafts plus the target's token, per verification of a sequence; 1.0 = no gain).
+    - `tokens_per_target_pass` (property): generated tokens / target forwards (prefill included;
+      in a batch it grows with the batch width, not with speculation).
+    - `alpha` (property): drafts accepted / drafts proposed.
+    """
+
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    steps: int = 0
+    steps_without_drafts: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance rate: drafts accepted / drafts proposed (0.0 when none was proposed)."""
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification step of a sequence (Spec-Bench's mean accepted tokens):
+        generated tokens / row-steps, the prompt pass excluded (0.0 before any step)."""
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        """Generated tokens / target forward passes, the prefill included; a batch's shared pass
+        counts once, so this grows with the batch width (0.0 before any pass)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft i accepted | draft i proposed), for i = 0, 1, ..."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=False)]
+
+    def record(self, num_drafts: int, num_accepted: int, depth: int | None = None) -> None:
+        """One step: `num_drafts` drafted nodes (of a tree `depth` deep; a chain's depth is its
+        length), `num_accepted` of them accepted. Acceptance by position is by depth."""
+        depth = num_drafts if depth is None else depth
+        self.steps += 1
+        self.steps_without_drafts += num_drafts == 0
+        self.drafts_proposed += num_drafts
+        self.drafts_accepted += num_accepted
+        grow = depth - len(self.proposed_by_position)
+        if grow > 0:
+            self.proposed_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(depth):
+            self.proposed_by_position[i] += 1
+            self.accepted_by_position[i] += i < num_accepted
+
+
+def speculative_loop(
+    gen: Generation,
+    drafter: Drafter,
+    *,
+    logits_processor: LogitsProcessor,
+    policy: DraftPolicy,
+    stats: SpeculativeStats | None = None,
+    on_step: OnStep | None = None,
+) -> tuple[list[int], float] | list[tuple[list[int], float]]:
+    """The draft -> verify -> accept -> roll back loop, over every row of `gen` (one row: one
+    sequence). Returns (generated ids, alpha), or for a batch a list with one such pair per row.
+
+    Invariant: the target's cache holds every accepted token of a row but the last one, which is
+    fed together with the row's drafts, so one forward pass scores the last token and all drafts
+    of every row. Each row accepts its own drafts (ragged acceptance); a finished row leaves the
+    batch. Random numbers come from each row's `gen.uniforms` (`sampling.randomness`). `policy`
+    gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome.
+    """
+    stats = stats if stats is not None else SpeculativeStats()
+    target = gen.runner
+    sequences = [list(prefix) for prefix in gen.prefixes]
+    live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's (and drafter's) order
+    drafter.start(sequences)
+    drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
+    if any(len(sequence) > 1 for sequence in sequences):  # prefill
+        target.forward_rows([(sequence[:-1], None) for sequence in sequences], [int(len(s) > 1) for s in sequences])
+    generated: list[list[int]] = [[] for _ in sequences]
+    proposed, accepted = [0] * len(sequences), [0] * len(sequences)
+    while live:
+        active = [sequences[row] for row in live]
+        # 1. Draft (a chain, or a tree from an n-gram pool) for every row: the step's budget of nodes at
+        #    most, and no path longer than the room left before max_gen_len once the target's token is counted.
+        max_drafts = policy.budget(len(live))
+        rooms = [gen.max_new_tokens[row] - len(generated[row]) - 1 for row in live]
+        drafts = drafter.draft(active, max_drafts, rooms)
+
+        # 2. Verify: one target pass over each row's last accepted token and every drafted node.
+        blocks = [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
+                  for sequence, (tree, _) in zip(active, drafts, strict=True)]
+        logits = target.forward_rows(blocks, [len(tokens) for tokens, _ in blocks])
+
+        paths, ps, going_on = [], [], []  # going_on: positions in `live` of the rows not finished
+        for i, row in enumerate(live):
+            (tree, q), sequence = drafts[i], sequences[row]
+            # 3. Accept a path of drafts, then take one token from the target.
+            path, token, p = accept(logits[i], tree, q, sequence, logits_processor, gen.uniforms[row])
+            n = len(path)
+
+            # 4. Roll back the target: keep the accepted path, forget the rest.
+            if tree.is_chain:
+                target.rollback_row(i, len(sequence) + n)
+            else:
+                target.keep_path_row(i, len(sequence) - 1, path)  # the root is the last accepted token
+            accepted_tokens = [tree.tokens[node] for node in path]
+            new_tokens, finished = gen.trim(row, accepted_tokens + [token], len(generated[row]))
+            sequence += new_tokens
+            generated[row] += new_tokens
+            paths.append(path)
+            ps.append(p)
+            if not finished:
+                going_on.append(i)
+
+            policy.update(len(tree), n)
+            proposed[row], accepted[row] = proposed[row] + len(tree), accepted[row] + n
+            stats.record(len(tree), n, tree.depth())
+            if on_step is not None:
+                rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
+                on_step(Step(drafts=tuple(accepted_tokens + rejected), accepted=n, tokens=tuple(new_tokens), row=row))
+
+        # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
+        drafter.update(active, paths, logits, ps)
+        if 0 < len(going_on) < len(live):  # finished rows stop costing compute
+            target = gen.runner = target.select_rows(going_on)  # the runner to use from now on
+            drafter.select_rows(going_on)
+        live = [live[i] for i in going_on]
+
+    stats.generated_tokens += sum(len(tokens) for tokens in generated)
+    stats.target_forwards += target.forward_passes - target_passes
+    stats.drafter_forwards += drafter.forward_passes - drafter_passes
+    return gen.results([(tokens, a / p if p else 0.0) for tokens, a, p in zip(generated, accepted, proposed, strict=True)])

@@ -1,0 +1,69 @@
+"""The house's floors only go down (docs/architecture.md): `utils/` imports no package above it,
+`sampling/` never imports `ngram_assisted/` (the hybrid reaches NASD's rows through `register_pool`),
+and the library's modules import each other in no circle. Every import counts, those inside
+functions and under `TYPE_CHECKING` included: each is an arrow a reader has to follow."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ("utils", "sampling", "ngram_assisted")
+ABOVE = {  # package -> the packages it may never import
+    "utils": {"sampling", "ngram_assisted", "console", "benchmarks", "custom_generate"},
+    "sampling": {"ngram_assisted", "console", "benchmarks", "custom_generate"},
+    "ngram_assisted": {"console", "benchmarks", "custom_generate"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports (absolute imports, anywhere in the file)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def library_files() -> list[Path]:
+    return sorted(path for package in LIBRARY for path in (ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", LIBRARY)
+def test_no_arrow_runs_back_up(package):
+    wrong = [f"{path.relative_to(ROOT)} imports {name}" for path in sorted((ROOT / package).rglob("*.py"))
+             for name in sorted(imports(path)) if name.split(".")[0] in ABOVE[package]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_library_has_no_import_circle():
+    modules = {module_name(path): path for path in library_files()}
+    graph = {name: {imported for imported in imports(path) if imported in modules and imported != name}
+             for name, path in modules.items()}
+    # A package's __init__ hands names on: importing `a.b` runs `a/__init__`, which is not an arrow back.
+    graph = {name: {target for target in targets if not name.startswith(target + ".")} for name, targets in graph.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                return [*path[path.index(target):], target] if target in path else [name, target]
+            if target not in state and (circle := visit(target, [*path, target])):
+                return circle
+        state[name] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (circle := visit(name, [name])):
+            pytest.fail("import circle: " + " -> ".join(circle))
