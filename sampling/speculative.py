@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.acceptance import accept
+from sampling.cascade import Cascade
 from sampling.common import Generation, OnStep, Step, prepare
 from sampling.custom_drafters import CheckedDrafter, check_drafter
 from sampling.draft_confidence import ConfidenceStop
@@ -54,6 +55,9 @@ class SpeculativeStats:
     - `tokens_per_target_pass` (property): generated tokens / target forwards (prefill included;
       in a batch it grows with the batch width, not with speculation).
     - `alpha` (property): drafts accepted / drafts proposed.
+    - `cascade_proposed`, `cascade_accepted`: cascade drafting (`sampling/cascade.py`): tokens the
+      drafter model's own proposer fed to its passes, and those that were the drafter's own drafts
+      (each one a drafter pass saved); `drafter_forwards` counts the passes that remained.
     """
 
     drafts_proposed: int = 0
@@ -65,6 +69,8 @@ class SpeculativeStats:
     steps_without_drafts: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    cascade_proposed: int = 0
+    cascade_accepted: int = 0
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
 
     @property
@@ -207,9 +213,11 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
                  logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step,
-                 tokenizer=None, drafter_tokenizer=None, drafter_invariant=None, ngram=None):
+                 tokenizer=None, drafter_tokenizer=None, drafter_invariant=None, ngram=None, cascade=None):
     if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
         raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
+    if cascade is not None and not isinstance(cascade, bool):
+        raise TypeError(f"cascade must be a bool or None, got {cascade!r}")
     if not isinstance(drafter, torch.nn.Module):  # your own drafter: the `Drafter` protocol (docs/drafters.md)
         if drafter_tokenizer is not None:
             raise ValueError("drafter_tokenizer is for a drafter model with another vocabulary; a Drafter object "
@@ -219,6 +227,9 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
         if drafter_invariant:
             raise ValueError("drafter_invariant=True is for a drafter model; a Drafter object's drafts with q None "
                              "are already decided by the coupled rule")
+        if cascade:
+            raise ValueError("cascade=True drafts for a drafter model; a Drafter object drafts on its own: "
+                             "pass cascade=None")
         return _with_drafter_object(
             inputs, drafter, target, encoder_decoder=encoder_decoder, use_cache=use_cache, gamma=gamma,
             max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
@@ -249,12 +260,15 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
     model_drafter.coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant
     model_drafter.runner.costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
+    # The other-tokenizer drafter has no per-token stop: its chains are sized by the rate alone.
     policy = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
-                                  warm=model_drafter.is_warm, per_token_stop=True)
+                                  warm=model_drafter.is_warm, per_token_stop=not universal)
+    if adaptive_gamma if cascade is None else cascade:  # its proposer, priced by the drafter's costs
+        model_drafter.cascade = Cascade(model_drafter.runner.costs)
     if adaptive_gamma:
         draft_length = policy
-        model_drafter.stop = ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma)
+        model_drafter.stop = ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma, on_discard=policy.discard)
     else:
         draft_length = DraftLength(gamma)
     drafter_in_loop = model_drafter
@@ -268,6 +282,9 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     )
     if universal and stats is not None:
         stats.retokenize_seconds += model_drafter.retokenize_seconds
+    if model_drafter.cascade is not None and stats is not None:
+        stats.cascade_proposed += model_drafter.cascade.proposed
+        stats.cascade_accepted += model_drafter.cascade.accepted
     return result
 
 
@@ -339,6 +356,7 @@ def speculative_generate(
     drafter_tokenizer=None,
     drafter_invariant: bool | None = None,
     ngram: DynaGram | list[DynaGram] | None = None,
+    cascade: bool | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
     object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
@@ -366,12 +384,17 @@ def speculative_generate(
     `ngram` (a `MultiDynaGram(8)`, say; one pool shared by a batch's rows, or a list with one per
     row): hybrid drafting: each step and row drafts from the pool or with the model, whichever is
     expected to give more tokens per unit of measured cost (`sampling/hybrid.py`), exact either way.
+    `cascade` (cascade drafting, `sampling/cascade.py`): a prompt-lookup proposer offers the drafter
+    model tokens that it checks in one pass of its own, so several drafts cost one drafter pass where
+    its measured costs say a wider pass is cheap; its drafts and q are exactly those of one-token
+    passes, so outputs are unchanged. None (the default): on with `adaptive_gamma`, off otherwise.
     """
     return _speculative(
         inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
+        cascade=cascade,
     )
 
 
@@ -394,6 +417,7 @@ def speculative_generate_encoder_decoder(
     drafter_tokenizer=None,
     drafter_invariant: bool | None = None,
     ngram: DynaGram | list[DynaGram] | None = None,
+    cascade: bool | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
     form `speculative_generate` takes (each model's encoder runs once); returns the decoder's generated ids without the start token.
@@ -403,4 +427,5 @@ def speculative_generate_encoder_decoder(
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
+        cascade=cascade,
     )

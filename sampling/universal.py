@@ -304,8 +304,7 @@ class UniversalDrafter(ModelDrafter):
         for b, ((tree, q), k) in enumerate(zip(drafts, lengths, strict=True)):
             row = self._rows[b]
             if tree.tokens:
-                row.cached = row.tokens + tree.tokens[:-1]  # the last draft is not fed
-                assert len(row.cached) == self.runner.row_length(b), "drafter cache out of step"
+                row.cached = (row.tokens + tree.tokens)[: self.runner.row_length(b)]  # the last draft unless a cascade fed it
             if not self.processor.is_greedy and tree.tokens:  # sampling: one target token per draft, all in the intersection
                 out.append((DraftTree.chain(self._to_target[tree.tokens].tolist()), q))
             else:
