@@ -117,8 +117,8 @@ class Cascade:
 
     `costs(k)`: the drafter's pass over 1 + k tokens relative to a one-token pass (its `PassCosts`;
     a batch's shared pass is priced by `costs.batch_ratio` when it has one). `proposed` and
-    `accepted` count the tokens fed to the drafter and those that were its own drafts (each one a
-    drafter pass saved).
+    `accepted` count the tokens fed to the drafter and those that were its own drafts with a draft
+    after them in the same pass (each one a drafter pass saved).
     """
 
     def __init__(self, costs: Callable[[int], float], max_match: int = MAX_MATCH) -> None:
@@ -159,9 +159,9 @@ class Cascade:
         self.proposed += len(tokens)
         return tokens
 
-    def taken(self, num_matched: int) -> None:
-        """`num_matched` fed proposals were the drafter's own drafts."""
-        self.accepted += num_matched
+    def taken(self, num_saved: int) -> None:
+        """`num_saved` fed proposals were the drafter's own drafts and the pass went on after them."""
+        self.accepted += num_saved
 
     def finish(self, row: int, drafts: list[int]) -> None:
         """Row `row`'s chain is drafted: judge every lookup of it, fed or not, against the drafts

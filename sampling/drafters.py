@@ -246,7 +246,7 @@ class ModelDrafter:
         tokens). Each position drafts from its own q as a one-token pass would; a proposal equal to
         the draft lets the next position go on. -> what the row feeds next (its last draft, or
         nothing once its chain is drafted); the cache forgets the proposals it did not take."""
-        matched, feed = 0, []
+        matched, feed, first = 0, [], len(drafts[b])
         for j in range(len(proposals) + 1):
             i = len(drafts[b])
             history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
@@ -263,7 +263,7 @@ class ModelDrafter:
                 feed = [drafts[b][-1]] if i + 1 < lengths[b] else []  # the last draft is fed only if accepted
                 break
         if proposals:
-            self.cascade.taken(matched)
+            self.cascade.taken(len(drafts[b]) - first - 1)  # drafts beyond the pass's first: passes saved
             self.runner.rollback_row(b, self.runner.row_length(b) - (len(proposals) - matched))
         return feed
 

@@ -57,7 +57,8 @@ class SpeculativeStats:
     - `alpha` (property): drafts accepted / drafts proposed.
     - `cascade_proposed`, `cascade_accepted`: cascade drafting (`sampling/cascade.py`): tokens the
       drafter model's own proposer fed to its passes, and those that were the drafter's own drafts
-      (each one a drafter pass saved); `drafter_forwards` counts the passes that remained.
+      with a draft after them in the same pass (each one a drafter pass saved: for one row,
+      `drafter_forwards` is the cascade-off count less `cascade_accepted`).
     """
 
     drafts_proposed: int = 0
