@@ -213,3 +213,21 @@ def test_bad_cascade_arguments_are_refused_before_any_model_runs():
 
     with pytest.raises(ValueError, match="cascade=True"):
         speculative_generate(prompt(0), Echo(), target, cascade=True)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_drafter_with_another_tokenizer_drafts_alike_with_the_cascade_on_or_off(adaptive, fixed_costs):
+    from tests.test_universal import PROMPTS, models_for
+
+    target, tokenizer, drafter, drafter_tokenizer = models_for("llama", "qwen2")
+    proposed = 0
+    for processor, seed in CASES[:2]:
+        for text in PROMPTS:
+            ids = tokenizer.encode(text * 3)  # repeated text: the proposer finds matches
+            kwargs = dict(gamma=6, adaptive_gamma=adaptive, logits_processor=processor, tokenizer=tokenizer,
+                          drafter_tokenizer=drafter_tokenizer)
+            off, off_steps, _ = run([ids], drafter, target, False, seed, **kwargs)
+            on, on_steps, on_stats = run([ids], drafter, target, True, seed, **kwargs)
+            assert on == off and on_steps == off_steps
+            proposed += on_stats.cascade_proposed
+    assert proposed > 0 or adaptive  # adaptive: this random drafter's short chains leave nothing to propose
