@@ -231,3 +231,23 @@ def test_a_drafter_with_another_tokenizer_drafts_alike_with_the_cascade_on_or_of
             assert on == off and on_steps == off_steps
             proposed += on_stats.cascade_proposed
     assert proposed > 0 or adaptive  # adaptive: this random drafter's short chains leave nothing to propose
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoder_drafts_alike_with_the_cascade_on_or_off(name):
+    from sampling import speculative_generate_encoder_decoder
+
+    target = tiny_model(name)
+    drafter = near_copy(target, scale=0.05)
+    pattern = prompt(0)[:6]
+    for processor, seed in CASES[:2]:
+        outs = {}
+        for cascade in (False, True):
+            steps, stats = [], SpeculativeStats()
+            rows = [pattern * 3, prompt(1)]
+            generators = None if seed is None else [seeded(seed), seeded(seed + 1)]
+            out = speculative_generate_encoder_decoder(rows, drafter, target, gamma=8, max_gen_len=24, cascade=cascade,
+                                                       logits_processor=processor, generator=generators,
+                                                       on_step=steps.append, stats=stats)
+            outs[cascade] = (out, steps)
+        assert outs[True] == outs[False]
