@@ -213,10 +213,11 @@ class ModelDrafter:
         confidences: list[list[float]] = [[] for _ in sequences]
         while any(pending):
             proposals = [self.cascade.propose(b, sequence, drafts[b], lengths[b] - len(drafts[b]), len(pending[b]),
-                                              len(sequences)) if pending[b] and self.cascade and not cold else []
+                                              len(sequences)) if pending[b] and self.cascade is not None and not cold else []
                          for b, sequence in enumerate(sequences)]
-            logits = self.runner.forward_rows([(tokens + extra, None) for tokens, extra in zip(pending, proposals, strict=True)],
-                                              [len(extra) + 1 if tokens else 0 for tokens, extra in zip(pending, proposals, strict=True)])
+            blocks = [(tokens + extra, None) for tokens, extra in zip(pending, proposals, strict=True)]
+            logits = self.runner.forward_rows(blocks, [len(extra) + 1 if tokens else 0
+                                                       for tokens, extra in zip(pending, proposals, strict=True)])
             if cold:
                 synchronize(*self.runner.devices)
                 start, cold = time.perf_counter(), False
