@@ -265,7 +265,7 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     policy = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, model_drafter.runner.costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
                                   warm=model_drafter.is_warm, per_token_stop=not universal)
-    if adaptive_gamma if cascade is None else cascade:  # its proposer, priced by the drafter's costs
+    if (adaptive_gamma if cascade is None else cascade):  # the drafter's proposer, priced by its costs
         model_drafter.cascade = Cascade(model_drafter.runner.costs)
     if adaptive_gamma:
         draft_length = policy
