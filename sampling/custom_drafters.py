@@ -35,7 +35,7 @@ def check_drafter(drafter: object) -> None:
 
 
 def check_drafter_options(drafter: object, *, adaptive_gamma: bool, drafter_tokenizer: object, ngram: object,
-                          drafter_invariant: bool | None) -> None:
+                          drafter_invariant: bool | None, cascade: bool | None = None) -> None:
     """A drafter object (`check_drafter`) with no option that is for a drafter model: each raises naming it."""
     check_drafter(drafter)
     if drafter_tokenizer is not None:
@@ -46,6 +46,8 @@ def check_drafter_options(drafter: object, *, adaptive_gamma: bool, drafter_toke
     if drafter_invariant:
         raise ValueError("drafter_invariant=True is for a drafter model; a Drafter object's drafts with q None "
                          "are already decided by the coupled rule")
+    if cascade:
+        raise ValueError("cascade=True drafts for a drafter model; a Drafter object drafts on its own: pass cascade=None")
     if adaptive_gamma:
         # The rule learns one acceptance rate for a chain and prices a draft by a drafter model's
         # timed passes; a drafter object may draft trees and costs what it costs. It sizes its own

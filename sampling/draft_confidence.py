@@ -56,10 +56,15 @@ class ConfidenceStop:
 
     `cost(k)`: a step with k drafts, drafter passes included, in one-token target passes;
     `verify_cost(k)`: the target's pass over 1 + k tokens alone (what keeping a drafted token costs).
+    `on_discard()`: called when a chain was drafted and none of it kept (its passes bought nothing:
+    the draft-length policy counts it as a rejected draft, or it would go on starting chains that
+    never reach the target and never teach it their acceptance).
     """
 
-    def __init__(self, cost: Callable[[int], float], verify_cost: Callable[[int], float], max_drafts: int) -> None:
+    def __init__(self, cost: Callable[[int], float], verify_cost: Callable[[int], float], max_drafts: int,
+                 on_discard: Callable[[], None] = lambda: None) -> None:
         self.cost, self.verify_cost, self.max_drafts = cost, verify_cost, max_drafts
+        self.on_discard = on_discard
         self.acceptance = ConfidenceAcceptance()
 
     def reaches(self, confidences: Sequence[float]) -> list[float]:

@@ -152,6 +152,12 @@ class CostAwareDraftLength:
         # chain: the single rate only decides whether to start one.
         return self.max_gamma if k and self.per_token_stop else k
 
+    def discard(self) -> None:
+        """A chain was drafted and the per-token stop kept none of it: its passes were paid for
+        nothing, as for a rejected draft (the step itself is counted by `update` as a plain one)."""
+        self.accepted *= self.FORGET
+        self.judged = self.judged * self.FORGET + 1.0
+
     def update(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
             self.plain_steps += 1

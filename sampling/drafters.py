@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from sampling.cascade import Cascade
 from sampling.draft_confidence import ConfidenceStop
 from sampling.randomness import DRAFT, TARGET, PositionUniforms
 from utils.caching import make_runner, synchronize
@@ -145,6 +146,7 @@ class ModelDrafter:
         coupled: bool = False,
         costs: PassCosts | None = None,
         stop: ConfidenceStop | None = None,
+        cascade: Cascade | None = None,
     ) -> None:
         rows = len(uniforms)
         # Its costs: its kernels, and its step's cost for adaptive gamma (`utils.calibration.pass_costs`).
@@ -161,6 +163,9 @@ class ModelDrafter:
         # drafted token) against the measured costs (`sampling.draft_confidence`); None: fixed gamma.
         self.stop = stop
         self._confidences: list[list[float]] = [[] for _ in range(rows)]  # of each row's last chain
+        # Cascade drafting (`sampling.cascade`): a proposer whose tokens the drafter checks in one
+        # pass of its own; None: one pass per drafted token.
+        self.cascade = cascade
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
         self.seconds_per_draft: float | None = None
@@ -172,6 +177,8 @@ class ModelDrafter:
     def start(self, sequences: list[list[int]]) -> None:
         for row in range(len(sequences)):
             self.runner.rollback_row(row, 0)
+        if self.cascade is not None:
+            self.cascade.start(len(sequences))
 
     def is_warm(self) -> bool:
         """Whether some row's cache holds tokens: the drafter has drafted in this generation."""
@@ -201,46 +208,76 @@ class ModelDrafter:
             return [(DraftTree.chain([]), None) for _ in sequences]
         synchronize(*self.runner.devices)  # the clock starts once the queued work is done
         start = time.perf_counter()
-        # Catch up on what each drafting row has not seen; then one pass per draft, rows in lockstep.
-        feeds = [(sequence[self.runner.row_length(b) :] if k else [], None)
-                 for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True))]
-        logits = self.runner.forward_rows(feeds, [int(k > 0) for k in lengths])
-        if max(len(tokens) for tokens, _ in feeds) > max(lengths) + 1:
-            # A cold catch-up (the prompt, or a long stretch the drafter skipped) is paid once, not
-            # per drafted token: timed in, it would price every later draft out of paying.
-            synchronize(*self.runner.devices)
-            start = time.perf_counter()
+        # Each drafting row feeds what it has not seen (the target's token...), then its last draft;
+        # with a cascade, proposals after it (`sampling.cascade`): one pass may give several drafts.
+        pending = [sequence[self.runner.row_length(b) :] if k else []
+                   for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True))]
+        # A cold catch-up (the prompt, or a long stretch the drafter skipped) is paid once, not per
+        # drafted token: timed in, it would price every later draft out of paying.
+        cold = max(len(tokens) for tokens in pending) > max(lengths) + 1
         drafts: list[list[int]] = [[] for _ in sequences]
         qs: list[list[Tensor]] = [[] for _ in sequences]
         confidences: list[list[float]] = [[] for _ in sequences]
-        for i in range(max(lengths)):
-            feeds = []
+        while any(pending):
+            proposals = [self.cascade.propose(b, sequence, drafts[b], lengths[b] - len(drafts[b]), len(pending[b]),
+                                              len(sequences)) if pending[b] and self.cascade is not None and not cold else []
+                         for b, sequence in enumerate(sequences)]
+            blocks = [(tokens + extra, None) for tokens, extra in zip(pending, proposals, strict=True)]
+            logits = self.runner.forward_rows(blocks, [len(extra) + 1 if tokens else 0
+                                                       for tokens, extra in zip(pending, proposals, strict=True)])
+            if cold:
+                synchronize(*self.runner.devices)
+                start, cold = time.perf_counter(), False
             for b, sequence in enumerate(sequences):
-                if i >= lengths[b]:
-                    feeds.append(([], None))
-                    continue
-                history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
-                q = self._distribution(logits[b][-1], history)
-                drafts[b].append(self._sample(q, b, len(sequence) + i))
-                qs[b].append(q)
-                if self.stop is not None:
-                    confidences[b].append(float(q[drafts[b][-1]]))
-                    if not self.stop.keep_drafting(confidences[b]):
-                        lengths[b] = i + 1
-                feeds.append(([drafts[b][-1]] if i + 1 < lengths[b] else [], None))  # the last draft is fed only if accepted
-            if any(tokens for tokens, _ in feeds):
-                logits = self.runner.forward_rows(feeds, [int(bool(tokens)) for tokens, _ in feeds])
+                if pending[b]:
+                    pending[b] = self._take(b, sequence, logits[b], proposals[b], drafts, qs, confidences, lengths)
+        if self.cascade is not None:
+            for b, chain in enumerate(drafts):
+                self.cascade.finish(b, chain)
         synchronize(*self.runner.devices)
         seconds = (time.perf_counter() - start) / max(lengths)
         previous = self.seconds_per_draft
         self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
             kept = [self.stop.keep(c) for c in confidences]
+            for c, k in zip(confidences, kept, strict=True):
+                if c and not k:
+                    self.stop.on_discard()
             drafts, qs = [d[:k] for d, k in zip(drafts, kept, strict=True)], [q[:k] for q, k in zip(qs, kept, strict=True)]
             self._confidences = [c[:k] for c, k in zip(confidences, kept, strict=True)]
         deterministic = self.processor.is_greedy or self.coupled
         return [(DraftTree.chain(tokens), None if deterministic or not tokens else torch.stack(q))
                 for tokens, q in zip(drafts, qs, strict=True)]
+
+    def _take(self, b, sequence, logits, proposals, drafts, qs, confidences, lengths) -> list[int]:
+        """Row b's drafts from one pass: `logits[j]` follows its j-th proposal (row 0: the fed
+        tokens). Each position drafts from its own q as a one-token pass would; a proposal equal to
+        the draft lets the next position go on. -> what the row feeds next (its last draft, or
+        nothing once its chain is drafted); the cache forgets the proposals it did not take."""
+        matched, feed, first = 0, [], len(drafts[b])
+        for j in range(len(proposals) + 1):
+            i = len(drafts[b])
+            history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
+            q = self._distribution(logits[j], history)
+            drafts[b].append(self._sample(q, b, len(sequence) + i))
+            qs[b].append(q)
+            if self.stop is not None:
+                confidences[b].append(self._confidence(q, drafts[b][-1]))
+                if not self.stop.keep_drafting(confidences[b]):
+                    lengths[b] = i + 1
+            same = j < len(proposals) and drafts[b][-1] == proposals[j]
+            matched += same
+            if i + 1 >= lengths[b] or not same:
+                feed = [drafts[b][-1]] if i + 1 < lengths[b] else []  # the last draft is fed only if accepted
+                break
+        if proposals:
+            self.cascade.taken(len(drafts[b]) - first - 1)  # drafts beyond the pass's first: passes saved
+            self.runner.rollback_row(b, self.runner.row_length(b) - (len(proposals) - matched))
+        return feed
+
+    def _confidence(self, q: Tensor, draft: int) -> float:
+        """The drafter's probability of its draft (for the per-token stop)."""
+        return float(q[draft])
 
     def update(self, sequences, paths, target_logits, p) -> None:
         # Keep the accepted drafts each row's cache has seen; drop the rejected ones.
@@ -255,3 +292,5 @@ class ModelDrafter:
         self.uniforms = [self.uniforms[b] for b in keep]
         self._accepted_lengths = [self._accepted_lengths[b] for b in keep]
         self._confidences = [self._confidences[b] for b in keep]
+        if self.cascade is not None:
+            self.cascade.select_rows(keep)

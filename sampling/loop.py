@@ -41,6 +41,10 @@ class SpeculativeStats:
     - `tokens_per_target_pass` (property): generated tokens / target forwards (prefill included;
       in a batch it grows with the batch width, not with speculation).
     - `alpha` (property): drafts accepted / drafts proposed.
+    - `cascade_proposed`, `cascade_accepted`: cascade drafting (`sampling/cascade.py`): tokens the
+      drafter model's own proposer fed to its passes, and those that were the drafter's own drafts
+      with a draft after them in the same pass (each one a drafter pass saved: for one row,
+      `drafter_forwards` is the cascade-off count less `cascade_accepted`).
     """
 
     drafts_proposed: int = 0
@@ -52,6 +56,8 @@ class SpeculativeStats:
     steps_without_drafts: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    cascade_proposed: int = 0
+    cascade_accepted: int = 0
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
+from sampling.cascade import Cascade
 from sampling.common import Generation
 from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
@@ -32,29 +33,36 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 
 def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, *,
                    logits_processor: LogitsProcessor, use_cache: bool,
-                   gamma: int, adaptive_gamma: bool, drafter_invariant: bool | None, universal: bool = False,
+                   gamma: int, adaptive_gamma: bool, drafter_invariant: bool | None, cascade: bool | None = None,
+                   universal: bool = False,
                    tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter, CostAwareDraftLength, DraftPolicy]:
     """A drafter model over the rows of `gen` (arguments checked; `universal`: it has another
     tokenizer, `sampling.universal.check_tokenizers`) -> (its drafter, the cost-aware policy of its
-    chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step)."""
+    chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step). `cascade`
+    (None: on with `adaptive_gamma`): the drafter checks a proposer's tokens in passes of its own
+    (`sampling/cascade.py`), priced by its measured costs."""
     # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
     # closures read the drafter built below: one drafter and one policy, each built whole).
     drafter_costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     policy = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, drafter_costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
-                                  warm=lambda: model_drafter.is_warm(), per_token_stop=True)
+                                  warm=lambda: model_drafter.is_warm(),
+                                  per_token_stop=not universal)  # the other-tokenizer drafter has no per-token stop
     # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
     coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant
+    proposer = Cascade(drafter_costs) if (adaptive_gamma if cascade is None else cascade) else None
     if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/universal.py)
         model_drafter = UniversalDrafter(drafter, logits_processor, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
                                          target_vocab_size=vocab_size(target), uniforms=gen.uniforms, use_cache=use_cache,
-                                         trees=gen.runner.supports_trees, coupled=coupled, costs=drafter_costs)
+                                         trees=gen.runner.supports_trees, coupled=coupled, costs=drafter_costs,
+                                         cascade=proposer)
     else:
-        stop = ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma) if adaptive_gamma else None
+        stop = (ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma, on_discard=policy.discard)
+                if adaptive_gamma else None)
         model_drafter = ModelDrafter(
             drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
-            costs=drafter_costs,
+            costs=drafter_costs, cascade=proposer,
         )
     return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)

@@ -30,16 +30,18 @@ def check_gamma(gamma: object) -> int:
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len, logits_processor,
                  end_tokens_id, adaptive_gamma, generator, stats, on_step, tokenizer=None, drafter_tokenizer=None,
-                 drafter_invariant=None, ngram=None):
+                 drafter_invariant=None, ngram=None, cascade=None):
     """Check every argument (before any model runs), build the drafter, run the loop."""
     if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
         raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
+    if cascade is not None and not isinstance(cascade, bool):
+        raise TypeError(f"cascade must be a bool or None, got {cascade!r}")
     is_model = isinstance(drafter, torch.nn.Module)
     if is_model:
         check_model(drafter, "drafter", encoder_decoder)
     else:  # your own drafter: the `Drafter` protocol (docs/drafters.md)
         check_drafter_options(drafter, adaptive_gamma=adaptive_gamma, drafter_tokenizer=drafter_tokenizer, ngram=ngram,
-                              drafter_invariant=drafter_invariant)
+                              drafter_invariant=drafter_invariant, cascade=cascade)
     request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
                             logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
                             model_name="target")
@@ -60,8 +62,8 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     gen = start_generation(request)
     model_drafter, cost_policy, policy = model_drafting(
         drafter, target, gen, logits_processor=logits_processor, use_cache=use_cache, gamma=gamma,
-        adaptive_gamma=adaptive_gamma, drafter_invariant=drafter_invariant, universal=universal, tokenizer=tokenizer,
-        drafter_tokenizer=drafter_tokenizer)
+        adaptive_gamma=adaptive_gamma, drafter_invariant=drafter_invariant, cascade=cascade, universal=universal,
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer)
     drafter_in_loop = model_drafter
     if build_pool_rows is not None:  # the pool's draft or the model's, per step and row (sampling/hybrid.py)
         drafter_in_loop, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=gamma,
@@ -70,6 +72,9 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
                               on_step=on_step)
     if universal and stats is not None:
         stats.retokenize_seconds += model_drafter.retokenize_seconds
+    if model_drafter.cascade is not None and stats is not None:
+        stats.cascade_proposed += model_drafter.cascade.proposed
+        stats.cascade_accepted += model_drafter.cascade.accepted
     return result
 
 
@@ -92,6 +97,7 @@ def speculative_generate(
     drafter_tokenizer=None,
     drafter_invariant: bool | None = None,
     ngram: NgramPool | list[NgramPool] | None = None,
+    cascade: bool | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
     object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
@@ -119,12 +125,17 @@ def speculative_generate(
     `ngram` (a `MultiDynaGram(8)`, say; one pool shared by a batch's rows, or a list with one per
     row): hybrid drafting: each step and row drafts from the pool or with the model, whichever is
     expected to give more tokens per unit of measured cost (`sampling/hybrid.py`), exact either way.
+    `cascade` (cascade drafting, `sampling/cascade.py`): a prompt-lookup proposer offers the drafter
+    model tokens that it checks in one pass of its own, so several drafts cost one drafter pass where
+    its measured costs say a wider pass is cheap; its drafts and q are exactly those of one-token
+    passes, so outputs are unchanged. None (the default): on with `adaptive_gamma`, off otherwise.
     """
     return _speculative(
         inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
+        cascade=cascade,
     )
 
 
@@ -147,6 +158,7 @@ def speculative_generate_encoder_decoder(
     drafter_tokenizer=None,
     drafter_invariant: bool | None = None,
     ngram: NgramPool | list[NgramPool] | None = None,
+    cascade: bool | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
     form `speculative_generate` takes (each model's encoder runs once); returns the decoder's generated ids without the start token.
@@ -156,4 +168,5 @@ def speculative_generate_encoder_decoder(
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
+        cascade=cascade,
     )

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from sampling.cascade import Cascade
 from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree, ModelDrafter
 from sampling.randomness import PositionUniforms
 from sampling.vocabularies import check_round_trip, check_tokenizer, intersection, same_vocabulary
@@ -160,11 +161,11 @@ class UniversalDrafter(ModelDrafter):
     def __init__(self, model: PreTrainedModel, processor: LogitsProcessor, *, tokenizer: PreTrainedTokenizerBase,
                  drafter_tokenizer: PreTrainedTokenizerBase, target_vocab_size: int,
                  uniforms: list[PositionUniforms], use_cache: bool = True, trees: bool = False,
-                 coupled: bool = False, costs: PassCosts | None = None) -> None:
+                 coupled: bool = False, costs: PassCosts | None = None, cascade: Cascade | None = None) -> None:
         # No confidence stop (`sampling.draft_confidence`): it reads q at the drafter's token id, and q
         # here lives in the target's vocabulary (or, greedy, is raw scores); `adaptive_gamma` still sizes the drafts.
         super().__init__(model, processor, vocab_size=target_vocab_size, uniforms=uniforms, use_cache=use_cache,
-                         coupled=coupled, stop=None, costs=costs)
+                         coupled=coupled, stop=None, costs=costs, cascade=cascade)
         self.drafter_tokens = min(len(drafter_tokenizer), vocab_size(model))  # ids past it are padding rows
         self.bridge = bridge(tokenizer, drafter_tokenizer, target_vocab_size, vocab_size(model))
         if not processor.is_greedy and len(self.bridge.drafter_ids) == 0:
@@ -298,8 +299,7 @@ class UniversalDrafter(ModelDrafter):
         for b, ((tree, q), k) in enumerate(zip(drafts, lengths, strict=True)):
             row = self._rows[b]
             if tree.tokens:
-                row.cached = row.tokens + tree.tokens[:-1]  # the last draft is not fed
-                assert len(row.cached) == self.runner.row_length(b), "drafter cache out of step"
+                row.cached = (row.tokens + tree.tokens)[: self.runner.row_length(b)]  # the last draft unless a cascade fed it
             if not self.processor.is_greedy and tree.tokens:  # sampling: one target token per draft, all in the intersection
                 out.append((DraftTree.chain(self._to_target[tree.tokens].tolist()), q))
             else:

@@ -1,0 +1,135 @@
+"""A drafter that never loses (issue 34, item 4): a drafter whose drafts the target never accepts,
+under costs where drafting is not free, soon drafts nothing (plain decoding at a verification's
+cost) and spends far fewer passes than tokens generated: a model drafter, one with another
+tokenizer, and the hybrid. Outputs stay exact meanwhile."""
+
+import copy
+
+import pytest
+import torch
+
+from ngram_assisted import MultiDynaGram
+from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
+from sampling.draft_confidence import ConfidenceStop
+from sampling.draft_policy import CostAwareDraftLength
+from tests.models import prompt, tiny_model
+from utils.cost_model import PassCosts
+
+AVX2_FP32 = {0: 1.0, 4: 1.40, 8: 2.08}  # a pass over 5 tokens 1.40x a one-token pass, over 9 tokens 2.08x
+TOKENS = 96
+
+
+def contrary(target):
+    """The target with its output rows shifted by one: its argmax is always the target's + 1."""
+    twin = copy.deepcopy(target)
+    head = twin.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.copy_(torch.roll(head.weight, 1, dims=0))
+    return twin
+
+
+@pytest.fixture
+def dear_drafting(monkeypatch):
+    """Every model's passes cost the AVX2 table; a drafted token costs 0.37 of a target pass (the
+    0.5B's share of the 1.5B's pass); no timing moves either."""
+    def costs(model):
+        return PassCosts(relative=dict(AVX2_FP32), one_token_seconds=0.1, measured=True)
+
+    monkeypatch.setattr("sampling.common.pass_costs", costs)
+    monkeypatch.setattr("sampling.model_drafting.pass_costs", costs)
+    monkeypatch.setattr(PassCosts, "observe", lambda self, k, seconds: None)
+    monkeypatch.setattr(PassCosts, "observe_batch", lambda self, rows, width, seconds: None)
+    monkeypatch.setattr(CostAwareDraftLength, "drafter_step_cost", lambda self: 0.37)
+
+
+def assert_soon_plain(stats: SpeculativeStats) -> None:
+    assert stats.drafts_accepted == 0
+    assert stats.steps_without_drafts >= 0.8 * stats.steps
+    assert stats.drafter_forwards <= 0.35 * stats.generated_tokens
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_model_drafter_that_never_agrees_soon_drafts_nothing(name, dear_drafting):
+    target = tiny_model(name)
+    drafter = contrary(target)
+    rows = [prompt(0), prompt(1)[:7]]
+    for row in rows:
+        stats = SpeculativeStats()
+        out, _ = speculative_generate(row, drafter, target, adaptive_gamma=True, max_gen_len=TOKENS, stats=stats)
+        assert out == autoregressive_generate(row, target, max_gen_len=TOKENS)
+        assert_soon_plain(stats)
+    stats = SpeculativeStats()
+    speculative_generate(rows, drafter, target, adaptive_gamma=True, max_gen_len=TOKENS, stats=stats)
+    assert_soon_plain(stats)
+
+
+def test_the_hybrid_with_a_drafter_that_never_agrees_soon_stops_using_it(dear_drafting):
+    target = tiny_model("llama")
+    stats = SpeculativeStats()
+    out, _ = speculative_generate(prompt(2), contrary(target), target, adaptive_gamma=True, max_gen_len=TOKENS,
+                                  stats=stats, ngram=MultiDynaGram(4))
+    assert out == autoregressive_generate(prompt(2), target, max_gen_len=TOKENS)
+    assert stats.drafter_forwards <= 0.35 * stats.generated_tokens
+
+
+def test_a_drafter_with_another_tokenizer_that_rarely_agrees_soon_drafts_nothing(dear_drafting):
+    from tests.test_universal import PROMPTS, models_for
+
+    target, tokenizer, drafter, drafter_tokenizer = models_for("llama", "qwen2")
+    for text in PROMPTS:
+        ids = tokenizer.encode(text)
+        stats = SpeculativeStats()
+        out, _ = speculative_generate(ids, drafter, target, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
+                                      adaptive_gamma=True, max_gen_len=TOKENS, stats=stats)
+        assert out == autoregressive_generate(ids, target, max_gen_len=TOKENS)
+        # A random drafter: it may be right now and then, but it drafts no long chains for it.
+        assert stats.alpha < 0.5
+        assert stats.steps_without_drafts >= 0.8 * stats.steps
+        assert stats.drafter_forwards <= 0.35 * stats.generated_tokens
+
+
+def test_a_chain_the_stop_drops_whole_counts_against_drafting():
+    policy = CostAwareDraftLength(16, PassCosts(relative=dict(AVX2_FP32), one_token_seconds=0.1),
+                                  PassCosts(relative=dict(AVX2_FP32), one_token_seconds=0.1),
+                                  draft_seconds=lambda: 0.02, per_token_stop=True)
+    stop = ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma, on_discard=policy.discard)
+    assert policy.gamma > 0
+    alpha = policy.acceptance_rate
+    for _ in range(10):  # drafted, none kept: passes paid for nothing
+        stop.on_discard()
+        policy.update(0, 0)
+    assert policy.acceptance_rate < alpha / 3 and policy.gamma == 0
+
+
+BF16_15B = {0: 1.0, 8: 1.0, 12: 1.11, 16: 1.19, 24: 1.40, 31: 1.64}  # Qwen2.5-Coder-1.5B, bfloat16
+
+
+@pytest.fixture
+def cheap_drafting(monkeypatch):
+    """Wide passes cost what a one-token pass costs, a drafted token 0.05 of a target pass: drafting
+    a token the target takes one time in ten still pays, a long chain of them does not."""
+    def costs(model):
+        return PassCosts(relative=dict(BF16_15B), one_token_seconds=0.1, measured=True)
+
+    monkeypatch.setattr("sampling.common.pass_costs", costs)
+    monkeypatch.setattr("sampling.model_drafting.pass_costs", costs)
+    monkeypatch.setattr(PassCosts, "observe", lambda self, k, seconds: None)
+    monkeypatch.setattr(PassCosts, "observe_batch", lambda self, rows, width, seconds: None)
+    monkeypatch.setattr(CostAwareDraftLength, "drafter_step_cost", lambda self: 0.05)
+
+
+def test_a_drafter_with_another_tokenizer_drafts_short_chains_where_it_is_rarely_right(cheap_drafting):
+    """The other-tokenizer drafter has no per-token stop: its chains are sized by its acceptance
+    (SmolLM2 for Qwen2.5-Coder on Spec-Bench drafted ~15 tokens a step at alpha 0.13 before)."""
+    from tests.test_universal import PROMPTS, models_for
+
+    target, tokenizer, drafter, drafter_tokenizer = models_for("llama", "qwen2")
+    for text in PROMPTS:
+        ids = tokenizer.encode(text)
+        stats = SpeculativeStats()
+        out, _ = speculative_generate(ids, drafter, target, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
+                                      adaptive_gamma=True, max_gen_len=TOKENS, stats=stats)
+        assert out == autoregressive_generate(ids, target, max_gen_len=TOKENS)
+        assert stats.alpha < 0.5
+        assert stats.drafter_forwards <= 2 * stats.steps
+
