@@ -22,11 +22,11 @@ from sampling.draft_policy import DraftLength
 from sampling.speculative import SpeculativeStats, check_gamma, speculative_loop
 from utils.caching import vocab_size
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs, check_batch, check_int, check_model, check_rows_argument
+from utils.validation import Inputs, check_batch, check_int, check_model, check_rows_argument, transformers_names
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
-          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step):
+          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step, pad_token_id=None):
     pools = ngram if isinstance(ngram, (list, tuple)) else [ngram]
     for i, pool in enumerate(pools):
         if not isinstance(pool, DynaGram):
@@ -44,7 +44,7 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
         check_int(branching, "branching", 1)
     if draft_cost is not None and not callable(draft_cost):
         raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
-    rows, batched = check_batch(inputs, "inputs", target)
+    rows, batched = check_batch(inputs, "inputs", target, pad_token_id)
     if isinstance(ngram, (list, tuple)):
         if not batched:
             raise TypeError("ngram must be one pool for one sequence; a list of pools is for a batch")
@@ -54,6 +54,7 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     gen = prepare(
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
+        pad_token_id=pad_token_id,
     )
     for pool in pools:
         pool.bind_vocabulary(vocab)
@@ -77,6 +78,7 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
     )
 
 
+@transformers_names
 def ngram_assisted_speculative_generate(
     inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
@@ -115,16 +117,18 @@ def ngram_assisted_speculative_generate(
     node). Models that cannot verify a tree (encoder-decoder, no cache, flash attention) draft
     chains. Greedy output equals greedy `autoregressive_generate`; sampled output follows the
     target's processed distribution exactly (multi-candidate speculative sampling on trees).
-    `tokenizer`, `pad_token_id`: compatibility, unused.
+    `pad_token_id`: for a batch without an attention mask, the token stripped from both ends of
+    each row. `tokenizer`: compatibility, unused.
     """
     return _nasd(
         inputs, ngram, target, encoder_decoder=False, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
         end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
-        stats=stats, on_step=on_step,
+        stats=stats, on_step=on_step, pad_token_id=pad_token_id,
     )
 
 
+@transformers_names
 def ngram_assisted_speculative_generate_encoder_decoder(
     inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
@@ -152,5 +156,5 @@ def ngram_assisted_speculative_generate_encoder_decoder(
         inputs, ngram, target, encoder_decoder=True, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
         end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
-        stats=stats, on_step=on_step,
+        stats=stats, on_step=on_step, pad_token_id=pad_token_id,
     )

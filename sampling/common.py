@@ -108,6 +108,7 @@ def prepare(
     end_tokens_id: int | list[int] | None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     model_name: str = "model",
+    pad_token_id: int | None = None,
 ) -> Generation:
     """Validate a request (before any forward pass) and build the target's runner over its rows.
     `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
@@ -115,7 +116,7 @@ def prepare(
     Callers check their own arguments first: the runner's pass costs may be calibrated here,
     running the model."""
     check_model(model, model_name, encoder_decoder)
-    rows, batched = check_batch(inputs, "inputs", model)
+    rows, batched = check_batch(inputs, "inputs", model, pad_token_id)
     check_int(max_gen_len, "max_gen_len", 1)
     check_processor(logits_processor)
     if not isinstance(use_cache, bool):

@@ -26,7 +26,7 @@ from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.caching import vocab_size
 from utils.calibration import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs, check_int, check_model
+from utils.validation import Inputs, check_int, check_model, transformers_names
 
 
 @dataclass
@@ -207,7 +207,7 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
                  logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step,
-                 tokenizer=None, drafter_tokenizer=None, drafter_invariant=None, ngram=None):
+                 tokenizer=None, drafter_tokenizer=None, drafter_invariant=None, ngram=None, pad_token_id=None):
     if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
         raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
     if not isinstance(drafter, torch.nn.Module):  # your own drafter: the `Drafter` protocol (docs/drafters.md)
@@ -222,7 +222,7 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
         return _with_drafter_object(
             inputs, drafter, target, encoder_decoder=encoder_decoder, use_cache=use_cache, gamma=gamma,
             max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
-            adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
+            adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step, pad_token_id=pad_token_id,
         )
     check_model(drafter, "drafter", encoder_decoder)
     check_model(target, "target", encoder_decoder)
@@ -235,6 +235,7 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     gen = prepare(
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
+        pad_token_id=pad_token_id,
     )
     if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/universal.py)
         model_drafter = UniversalDrafter(drafter, logits_processor, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
@@ -295,7 +296,7 @@ def ngram_rows(ngram, gen: Generation, universal: bool):
 
 
 def _with_drafter_object(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len,
-                         logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step):
+                         logits_processor, end_tokens_id, adaptive_gamma, generator, stats, on_step, pad_token_id=None):
     """The loop with a drafter written outside the library: `gamma` nodes at most every step (the
     drafter may propose fewer: it knows best how sure it is)."""
     check_drafter(drafter)
@@ -314,12 +315,14 @@ def _with_drafter_object(inputs, drafter, target, *, encoder_decoder, use_cache,
     gen = prepare(
         inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, model_name="target",
+        pad_token_id=pad_token_id,
     )
     checked = CheckedDrafter(drafter, vocab=vocab_size(target), trees=gen.runner.supports_trees)
     return speculative_loop(gen, checked, logits_processor=logits_processor, draft_length=DraftLength(gamma),
                             stats=stats, on_step=on_step)
 
 
+@transformers_names
 def speculative_generate(
     inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
@@ -353,8 +356,8 @@ def speculative_generate(
     step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
     unit of measured cost (`sampling.draft_policy`), so a drafter that cannot pay on this machine
     stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
-    acceptance by position; `on_step` streams each step. `pad_token_id` is accepted for
-    compatibility and unused. A drafter with another tokenizer: pass `tokenizer` (the target's) and
+    acceptance by position; `on_step` streams each step. `pad_token_id`: for a batch without an
+    attention mask, the token stripped from both ends of each row. A drafter with another tokenizer: pass `tokenizer` (the target's) and
     `drafter_tokenizer` (the drafter's); it drafts in its own vocabulary, inputs and outputs stay
     target ids, greedy and sampling stay exact (`sampling/universal.py`; decoder-only models).
     `drafter_invariant` (sampling): the drafter drafts with the target's own random number of each
@@ -372,9 +375,11 @@ def speculative_generate(
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
+        pad_token_id=pad_token_id,
     )
 
 
+@transformers_names
 def speculative_generate_encoder_decoder(
     inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
@@ -403,4 +408,5 @@ def speculative_generate_encoder_decoder(
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
+        pad_token_id=pad_token_id,
     )
