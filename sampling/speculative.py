@@ -54,6 +54,9 @@ class SpeculativeStats:
     - `tokens_per_target_pass` (property): generated tokens / target forwards (prefill included;
       in a batch it grows with the batch width, not with speculation).
     - `alpha` (property): drafts accepted / drafts proposed.
+    - `retokenize_seconds`, `lossy_text_rows`: a drafter with another tokenizer: time spent moving
+      text between the tokenizers; rows decoded plainly after a text one of them could not
+      encode losslessly (`sampling/universal.py`).
     """
 
     drafts_proposed: int = 0
@@ -66,6 +69,7 @@ class SpeculativeStats:
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
+    lossy_text_rows: int = 0  # a drafter with another tokenizer: rows decoded plainly after a text one could not round-trip
 
     @property
     def alpha(self) -> float:
@@ -269,6 +273,7 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     )
     if universal and stats is not None:
         stats.retokenize_seconds += model_drafter.retokenize_seconds
+        stats.lossy_text_rows += model_drafter.lossy_text_rows
     return result
 
 
