@@ -136,3 +136,17 @@ def test_a_folder_that_does_not_exist_and_an_unreachable_hub_fail_at_once(monkey
         load_model(str(tmp_path))
     assert time.perf_counter() - start < 5
     loading.hub_reachable.cache_clear()
+
+
+def test_a_model_folder_without_tokenizer_files_says_so_in_one_line(folder, tmp_path):
+    import shutil
+
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for file in ("config.json", "model.safetensors", "generation_config.json"):
+        if (folder / file).exists():
+            shutil.copy(folder / file, bare / file)
+    with pytest.raises(FileNotFoundError) as error:
+        load_model(str(bare))
+    message = str(error.value)
+    assert str(bare) in message and "no tokenizer files" in message and "\n" not in message
