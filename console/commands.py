@@ -112,7 +112,8 @@ def _clear(app, args):
 
 METHOD_HELP = {
     "target": "plain decoding with the target model (the baseline)",
-    "speculative": "speculative decoding: the drafter model drafts, the target verifies (needs --drafter)",
+    "speculative": "speculative decoding: the drafter model drafts, the target verifies (needs a drafter: --drafter, "
+                   "/load drafter)",
     "drafter": "the drafter model alone, plain decoding: its own text and speed, for comparison",
     "ngram": "NASD: drafts from an n-gram pool of the conversation, no drafter model",
     "beam": "beam search with the target (4 beams; its output is not the target's)",
