@@ -13,6 +13,7 @@ from console.render import Result, legend, render_step, results_table, same_toke
 from console.settings import Settings
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from sampling import Step
+from utils.calibration import pass_costs
 
 
 class ChatConsole:
@@ -132,11 +133,19 @@ class ChatConsole:
                 self.say(text)
             else:
                 self.console.print()
-            results.append(Result(method, ids, seconds, stats, text))
+            results.append(Result(method, ids, seconds, stats, text, prior_costs=self.prior_costs(method)))
         self.report(results)
         if self.settings.chat:
             reply = results[0].text
             self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+
+    def prior_costs(self, method: str) -> bool:
+        """Whether `method` sized its drafts on prior pass costs (`utils.calibration`: not measured
+        here), for the target or, with a drafter model, for it."""
+        if method not in ("speculative", "ngram"):
+            return False
+        models = [self.target] + ([self.drafter] if method == "speculative" and self.drafter else [])
+        return any(not pass_costs(m.model).measured for m in models)
 
     def report(self, results: list[Result]) -> None:
         """The methods' speeds against the target's plain decoding, then which methods produced the

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.text import Text
 
 from console.app import ChatConsole
-from console.models import check_pair, drafter_hint, load, measure_pass_costs
+from console.models import STAND_IN, check_pair, drafter_hint, load, measure_pass_costs, stand_in
 
 USAGE = """\
 Interactive console: chat with a model and compare decoding methods side by side.
@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
                    load_in_4bit=args.load_in_4bit, trust_remote_code=args.trust_remote_code)
     try:
         target = load(args.target, options, console, "target")
-        drafter = load(args.drafter, options, console, "drafter") if args.drafter else None
+        if args.drafter == STAND_IN:
+            drafter = stand_in(target)
+        else:
+            drafter = load(args.drafter, options, console, "drafter") if args.drafter else None
     except Exception as error:  # a wrong name or path: one clear line, no traceback
         console.print(one_line(f"could not load the model: {type(error).__name__}: {error}"), soft_wrap=True)
         return 1

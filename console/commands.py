@@ -9,16 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rich.text import Text
 
-from console.models import PAIR_COMMAND, check_pair, drafter_hint, load, measure_pass_costs
+from console.models import (
+    PAIR_COMMAND,
+    STAND_IN,
+    STAND_IN_WHAT,
+    check_pair,
+    drafter_hint,
+    load,
+    measure_pass_costs,
+    stand_in,
+)
 from console.render import legend, status_table
 from console.settings import METHODS, parse_count, parse_processor, parse_seed, parse_switch
 
-if TYPE_CHECKING:
-    from console.app import ChatConsole
+# The console a handler works on (`console.app.ChatConsole`, which imports this module: named here
+# without an import, so that the two modules form no circle).
+ChatConsole = Any
 
 QUIT = object()  # a handler's answer that ends the console
 
@@ -102,7 +112,8 @@ def _clear(app, args):
 
 METHOD_HELP = {
     "target": "plain decoding with the target model (the baseline)",
-    "speculative": "speculative decoding: the drafter model drafts, the target verifies (needs --drafter)",
+    "speculative": "speculative decoding: the drafter model drafts, the target verifies (needs a drafter: --drafter, "
+                   "/load drafter)",
     "drafter": "the drafter model alone, plain decoding: its own text and speed, for comparison",
     "ngram": "NASD: drafts from an n-gram pool of the conversation, no drafter model",
     "beam": "beam search with the target (4 beams; its output is not the target's)",
@@ -205,13 +216,14 @@ def _set_ngram(app, args):
     return f"n-gram pool: {app.pool}"
 
 
-@command("/load <target|drafter> <name>", "load a model: a short name (e.g. qwen2.5-coder-0.5b-instruct), a folder, a Hub name")
+@command("/load <target|drafter> <name>", "load a model: a short name (e.g. qwen2.5-coder-0.5b-instruct), a folder, "
+         f"a Hub name; /load drafter {STAND_IN}: a bfloat16 copy of the target")
 def _load(app, args):
     if len(args) != 2 or args[0] not in ("target", "drafter"):
         raise ValueError(f"usage: /load <target|drafter> <name>, got {' '.join(args) or 'nothing'!r}")
     role, name = args
     try:
-        model = load(name, app.options, app.console, role)
+        model = stand_in(app.target) if (role, name) == ("drafter", STAND_IN) else load(name, app.options, app.console, role)
     except Exception as error:  # a wrong name or path: one clear line
         raise ValueError(f"could not load {name}: {type(error).__name__}: {error}") from None
     if role == "drafter":
@@ -219,7 +231,8 @@ def _load(app, args):
         app.drafter = model
         app.settings.methods["speculative"] = True
         measure_pass_costs(app.console, [model])
-        return f"drafter: {model.label} (/speculative on)"
+        what = f": {STAND_IN_WHAT}" if name == STAND_IN else ""
+        return f"drafter: {model.label} (/speculative on){what}"
     note = app.set_target(model)
     measure_pass_costs(app.console, [model])
     return f"target: {model.label}" + (f"; {note}" if note else "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 
@@ -29,6 +30,11 @@ from utils.paths import cache_dir
 # A real target and the drafter of its family that shares its tokenizer (`make models` installs both).
 DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 PAIR_COMMAND = "make chat-coder"  # the console on that pair
+# Where no real drafter is installed: a bfloat16 copy of the target, as the README's snippet uses.
+# It shares the target's tokenizer and mostly its argmax, so speculative decoding can be watched at
+# work (alpha, tau, /debug); it is no smaller than the target, so it brings no speed-up.
+STAND_IN = "stand-in"
+STAND_IN_WHAT = "a bfloat16 copy of the target, to watch speculative decoding at work (not smaller: no speed-up)"
 
 
 @dataclass
@@ -58,17 +64,31 @@ class Model:
         return end_token_ids(self.model, self.tokenizer)
 
 
+def stand_in(target: Model) -> Model:
+    """The built-in stand-in drafter for `target` (`STAND_IN_WHAT`)."""
+    model = copy.deepcopy(target.model).to(torch.bfloat16).eval()
+    return Model(model, target.tokenizer, f"{STAND_IN} (a bfloat16 copy of {target.label})")
+
+
 def load(name: str | None, options: dict, console: Console, role: str = "model") -> Model:
     """Load a model by short name, folder or Hub name, with a spinner (errors raise, from `load_model`)."""
     label = name or "the built-in SmolLM2-135M-Instruct"
     offline = offline_model(name)
     first = offline is not None and not (cache_dir() / offline.title / "config.json").exists()
     if first:  # `utils.offline_models.model_folder` builds it, with its own progress bars
-        console.print(f"First load of {offline.name}: assembling and de-quantizing it once (a few minutes).",
-                      markup=False, highlight=False, soft_wrap=True)
+        console.print(first_load_message(offline), markup=False, highlight=False, soft_wrap=True)
     with console.status(f"Loading {role} {label}..."):
         model, tokenizer = load_model(name, **options)
     return Model(model, tokenizer, name)
+
+
+def first_load_message(offline) -> str:
+    """What the first load of an offline model does, and how long it takes, by its size: the
+    built-in 135M model (98 MB) took 22 s on a quiet 2-core machine; the Qwen models take minutes."""
+    size = offline.size_bytes / 1e6
+    wait = "under a minute on a quiet machine" if size < 200 else "a few minutes"
+    return (f"First load of {offline.name}: de-quantizing its {size:,.0f} MB once into the cache ({wait}; "
+            f"later loads take seconds).")
 
 
 def measure_pass_costs(console: Console, models: list[Model]) -> None:
@@ -107,16 +127,17 @@ def drafter_hint(target: Model, installed: list[str] | None = None) -> str:
     """One line: how to get a drafter for `target` here (load the installed one, or install a pair)."""
     installed = installed_models() if installed is None else installed
     drafter = DRAFTERS.get(target.short_name)
+    stand_in_offer = f"/load drafter {STAND_IN} loads the built-in stand-in: {STAND_IN_WHAT}"
     if drafter in installed:
         return f"load its drafter with /load drafter {drafter}"
     if drafter is not None:
         return f"its drafter {drafter} is not installed: run make models, then /load drafter {drafter}"
     pair = next(((t, d) for t, d in DRAFTERS.items() if t in installed and d in installed), None)
     if pair is not None:
-        return (f"no installed drafter shares this model's tokenizer; try the real pair: /load target {pair[0]}, "
-                f"then /load drafter {pair[1]} (or {PAIR_COMMAND})")
-    return (f"no drafter is installed here: make models installs Qwen2.5-Coder-1.5B and its 0.5B drafter "
-            f"(1.6 GB, offline afterwards), then {PAIR_COMMAND}")
+        return (f"no installed drafter shares this model's tokenizer; {stand_in_offer}; or try the real pair: "
+                f"/load target {pair[0]}, then /load drafter {pair[1]} (or {PAIR_COMMAND})")
+    return (f"no real drafter is installed here; {stand_in_offer}; make models installs a real pair, "
+            f"Qwen2.5-Coder-1.5B and its 0.5B drafter (1.6 GB, offline afterwards), then {PAIR_COMMAND}")
 
 
 def run_method(method: str, inputs: list[int], s: Settings, *, target: Model, drafter: Model | None, pool,

@@ -49,6 +49,7 @@ class Result:
     seconds: float
     stats: SpeculativeStats | None
     text: str = ""  # the ids decoded
+    prior_costs: bool = False  # drafted on the prior pass costs, not on ones measured on this machine
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,7 +60,9 @@ def results_table(results: list[Result]) -> tuple[Table, str | None]:
     """The methods side by side -> (table, a footnote or None). The speed column is tokens/s against
     the target's plain decoding: for a method with the target's very output that is the speedup;
     for one whose output differs (beam search, unseeded sampling) it compares speeds only, and the
-    footnote says so."""
+    footnote says so. A method that drafted on prior pass costs (not measured here: the machine was
+    busy while measuring, or measuring is off) is marked `~` beside its speed, and the footnote
+    says so: its draft sizes were not chosen for this machine."""
     target = next((r for r in results if r.method == "target"), None)
     # tau: tokens per verification step (SpeculativeStats.tau); undrafted: steps without drafts, of all steps.
     table = Table("method", "tokens", "time (s)", "tokens/s", "alpha", "tau", "undrafted", "vs target",
@@ -68,16 +71,22 @@ def results_table(results: list[Result]) -> tuple[Table, str | None]:
         ratio = "-"
         if target is not None and r is not target and target.tokens_per_second > 0:
             ratio = f"{r.tokens_per_second / target.tokens_per_second:.2f}x" + ("*" if r.ids != target.ids else "")
+            ratio += "~" if r.prior_costs else ""
         table.add_row(r.method, str(len(r.ids)), f"{r.seconds:.2f}", f"{r.tokens_per_second:.1f}",
                       f"{r.stats.alpha:.2f}" if r.stats else "-", f"{r.stats.tau:.2f}" if r.stats else "-",
                       f"{r.stats.steps_without_drafts}/{r.stats.steps}" if r.stats else "-", ratio)
     differ = [f"{r.method} ({len(r.ids)} tokens)" for r in results
               if target is not None and r is not target and r.ids != target.ids]
-    footnote = None
+    notes = []
     if differ:
-        footnote = (f"* output differs from the target's ({len(target.ids)} tokens): {', '.join(differ)}; "
-                    "'vs target' compares tokens/s, not the time to the same answer")
-    return table, footnote
+        notes.append(f"* output differs from the target's ({len(target.ids)} tokens): {', '.join(differ)}; "
+                     "'vs target' compares tokens/s, not the time to the same answer")
+    prior = [r.method for r in results if r.prior_costs]
+    if prior:
+        notes.append(f"~ {', '.join(prior)}: drafted on prior pass costs, not measured on this machine (it was busy "
+                     "while measuring, or SPECDEC_CALIBRATE=0): draft sizes and kernels not fitted here; measured "
+                     "at the next start on a quiet machine")
+    return table, "\n".join(notes) or None
 
 
 def same_tokens_line(results: list[Result], skip: set[str] = frozenset()) -> str | None:

@@ -22,16 +22,16 @@ from sampling.draft_policy import DraftLength
 from sampling.loop import SpeculativeStats, speculative_loop
 from sampling.speculative import check_gamma
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs
+from utils.validation import Inputs, transformers_names
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
-          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step):
+          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step, pad_token_id=None):
     """Check every argument (before any model runs), build the pool's drafter rows, run the loop."""
     gamma = check_gamma(gamma)
     request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
                             logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
-                            model_name="target")
+                            model_name="target", pad_token_id=pad_token_id)
     build_rows = ngram_rows(ngram, request, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
                             draft_cost=draft_cost, branching=branching)
     gen = start_generation(request)
@@ -39,6 +39,7 @@ def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_i
                             stats=stats, on_step=on_step)
 
 
+@transformers_names
 def ngram_assisted_speculative_generate(
     inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
@@ -77,16 +78,18 @@ def ngram_assisted_speculative_generate(
     node). Models that cannot verify a tree (encoder-decoder, no cache, flash attention) draft
     chains. Greedy output equals greedy `autoregressive_generate`; sampled output follows the
     target's processed distribution exactly (multi-candidate speculative sampling on trees).
-    `tokenizer`, `pad_token_id`: compatibility, unused.
+    `pad_token_id`: for a batch without an attention mask, the token stripped from both ends of
+    each row. `tokenizer`: compatibility, unused.
     """
     return _nasd(
         inputs, ngram, target, encoder_decoder=False, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
         end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
-        stats=stats, on_step=on_step,
+        stats=stats, on_step=on_step, pad_token_id=pad_token_id,
     )
 
 
+@transformers_names
 def ngram_assisted_speculative_generate_encoder_decoder(
     inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
@@ -114,5 +117,5 @@ def ngram_assisted_speculative_generate_encoder_decoder(
         inputs, ngram, target, encoder_decoder=True, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
         end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
-        stats=stats, on_step=on_step,
+        stats=stats, on_step=on_step, pad_token_id=pad_token_id,
     )

@@ -9,7 +9,7 @@ from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step, check_request, start_generation
 from sampling.drafters import DraftTree
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs
+from utils.validation import Inputs, transformers_names
 
 NO_DRAFTS = DraftTree.chain([])
 
@@ -42,6 +42,7 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
         logits = gen.runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
 
 
+@transformers_names
 def autoregressive_generate(
     inputs: Inputs,
     model: PreTrainedModel,
@@ -62,18 +63,19 @@ def autoregressive_generate(
     (`BatchEncoding`/dict with `input_ids` and `attention_mask`: padding is removed per row by the
     mask). A batch (2-D `input_ids` included, even [1, n]) gives a list with each row's ids, each
     what the single call returns for that row, decoded together (one pass per step for all running
-    rows). `pad_token_id` is
-    accepted for compatibility with the seed README and unused. `generator` (one, or one per row)
+    rows). `pad_token_id`: for a batch without an attention mask, the token stripped from both
+    ends of each row (without it, a batch that looks padded is refused). `generator` (one, or one per row)
     makes sampling reproducible (`sampling.randomness`); `on_step` receives each new token as a
     `Step` (streaming; `Step.row` says which row).
     """
     request = check_request(
         inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
     )
     return _decode(start_generation(request), logits_processor, on_step)
 
 
+@transformers_names
 def autoregressive_generate_encoder_decoder(
     inputs: Inputs,
     model: PreTrainedModel,
@@ -94,6 +96,6 @@ def autoregressive_generate_encoder_decoder(
     """
     request = check_request(
         inputs, model, encoder_decoder=True, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
+        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
     )
     return _decode(start_generation(request), logits_processor, on_step)

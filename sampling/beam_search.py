@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from sampling.common import Generation, check_request, start_generation
 from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
-from utils.validation import Inputs, check_int
+from utils.validation import Inputs, check_int, transformers_names
 
 
 def length_penalty(length: int, min_length: int, alpha: float) -> float:
@@ -18,6 +18,7 @@ def length_penalty(length: int, min_length: int, alpha: float) -> float:
     return ((min_length + length) / (min_length + 1)) ** alpha
 
 
+@transformers_names
 def beam_search_generate(
     inputs: Inputs,
     model: PreTrainedModel,
@@ -38,8 +39,8 @@ def beam_search_generate(
     reaches `max_gen_len`, is finished with the score  sum(log p) / lp(Y),  where
     lp(Y) = ((min_length + |Y|) / (min_length + 1)) ** alpha  is the GNMT length penalty (Wu et al.
     2016) with `min_length` in the role of their constant 5. Finished beams are kept until no live
-    beam can beat the best of them. `pad_token_id` is accepted for compatibility and unused (it is
-    never an end token). `inputs`: token ids, a tensor, or a tokenizer's output
+    beam can beat the best of them. `pad_token_id`: for a batch without an attention mask, the token
+    stripped from both ends of each row (it is never an end token). `inputs`: token ids, a tensor, or a tokenizer's output
     (`utils.validation.INPUTS_DOC`); a batch is searched row by row and gives a list, one result
     per row. `alpha` here is the length penalty's exponent, not an acceptance rate.
     """
@@ -51,7 +52,8 @@ def beam_search_generate(
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise TypeError(f"alpha must be a number, got {alpha!r}")
     request = check_request(inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
-                            logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id)
+                            logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
+                            pad_token_id=pad_token_id)
     # The beams of one row already fill the batch dimension: a batch's rows are searched one by one.
     results = [_search(start_generation(request.row(i)), model, top_k, num_beams, min_length, alpha, use_cache)
                for i in range(request.num_rows)]

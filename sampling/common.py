@@ -131,12 +131,13 @@ def check_request(
     end_tokens_id: int | list[int] | None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     model_name: str = "model",
+    pad_token_id: int | None = None,
 ) -> Request:
     """Validate what every decoding function takes, once per call and before any model runs.
     `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
     removed by the attention mask there (`check_batch`), in this one place for every function."""
     check_model(model, model_name, encoder_decoder)
-    row_ids, batched = check_batch(inputs, "inputs", model)
+    row_ids, batched = check_batch(inputs, "inputs", model, pad_token_id)
     check_int(max_gen_len, "max_gen_len", 1)
     check_processor(logits_processor)
     if not isinstance(use_cache, bool):

@@ -45,6 +45,9 @@ class SpeculativeStats:
       drafter model's own proposer fed to its passes, and those that were the drafter's own drafts
       with a draft after them in the same pass (each one a drafter pass saved: for one row,
       `drafter_forwards` is the cascade-off count less `cascade_accepted`).
+    - `retokenize_seconds`, `lossy_text_rows`: a drafter with another tokenizer: time spent moving
+      text between the tokenizers; rows decoded plainly after a text one of them could not
+      encode losslessly (`sampling/universal.py`).
     """
 
     drafts_proposed: int = 0
@@ -58,6 +61,7 @@ class SpeculativeStats:
     accepted_by_position: list[int] = field(default_factory=list)
     cascade_proposed: int = 0
     cascade_accepted: int = 0
+    lossy_text_rows: int = 0  # a drafter with another tokenizer: rows decoded plainly after a text one could not round-trip
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
 
     @property

@@ -18,7 +18,7 @@ from sampling.loop import SpeculativeStats, speculative_loop
 from sampling.model_drafting import check_same_vocabulary, model_drafting
 from sampling.universal import check_tokenizers
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs, check_int, check_model
+from utils.validation import Inputs, check_int, check_model, transformers_names
 
 __all__ = ["SpeculativeStats", "check_gamma", "speculative_generate", "speculative_generate_encoder_decoder",
            "speculative_loop"]
@@ -30,7 +30,7 @@ def check_gamma(gamma: object) -> int:
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len, logits_processor,
                  end_tokens_id, adaptive_gamma, generator, stats, on_step, tokenizer=None, drafter_tokenizer=None,
-                 drafter_invariant=None, ngram=None, cascade=None):
+                 drafter_invariant=None, ngram=None, cascade=None, pad_token_id=None):
     """Check every argument (before any model runs), build the drafter, run the loop."""
     if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
         raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
@@ -44,7 +44,7 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
                               drafter_invariant=drafter_invariant, cascade=cascade)
     request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
                             logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
-                            model_name="target")
+                            model_name="target", pad_token_id=pad_token_id)
     gamma = check_gamma(gamma)
     if not isinstance(adaptive_gamma, bool):
         raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
@@ -72,12 +72,14 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
                               on_step=on_step)
     if universal and stats is not None:
         stats.retokenize_seconds += model_drafter.retokenize_seconds
+        stats.lossy_text_rows += model_drafter.lossy_text_rows
     if model_drafter.cascade is not None and stats is not None:
         stats.cascade_proposed += model_drafter.cascade.proposed
         stats.cascade_accepted += model_drafter.cascade.accepted
     return result
 
 
+@transformers_names
 def speculative_generate(
     inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
@@ -112,8 +114,8 @@ def speculative_generate(
     step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
     unit of measured cost (`sampling.draft_policy`), so a drafter that cannot pay on this machine
     stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
-    acceptance by position; `on_step` streams each step. `pad_token_id` is accepted for
-    compatibility and unused. A drafter with another tokenizer: pass `tokenizer` (the target's) and
+    acceptance by position; `on_step` streams each step. `pad_token_id`: for a batch without an
+    attention mask, the token stripped from both ends of each row. A drafter with another tokenizer: pass `tokenizer` (the target's) and
     `drafter_tokenizer` (the drafter's); it drafts in its own vocabulary, inputs and outputs stay
     target ids, greedy and sampling stay exact (`sampling/universal.py`; decoder-only models).
     `drafter_invariant` (sampling): the drafter drafts with the target's own random number of each
@@ -135,10 +137,11 @@ def speculative_generate(
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
-        cascade=cascade,
+        cascade=cascade, pad_token_id=pad_token_id,
     )
 
 
+@transformers_names
 def speculative_generate_encoder_decoder(
     inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
@@ -168,5 +171,5 @@ def speculative_generate_encoder_decoder(
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
-        cascade=cascade,
+        cascade=cascade, pad_token_id=pad_token_id,
     )

@@ -24,6 +24,15 @@ those of the same-tokenizer case.
   coupling of the draft and the target's token reaches, where a deterministic draft is accepted
   only when it equals the target's own sample.
 
+The tokenizers are judged on the texts in play, not on a fixed probe: every text a row's drafter
+reads (the prompt, then what the target generates, as it enters the re-encoded window) must come
+back unchanged from both tokenizers: the drafter's tokens of it decode to it, and the target's
+tokenizer encodes it into tokens that decode to it. A row whose text one of them cannot encode
+losslessly (an emoji a tokenizer lacks the bytes of, spaces a normaliser drops) drafts nothing from
+there on: it decodes plainly, at a verification's cost, and `SpeculativeStats.lossy_text_rows`
+counts it. Drafts are only ever proposals (verified by the target), so a lossy tokenizer could
+never emit a wrong token; it would only have the drafter read another text than the target's.
+
 Not for encoder-decoder models: their decoder starts from a start token, not from text both
 tokenizers can spell (`check_tokenizers` refuses the pair).
 """
@@ -41,7 +50,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from sampling.cascade import Cascade
 from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree, ModelDrafter
 from sampling.randomness import PositionUniforms
-from sampling.vocabularies import check_round_trip, check_tokenizer, intersection, same_vocabulary
+from sampling.vocabularies import check_tokenizer, intersection, same_vocabulary
 from utils.caching import vocab_size
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
@@ -55,7 +64,8 @@ def check_tokenizers(tokenizer: object, drafter_tokenizer: object, drafter: PreT
                      *, encoder_decoder: bool) -> bool:
     """Whether the drafter drafts with another tokenizer (then `UniversalDrafter`); raises before
     any model runs for a drafter_tokenizer without tokenizer, a tokenizer that is not its model's,
-    an encoder-decoder pair, or a tokenizer that cannot round-trip text."""
+    or an encoder-decoder pair. Whether the tokenizers are lossless is judged on the texts in play,
+    row by row, as they are decoded (module docstring), not here on a fixed text."""
     if drafter_tokenizer is None:
         return False
     if tokenizer is None:
@@ -71,8 +81,6 @@ def check_tokenizers(tokenizer: object, drafter_tokenizer: object, drafter: PreT
             "encoder-decoder's decoder starts from its start token, not from text both tokenizers spell; "
             "use a drafter that shares the target's tokenizer"
         )
-    check_round_trip(tokenizer, "tokenizer")
-    check_round_trip(drafter_tokenizer, "drafter_tokenizer")
     return True
 
 
@@ -148,6 +156,7 @@ class _RowText:
     cached: list[int] = field(default_factory=list)  # what the drafter's cache holds (a prefix of tokens + drafts)
     window: list[int] = field(default_factory=list)  # the target tokens from the anchor, at the last sync ...
     window_text: str = ""  # ... and their text
+    lossy: bool = False  # a text of this row did not round-trip through both tokenizers: no more drafts
 
 
 class UniversalDrafter(ModelDrafter):
@@ -156,6 +165,8 @@ class UniversalDrafter(ModelDrafter):
 
     `retokenize_seconds`: the time spent moving text between the tokenizers (re-encoding the
     window, mapping drafts), also counted in `seconds_per_draft` for `adaptive_gamma`.
+    `lossy_text_rows`: rows that met a text one tokenizer cannot encode losslessly, and went on
+    without drafts (module docstring).
     """
 
     def __init__(self, model: PreTrainedModel, processor: LogitsProcessor, *, tokenizer: PreTrainedTokenizerBase,
@@ -177,6 +188,7 @@ class UniversalDrafter(ModelDrafter):
         self._to_target[self.bridge.drafter_ids] = self.bridge.target_ids
         self.trees = trees  # whether the target verifies token trees (`Runner.supports_trees`)
         self.retokenize_seconds = 0.0
+        self.lossy_text_rows = 0
         self._rows: list[_RowText] = []
         self._sequences: list[list[int]] = []  # the target sequences of the running draft step
         self._offsets: list[int] = []  # target position - drafter position of each row's first draft
@@ -188,9 +200,16 @@ class UniversalDrafter(ModelDrafter):
 
     # Target text -> drafter tokens ------------------------------------------------------------
 
-    def _sync(self, row: _RowText, sequence: list[int]) -> None:
+    def _lossless(self, base: list[int], tail: list[int], text: str) -> bool:
+        """Whether both tokenizers give `text` back: the drafter's `tail` decodes to it after its
+        tokens `base`, and the target's tokenizer re-encodes it into tokens that decode to it."""
+        b = self.bridge
+        return _tail(b.decode_drafter, base[-1:], tail) == text and b.decode_target(b.encode_target(text)) == text
+
+    def _sync(self, row: _RowText, sequence: list[int]) -> bool:
         """Re-encode the row's text from its anchor on; move the anchor to the last clean boundary
-        at least LOOKBEHIND target tokens behind the end."""
+        at least LOOKBEHIND target tokens behind the end. False (the row's state unchanged): a
+        tokenizer cannot encode the text losslessly."""
         b = self.bridge
         s = row.target_anchor
         head, window = sequence[max(s - 1, 0) : s], sequence[s:]
@@ -199,13 +218,15 @@ class UniversalDrafter(ModelDrafter):
         if -1 not in same:  # every new token is the drafter's too: it reads the target's own tokens
             row.tokens, row.window, row.window_text = base + same, [], ""
             row.target_anchor, row.drafter_anchor = len(sequence), len(row.tokens)
-            return
+            return True
         text = _tail(b.decode_target, head, window)
         tail = b.encode_drafter(text)
+        if not self._lossless(base, tail, text):
+            return False
         row.tokens, row.window, row.window_text = base + tail, window, text
         last = len(window) - LOOKBEHIND
         if last < 1:
-            return
+            return True
         drafter_texts: dict[str, int] = {}
         for j in range(1, len(tail) + 1):
             drafter_texts.setdefault(_tail(b.decode_drafter, base[-1:], tail[:j]), j)
@@ -213,7 +234,8 @@ class UniversalDrafter(ModelDrafter):
             piece = _tail(b.decode_target, head, window[:i])
             if piece and text.startswith(piece) and piece in drafter_texts:
                 row.target_anchor, row.drafter_anchor = s + i, len(base) + drafter_texts[piece]
-                return
+                return True
+        return True
 
     # Drafter tokens -> target tokens ------------------------------------------------------------
 
@@ -281,8 +303,11 @@ class UniversalDrafter(ModelDrafter):
         self._sequences, self._offsets, lengths = sequences, [], []
         for b, (sequence, depth) in enumerate(zip(sequences, max_depths, strict=True)):
             row, k = self._rows[b], max(0, min(max_drafts, depth))
+            if k and not row.lossy and not self._sync(row, sequence):
+                row.lossy = True  # plain decoding for this row from here on
+                self.lossy_text_rows += 1
+            k = 0 if row.lossy else k
             if k:
-                self._sync(row, sequence)
                 # Keep the cache's common prefix with the new tokens, and at least one token to feed.
                 keep = min(_common_prefix(row.cached, row.tokens), len(row.tokens) - 1)
                 k = k if keep >= 0 else 0  # no text yet: nothing to draft from

@@ -172,3 +172,17 @@ def test_every_relative_link_points_to_a_file(path):
     broken = [target for target in relative_links(path.read_text())
               if not (path.parent / target.split("#")[0]).exists()]
     assert not broken, f"{path.relative_to(ROOT)} links to missing files: {broken}"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_keyword_only_parameters_are_marked_so(name):
+    """A parameter after `*` is marked "(keyword)" on a line of its section that names it; one that
+    may be passed by position is not (a user copies the table's order)."""
+    body = section_of(name)
+    for parameter in parameters(PUBLIC[name]):
+        rows = [line for line in body.splitlines() if line.startswith(f"| `{parameter.name}` |")]
+        marked = any("(keyword)" in row.split("|")[2] for row in rows)
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+            assert marked, f"{name}: keyword-only parameter `{parameter.name}` is not marked (keyword) in docs/api.md"
+        elif rows:
+            assert not marked, f"{name}: `{parameter.name}` may be passed by position but is marked (keyword)"

@@ -35,10 +35,11 @@ def padded(rows: list[list[int]], side: str) -> BatchEncoding:
     return BatchEncoding({"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)})
 
 
-def decoders(name: str):
-    """(label, function of inputs) for every decoding function of this model kind, greedy, 8 tokens."""
+def decoders(name: str, **extra):
+    """(label, function of inputs) for every decoding function of this model kind, greedy, 8 tokens
+    (`extra`: more keyword arguments for every one, e.g. pad_token_id)."""
     target, drafter = tiny_model(name, seed=0), tiny_model(name, seed=1)
-    common = dict(max_gen_len=8)
+    common = dict(max_gen_len=8, **extra)
     if name == "t5":
         return [("ar", lambda x: autoregressive_generate_encoder_decoder(x, target, **common)),
                 ("sd", lambda x: tokens(speculative_generate_encoder_decoder(x, drafter, target, gamma=3, **common))),
@@ -105,3 +106,55 @@ def test_a_bad_mask_or_shape_gets_a_clear_error_before_any_forward(no_forward, i
                    lambda x: ngram_assisted_speculative_generate(x, MultiDynaGram(3), model)):
         with pytest.raises(ValueError, match=message):
             decode(inputs)
+
+
+
+# A padded batch without its mask: stripped by pad_token_id, refused without it (never decoded as text).
+
+def without_mask(rows: list[list[int]], side: str, pad: int) -> torch.Tensor:
+    """`tok(texts, padding=True, return_tensors="pt")["input_ids"]`: the ids alone, padded with `pad`."""
+    width = max(map(len, rows))
+    return torch.tensor([[pad] * (width - len(r)) + r if side == "left" else r + [pad] * (width - len(r)) for r in rows])
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_a_padded_tensor_without_its_mask_is_stripped_by_pad_token_id(name):
+    references = [decode(ROWS) for _, decode in decoders(name)]
+    for pad in (0, 2, PAD):  # the tiny models' pad token, their end token (GPT-2 pads with it), any token
+        for (label, decode), batch in zip(decoders(name, pad_token_id=pad), references, strict=True):
+            for side in ("left", "right"):
+                assert decode(without_mask(ROWS, side, pad)) == batch, (label, pad, side)
+            assert decode(without_mask(ROWS, "right", pad).tolist()) == batch, label  # lists padded alike
+            assert decode(padded(ROWS, "left")) == batch, label  # a mask, when given, decides
+
+
+@pytest.mark.parametrize("pad, side", [(0, "left"), (0, "right"), (2, "right"), (2, "left")])
+def test_a_padded_tensor_without_mask_or_pad_token_id_is_refused(no_forward, pad, side):
+    model = tiny_model("llama")
+    inputs = without_mask(ROWS, side, pad)
+    for decode in (lambda x: autoregressive_generate(x, model), lambda x: beam_search_generate(x, model),
+                   lambda x: speculative_generate(x, model, model),
+                   lambda x: ngram_assisted_speculative_generate(x, MultiDynaGram(3), model)):
+        for form in (inputs, inputs.tolist(), {"input_ids": inputs}):
+            with pytest.raises(ValueError, match=f"without an attention mask.*token {pad} .*looks padded.*"
+                                                 f"pad_token_id={pad}"):
+                decode(form)
+
+
+def test_a_batch_of_equal_rows_without_pad_evidence_is_decoded_as_it_is():
+    model = tiny_model("llama")
+    rows = [prompt(3, length=6), prompt(4, length=6)]
+    ends = [[2] + rows[0] + [2], [2] + rows[1] + [2]]  # every row begins and ends with one end token: text
+    for batch in (rows, ends):
+        assert autoregressive_generate(torch.tensor(batch), model, max_gen_len=4) == \
+            [autoregressive_generate(row, model, max_gen_len=4) for row in batch]
+    ragged = [rows[0] + [0, 0], rows[1]]  # rows of different lengths were not padded: taken as they are
+    assert autoregressive_generate(ragged, model, max_gen_len=4)[1] == autoregressive_generate(rows[1], model, max_gen_len=4)
+
+
+def test_pad_token_id_is_checked(no_forward):
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="pad_token_id must be an int"):
+        autoregressive_generate(torch.tensor(ROWS[:1]), model, pad_token_id="0")
+    with pytest.raises(ValueError, match=r"inputs\[1\] is all padding \(pad_token_id=0\)"):
+        autoregressive_generate(torch.tensor([[5, 6], [0, 0]]), model, pad_token_id=0)

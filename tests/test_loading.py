@@ -136,3 +136,47 @@ def test_a_folder_that_does_not_exist_and_an_unreachable_hub_fail_at_once(monkey
         load_model(str(tmp_path))
     assert time.perf_counter() - start < 5
     loading.hub_reachable.cache_clear()
+
+
+def test_a_model_folder_without_tokenizer_files_says_so_in_one_line(folder, tmp_path):
+    import shutil
+
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for file in ("config.json", "model.safetensors", "generation_config.json"):
+        if (folder / file).exists():
+            shutil.copy(folder / file, bare / file)
+    with pytest.raises(FileNotFoundError) as error:
+        load_model(str(bare))
+    message = str(error.value)
+    assert str(bare) in message and "no tokenizer files" in message and "\n" not in message
+
+
+def test_a_first_load_shows_one_bar_per_step_in_units_a_person_reads(monkeypatch):
+    """Bars in MB and tensors, never a rate (a slow step would read "s/B"); transformers' own
+    bars are off inside a step (no nested bars) and its GGUF tensor loop counts on ours."""
+    import io
+    import time
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from utils import offline_models
+    from utils.offline_models import OFFLINE_MODELS, _own_bars, _progress, _Step
+
+    err = io.StringIO()
+    monkeypatch.setattr(offline_models.sys, "stderr", err)
+    monkeypatch.delenv(offline_models.PROGRESS_ENV, raising=False)
+    with _progress("Assembling x", 98.4, "MB") as bar:
+        bar.update(50.0)
+    with _Step("Reading x's GGUF file (once)") as step:
+        time.sleep(0.6)
+    step.finish()  # idempotent
+    original, ended = gguf_utils.tqdm, []
+    with _own_bars(OFFLINE_MODELS["smollm2-135m-instruct"], lambda: ended.append(True)):
+        assert not hf_logging.is_progress_bar_enabled()
+        assert list(gguf_utils.tqdm(["a", "b"], desc="Converting and de-quantizing GGUF tensors...")) == ["a", "b"]
+    assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled() and ended == [True]
+    text = err.getvalue()
+    assert "/98 MB [" in text and "/2 tensors [" in text and "Reading x's GGUF file (once) ... 00:00" in text
+    assert "De-quantizing smollm2-135m-instruct (once)" in text and "/B" not in text and "it/s" not in text

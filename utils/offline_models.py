@@ -18,12 +18,14 @@ where the saved float weights run at memory speed. Later loads take seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import os
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,9 +126,74 @@ def installed_models() -> list[str]:
     return [name for name, model in OFFLINE_MODELS.items() if model.installed()]
 
 
-def _progress(total: int, desc: str):
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False, file=sys.stderr,
+# One bar per long step of a first load, in units a person reads, and no rate: a slow step would
+# read "s/B". A step with nothing to count (reading the GGUF file) shows its elapsed time.
+_FORMATS = {
+    "MB": "{desc}: {percentage:3.0f}% |{bar}| {n:.0f}/{total:.0f} MB [{elapsed}<{remaining}]",
+    "tensors": "{desc}: {percentage:3.0f}% |{bar}| {n}/{total} tensors [{elapsed}<{remaining}]",
+    None: "{desc} ... {elapsed}",
+}
+
+
+def _progress(desc: str, total: float | None = None, unit: str | None = None, iterable=None):
+    return tqdm(iterable, total=total, desc=desc, bar_format=_FORMATS[unit], leave=False, file=sys.stderr,
                 disable=os.environ.get(PROGRESS_ENV) == "0")
+
+
+class _Step:
+    """A step without a count: one line that shows its elapsed time, refreshed twice a second,
+    until `finish` (idempotent; a `with` block finishes it too)."""
+
+    def __init__(self, desc: str) -> None:
+        self.bar, self.done = _progress(desc), threading.Event()
+        self.ticker = threading.Thread(target=self._tick, daemon=True)
+        self.ticker.start()
+
+    def _tick(self) -> None:
+        while not self.done.wait(0.5):
+            self.bar.refresh()
+
+    def finish(self) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            self.ticker.join()
+            self.bar.close()
+
+    def __enter__(self) -> _Step:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
+
+
+@contextlib.contextmanager
+def _own_bars(model: OfflineModel, before_tensors=lambda: None):
+    """transformers' bars off (its nested "Loading weights" and "Writing model shards"), and its
+    GGUF loop over the tensors counted on our bar, after `before_tensors()` ends the step before
+    it: one line per step. Where a version has no such loop to hook, that step goes uncounted."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    hooked = gguf_utils is not None and hasattr(gguf_utils, "tqdm")
+    original = gguf_utils.tqdm if hooked else None
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if hooked:
+        def counted(tensors, **_):
+            before_tensors()
+            return _progress(f"De-quantizing {model.name} (once)", len(tensors), "tensors", tensors)
+
+        gguf_utils.tqdm = counted
+    try:
+        yield
+    finally:
+        if hooked:
+            gguf_utils.tqdm = original
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def assemble(model: OfflineModel, folder: Path) -> Path:
@@ -137,13 +204,14 @@ def assemble(model: OfflineModel, folder: Path) -> Path:
     out = folder / model.gguf
     digest = hashlib.sha256()
     partial = out.with_name(out.name + f".partial-{os.getpid()}")
-    with open(partial, "wb") as sink, _progress(sum(p.stat().st_size for p in paths), f"Assembling {model.name}") as bar:
+    total = sum(p.stat().st_size for p in paths) / 1e6
+    with open(partial, "wb") as sink, _progress(f"Assembling {model.name}", total, "MB") as bar:
         for path in paths:
             with open(path, "rb") as source:
                 while block := source.read(1 << 22):
                     digest.update(block)
                     sink.write(block)
-                    bar.update(len(block))
+                    bar.update(len(block) / 1e6)
     if digest.hexdigest() != model.sha256:
         partial.unlink()
         raise ValueError(f"the assembled {model.gguf} has sha256 {digest.hexdigest()}, expected {model.sha256}: "
@@ -166,19 +234,21 @@ def model_folder(model: OfflineModel) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     try:
         gguf = assemble(model, work)
-        with _progress(3, f"De-quantizing {model.name} (once)") as bar:
+        with _Step(f"Reading {model.name}'s tokenizer (once)"):
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            bar.update()
+        # Reading the file's metadata and naming its tensors come first (most of the time for a
+        # small model), then the de-quantizing loop, counted in tensors.
+        with _Step(f"Reading {model.name}'s GGUF file (once)") as reading, _own_bars(model, reading.finish):
             weights = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            bar.update()
-            # The weights are de-quantized already: drop the GGUF marker so that they save as safetensors.
-            weights.hf_quantizer = None
-            if hasattr(weights.config, "quantization_config"):
-                del weights.config.quantization_config
-            partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+        # The weights are de-quantized already: drop the GGUF marker so that they save as safetensors.
+        weights.hf_quantizer = None
+        if hasattr(weights.config, "quantization_config"):
+            del weights.config.quantization_config
+        partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+        size = sum(p.numel() * p.element_size() for p in weights.parameters()) / 1e6
+        with _Step(f"Saving {model.name} as safetensors ({size:,.0f} MB, once)"), _own_bars(model):
             weights.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
-            bar.update()
         if folder.exists():  # another process finished first
             shutil.rmtree(partial)
         else:

@@ -3,13 +3,55 @@ the argument, the value and what was expected (STYLE.md, principle 7)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from utils.caching import context_length, is_encoder_decoder, vocab_size
 from utils.logits_processors import LogitsProcessor
+
+# transformers' `generate` arguments a user types by habit -> what this library calls them.
+TRANSFORMERS_NAMES = {
+    "max_new_tokens": "max_gen_len",
+    "max_length": "max_gen_len (it counts new tokens only)",
+    "min_new_tokens": "end_tokens_id=None (no end token: it generates max_gen_len tokens)",
+    "input_ids": "inputs (the first argument: token ids, a tensor, or the tokenizer's whole output)",
+    "attention_mask": "inputs (pass the tokenizer's whole output: its attention_mask comes with it)",
+    "eos_token_id": "end_tokens_id",
+    "do_sample": "logits_processor (GreedyProcessor() for greedy, e.g. MultinomialProcessor() to sample)",
+    "temperature": "logits_processor (e.g. MultinomialProcessor(temperature=0.7))",
+    "top_k": "logits_processor (e.g. TopKProcessor(temperature=1.0, top_k=50))",
+    "top_p": "logits_processor (e.g. NucleusProcessor(temperature=1.0, top_p=0.9))",
+    "repetition_penalty": "logits_processor (e.g. TransformersProcessor([RepetitionPenaltyLogitsProcessor(1.2)], "
+                          "do_sample=False))",
+    "num_beams": "beam_search_generate(inputs, model, num_beams=...)",
+    "assistant_model": "drafter (speculative_generate(inputs, drafter, target))",
+    "assistant_tokenizer": "drafter_tokenizer (with tokenizer=, the target's)",
+    "num_assistant_tokens": "gamma",
+    "prompt_lookup_num_tokens": "ngram_assisted_speculative_generate (n-gram drafting), with gamma",
+    "streamer": "on_step (a function that receives each Step)",
+    "seed": "generator (a torch.Generator, e.g. torch.Generator().manual_seed(0))",
+}
+
+
+def transformers_names(function: Callable) -> Callable:
+    """Refuse transformers' `generate` arguments that this function does not take (`max_new_tokens`,
+    `do_sample`, ...) with a TypeError that says what this library calls them; every other call
+    goes through unchanged (Python's own TypeError for any other unknown name)."""
+    own = set(inspect.signature(function).parameters)
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        for key in kwargs:
+            if key in TRANSFORMERS_NAMES and key not in own:
+                raise TypeError(f"{function.__name__}() got {key}=, transformers' name: this library calls it "
+                                f"{TRANSFORMERS_NAMES[key]}")
+        return function(*args, **kwargs)
+
+    return checked
 
 
 def _short(value: object) -> str:
@@ -48,7 +90,10 @@ Inputs = list[int] | list[list[int]] | torch.Tensor | Mapping[str, object]
 INPUTS_DOC = """`inputs`: one sequence, a list of token ids or a 1-D tensor; or a batch, a list of token-id
 lists (rows of any lengths) or a 2-D tensor; or a tokenizer's output (`BatchEncoding`, or a dict)
 with `input_ids` of either shape and, when present, an `attention_mask` of the same shape, whose
-zeros (padding, left or right) are removed from each row before decoding. The result follows the
+zeros (padding, left or right) are removed from each row before decoding. A batch without a mask
+is stripped of `pad_token_id` at both ends of each row when it is given; without it, a batch of
+equal rows that looks padded (the model's pad or end token at a row's end or start, where another
+row has none, or twice) is refused, never decoded as text. The result follows the
 shape: one result for one sequence, a list with one per row for a batch, so that
 `tokenizer(text, return_tensors="pt")` ([1, n]) is a batch of one and gives a list of one."""
 
@@ -113,11 +158,76 @@ def _unpad(rows: list, mask: object, batched: bool, name: str) -> list:
     return kept
 
 
-def check_batch(value: object, name: str, model: PreTrainedModel) -> tuple[list[list[int]], bool]:
+def _pad_candidates(model: PreTrainedModel) -> tuple[set[int], set[int]]:
+    """(tokens that only pad: the model's pad token where it is neither its BOS nor an EOS, tokens
+    a tokenizer may pad with: that pad token and the EOS tokens, GPT-2's habit)."""
+    found: dict[str, set[int]] = {"pad_token_id": set(), "eos_token_id": set(), "bos_token_id": set()}
+    for config in (model.config, getattr(model, "generation_config", None)):
+        for key, ids in found.items():
+            value = getattr(config, key, None)
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(token, int) and not isinstance(token, bool):
+                    ids.add(token)
+    pure = found["pad_token_id"] - found["eos_token_id"] - found["bos_token_id"]
+    return pure, found["pad_token_id"] | found["eos_token_id"]
+
+
+def _run(row: list, token: int, from_end: bool) -> int:
+    """How many `token`s the row begins (or ends) with."""
+    n = 0
+    for t in reversed(row) if from_end else row:
+        if t != token:
+            break
+        n += 1
+    return n
+
+
+def _refuse_padding(rows: list, name: str, model: PreTrainedModel) -> None:
+    """A rectangular batch without a mask whose rows look padded -> ValueError (never decoded as
+    text). Padding to the longest row leaves that row unpadded, so the evidence is: some rows begin
+    (or end) with a token a tokenizer pads with and others do not, or a row has two or more of them
+    there, or a row begins or ends with a token that only pads (the model's pad token, when it is
+    neither BOS nor EOS). Rows of different lengths were not padded: they pass."""
+    if len({len(row) for row in rows}) != 1:
+        return
+    pure, candidates = _pad_candidates(model)
+    for token in sorted(candidates):
+        for from_end, side in ((True, "ends"), (False, "begins")):
+            runs = [_run(row, token, from_end) for row in rows]
+            padded = [i for i, n in enumerate(runs) if n]
+            if not padded or (token not in pure and len(padded) == len(rows) and max(runs) < 2):
+                continue
+            i = padded[0]
+            raise ValueError(
+                f"{name} is a batch without an attention mask, and its row {i} {side} with {runs[i]} x token "
+                f"{token} (the model's pad or end token): it looks padded, and padding decoded as text gives "
+                f"garbage. Pass the tokenizer's whole output (input_ids with attention_mask), or "
+                f"pad_token_id={token} to strip it from both ends of each row, or the rows unpadded as lists"
+            )
+
+
+def _strip(rows: list, pad_token_id: int, name: str) -> list:
+    """Each row without the `pad_token_id`s at its two ends."""
+    kept = []
+    for i, row in enumerate(rows):
+        start, end = _run(row, pad_token_id, False), len(row) - _run(row, pad_token_id, True)
+        if start >= end:
+            raise ValueError(f"{name}[{i}] is all padding (pad_token_id={pad_token_id}): that row has no token to decode")
+        kept.append(row[start:end])
+    return kept
+
+
+def check_batch(value: object, name: str, model: PreTrainedModel,
+                pad_token_id: int | None = None) -> tuple[list[list[int]], bool]:
     """`inputs` in any accepted form (`INPUTS_DOC`) -> (rows of token ids, whether it was a batch).
     The one place where inputs are normalised: tensors become lists, padding is removed by the
-    attention mask. Errors name the row: an empty batch, an empty row, a row that is not token ids,
-    a token outside the vocabulary, an attention mask of another shape or with a hole."""
+    attention mask, or, for a batch without one, by `pad_token_id` (from both ends of each row);
+    a batch without either whose rows look padded is refused (`_refuse_padding`). Errors name the
+    row: an empty batch, an empty row, a row that is not token ids, a token outside the vocabulary,
+    an attention mask of another shape or with a hole, a row that is all padding."""
+    if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
+        raise TypeError(f"pad_token_id must be an int (the token padded rows are filled with) or None, "
+                        f"got {_short(pad_token_id)}")
     mask = None
     if isinstance(value, Mapping):  # a BatchEncoding (tokenizer output) or a dict
         if "input_ids" not in value:
@@ -130,6 +240,11 @@ def check_batch(value: object, name: str, model: PreTrainedModel) -> tuple[list[
     rows, batched = _as_rows(value, ids_name)
     if mask is not None:
         rows = _unpad(rows, mask, batched, name)
+    elif batched and all(isinstance(row, Sequence) for row in rows):
+        if pad_token_id is not None:
+            rows = _strip(rows, pad_token_id, ids_name)
+        else:
+            _refuse_padding(rows, ids_name, model)
     return [check_token_ids(row, f"{ids_name}[{i}]" if batched else ids_name, model) for i, row in enumerate(rows)], batched
 
 
