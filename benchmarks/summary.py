@@ -4,7 +4,9 @@ Pure functions of the records (no timing here), so that they are tested on synth
 
 A record is one timed generation: {"task", "method", "prompt", "repeat", "tokens", "seconds", "tau",
 "alpha", "steps", "steps_without_drafts", "matches_reference", "peak_rss_mib"} (tau, alpha and the
-steps: `SpeculativeStats`'s, None for a method without them; tau = tokens per verification step).
+steps: `SpeculativeStats`'s, None for a method without them; tau = tokens per verification step),
+and optionally "difference" (greedy: None, or why the output differs from transformers' greedy
+output: `benchmarks.exactness.Difference.as_dict()`, a near-tie or a defect).
 Every method runs every prompt `repeats` times, interleaved, so a burst of load on the machine hits
 one repeat of one method, not one method.
 Figures:
@@ -24,6 +26,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+
+from benchmarks.exactness import counts, describe
 
 # Spec-Bench's six tasks, then HumanEval's "code" (`benchmarks/prompts.py`); tables show the tasks a run has.
 TASKS = ["multi-turn conversation", "translation", "summarization", "qa", "math_reasoning", "rag", "code"]
@@ -59,8 +63,8 @@ def _tokens_per_second(records: list[dict]) -> float:
 
 def summarise(records: list[dict], methods: list[str]) -> dict:
     """Per method and task: speedup (median over repeats), its min/max over single repeats,
-    tokens/s, tau, alpha, verification steps and those that drafted nothing, mismatches, peak
-    memory; per method: the geometric mean over tasks."""
+    tokens/s, tau, alpha, verification steps and those that drafted nothing, mismatches (of which
+    defects and near-ties), peak memory; per method: the geometric mean over tasks."""
     repeats = sorted({r["repeat"] for r in records})
     summary: dict = {}
     for method in methods:
@@ -83,6 +87,7 @@ def summarise(records: list[dict], methods: list[str]) -> dict:
                 "steps": sum(r.get("steps") or 0 for r in mine),
                 "steps_without_drafts": sum(r.get("steps_without_drafts") or 0 for r in mine),
                 "mismatches": sum(not r["matches_reference"] for r in mine),
+                **counts([r.get("difference") for r in mine]),
                 "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
             }
         summary[method] = {"tasks": rows, "overall": geometric_mean([row["speedup"] for row in rows.values()])}
@@ -127,6 +132,13 @@ def goal_lines(summary: dict, mode: str, verdict: dict) -> list[str]:
     return lines
 
 
+def exactness(summary: dict, method: str) -> dict[str, int]:
+    """{"defects", "near_ties"} of a method over its tasks (a mismatch not classified counts as a defect)."""
+    rows = summary[method]["tasks"].values()
+    near_ties = sum(row.get("near_ties", 0) for row in rows)
+    return {"defects": sum(row["mismatches"] for row in rows) - near_ties, "near_ties": near_ties}
+
+
 def report(summary: dict, methods: list[str], settings: dict, verdict: dict, mode: str) -> str:
     """The Markdown report: the table (median speedup [min-max over repeats]), verdict, goals."""
     tasks_shown = tasks_in({method: summary[method] for method in methods})
@@ -155,6 +167,12 @@ def report(summary: dict, methods: list[str], settings: dict, verdict: dict, mod
         steps = sum(row.get("steps", 0) for row in rows)
         if steps:
             undrafted.append(f"{method} {sum(row['steps_without_drafts'] for row in rows)} of {steps}")
+    differing = [f"{method} {describe(exactness(summary, method))}" for method in methods
+                 if summary[method]["tasks"] and sum(row["mismatches"] for row in summary[method]["tasks"].values())]
+    if mode == "greedy":
+        lines += ["", "Outputs that differ from transformers' greedy output (a near-tie: at the first differing token the "
+                  "target's two logits are within the dtype's rounding, benchmarks/exactness.py; anything else is a "
+                  "defect): " + ("; ".join(differing) if differing else "none") + "."]
     if undrafted:
         lines += ["", "tau: tokens per verification step of a sequence (the prompt pass excluded). Steps that drafted "
                   "nothing, of all verification steps: " + "; ".join(undrafted) + "."]

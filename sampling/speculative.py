@@ -19,11 +19,12 @@ from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength
 from sampling.drafters import Drafter, ModelDrafter
 from sampling.hybrid import HybridDrafter, HybridLength
+from sampling.step_clock import StepClock
 
 if TYPE_CHECKING:
     from ngram_assisted.dynagram import DynaGram
 from sampling.universal import UniversalDrafter, check_tokenizers
-from utils.caching import vocab_size
+from utils.caching import input_device, vocab_size
 from utils.calibration import pass_costs
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import Inputs, check_int, check_model
@@ -54,6 +55,11 @@ class SpeculativeStats:
     - `tokens_per_target_pass` (property): generated tokens / target forwards (prefill included;
       in a batch it grows with the batch width, not with speculation).
     - `alpha` (property): drafts accepted / drafts proposed.
+    - `seconds` (with `timed=True`): phase -> seconds, summed over calls: "prefill", "draft" (the
+      drafter's work, its model's passes included), "target" (the verification pass), "accept",
+      "rollback" (the target's cache), "update" (the drafter told what was accepted: its cache, a
+      pool's learning) and "rest" (the loop's own bookkeeping). Off by default: on an accelerator
+      each phase waits for the device's queued work before it is timed.
     """
 
     drafts_proposed: int = 0
@@ -66,6 +72,8 @@ class SpeculativeStats:
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
+    timed: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def alpha(self) -> float:
@@ -126,10 +134,12 @@ def speculative_loop(
     target = gen.runner
     sequences = [list(prefix) for prefix in gen.prefixes]
     rows = list(range(len(sequences)))  # the rows still decoding, in the runner's (and drafter's) order
+    clock = StepClock(stats.seconds if stats.timed else None, input_device(target.model))
     drafter.start(sequences)
     drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
     if any(len(sequence) > 1 for sequence in sequences):  # prefill
         target.forward_rows([(sequence[:-1], None) for sequence in sequences], [int(len(s) > 1) for s in sequences])
+    clock.lap("prefill")
     generated: list[list[int]] = [[] for _ in sequences]
     proposed, accepted = [0] * len(sequences), [0] * len(sequences)
     while rows:
@@ -139,11 +149,13 @@ def speculative_loop(
         #    path longer than the room left before max_gen_len once the target's own token is counted.
         rooms = [gen.max_new_tokens[row] - len(generated[row]) - 1 for row in rows]
         drafts = drafter.draft(active, draft_length.gamma, rooms)
+        clock.lap("draft")
 
         # 2. Verify: one target pass over each row's last accepted token and every drafted node.
         blocks = [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
                   for sequence, (tree, _) in zip(active, drafts, strict=True)]
         logits = target.forward_rows(blocks, [len(tokens) for tokens, _ in blocks])
+        clock.lap("target")
 
         paths, ps, running = [], [], []
         for i, row in enumerate(rows):
@@ -151,12 +163,14 @@ def speculative_loop(
             # 3. Accept a path of drafts, then take one token from the target.
             path, token, p = accept(logits[i], tree, q, sequence, logits_processor, gen.uniforms[row])
             n = len(path)
+            clock.lap("accept")
 
             # 4. Roll back the target: keep the accepted path, forget the rest.
             if tree.is_chain:
                 target.rollback_row(i, len(sequence) + n)
             else:
                 target.keep_path_row(i, len(sequence) - 1, path)  # the root is the last accepted token
+            clock.lap("rollback")
             accepted_tokens = [tree.tokens[node] for node in path]
             new_tokens, finished = gen.trim(row, accepted_tokens + [token], len(generated[row]))
             sequence += new_tokens
@@ -172,13 +186,16 @@ def speculative_loop(
             if on_step is not None:
                 rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
                 on_step(Step(drafts=tuple(accepted_tokens + rejected), accepted=n, tokens=tuple(new_tokens), row=row))
+            clock.lap("rest")
 
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
         drafter.update(active, paths, logits, ps)
+        clock.lap("update")
         if 0 < len(running) < len(rows):  # finished rows stop costing compute
             target.select_rows(running)
             drafter.select_rows(running)
         rows = [rows[i] for i in running]
+        clock.lap("rest")
 
     stats.generated_tokens += sum(len(tokens) for tokens in generated)
     stats.target_forwards += target.forward_passes - target_passes
