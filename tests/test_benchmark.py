@@ -34,8 +34,20 @@ def test_benchmark_runs_end_to_end(tmp_path, mode):
     nasd = [r for r in records if r["method"] == "ours_nasd"]
     assert all(r["steps"] >= 1 and 0 <= r["steps_without_drafts"] <= r["steps"] and r["tau"] >= 1.0 for r in nasd)
     assert "drafted nothing" in result["report"]
-    settings = json.loads((out / "results.json").read_text())["settings"]
+    written = json.loads((out / "results.json").read_text())
+    settings = written["settings"]
     assert settings["mode"] == mode and "cost_table" in settings and "load_average_before" in settings
+    # Where the time goes: every method's passes (transformers' by hooks), our loop's phases.
+    steps = written["breakdown"]
+    assert set(steps) == set(spec_bench.METHODS) and all(row["tau"] >= 1.0 and row["target_passes"] > 0
+                                                         for row in steps.values())
+    assert steps["hf_plain"]["phases_ms_per_step"] is None and set(steps["ours_nasd"]["phases_ms_per_step"]) == {
+        "prefill", "draft", "target", "accept", "rollback", "update", "rest"}
+    assert steps["hf_assisted"]["drafter_passes"] > 0 and "Where the time goes" in result["report"]
+    assert "ours_nasd_g10 / hf_prompt_lookup" in result["report"]
+    # Near-ties and defects: none here (float32 tiny model), and said so in greedy mode.
+    assert all(r["difference"] is None for r in records)
+    assert ("differ from transformers' greedy output" in result["report"]) == (mode == "greedy")
 
 
 def test_the_benchmark_and_throughput_run_humaneval_from_the_repository(tmp_path):
@@ -246,3 +258,65 @@ def test_evaluate_decodes_a_jsonl_in_batches_as_one_by_one(tmp_path):
         assert line["ids"] == single
     with pytest.raises(SystemExit):
         evaluate.main([str(tmp_path / "missing.jsonl")])
+
+
+def test_a_timed_loop_splits_its_time_into_the_phases_and_an_untimed_one_records_none():
+    import time
+
+    from benchmarks.breakdown import PHASES
+    from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
+    from sampling import SpeculativeStats
+    from tests.models import tiny_model
+
+    model, prompt = tiny_model("llama"), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    timed, untimed = SpeculativeStats(timed=True), SpeculativeStats()
+    start = time.perf_counter()
+    out, _ = ngram_assisted_speculative_generate(prompt, MultiDynaGram(3), model, max_gen_len=12, stats=timed)
+    wall = time.perf_counter() - start
+    assert ngram_assisted_speculative_generate(prompt, MultiDynaGram(3), model, max_gen_len=12, stats=untimed)[0] == out
+    assert untimed.seconds == {} and set(timed.seconds) == set(PHASES)  # every phase of the loop ran, and only those
+    assert all(s >= 0 for s in timed.seconds.values()) and sum(timed.seconds.values()) <= wall
+    assert timed.seconds["target"] > 0 and timed.steps == untimed.steps
+
+
+def test_the_forward_meter_counts_transformers_passes_and_lets_go_of_the_model():
+    import torch
+
+    from benchmarks.breakdown import ForwardMeter, summarise
+    from tests.models import tiny_model
+
+    model = tiny_model("llama")
+    with ForwardMeter(target=model, drafter=model) as meter:  # one model under two names: hooked once
+        out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    record = meter.record()
+    assert record["target_passes"] == 6 and record["drafter_passes"] == 0 and record["forward_seconds"] > 0
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    row = summarise([{"method": "hf_plain", "tokens": out.shape[1] - 3, "seconds": 2 * record["forward_seconds"],
+                      "steps": None, "phases": None, **record}], ["hf_plain"])["hf_plain"]
+    assert row["tau"] == 6 / 5 and row["steps"] == 5 and abs(row["outside_share"] - 0.5) < 1e-9
+    assert row["phases_ms_per_step"] is None
+
+
+def test_the_benchmark_tells_a_near_tie_from_a_defect_and_reports_both():
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.test_exactness import PROMPT, model_with_twin
+
+    model, best, twin, worst = model_with_twin(torch.float32)
+    outputs = {"hf_plain": [best, 3], "hf_control": [best, 3], "ours_ar": [best, 3], "ours_nasd": [twin, 3],
+               "hf_prompt_lookup": [worst, 3]}
+    records = [{"task": "qa", "method": method, "prompt": 0, "repeat": k, "tokens": 2, "seconds": 1.0, "tau": None,
+                "alpha": None, "peak_rss_mib": 1.0, "output": output} for k in range(2) for method, output in outputs.items()]
+    spec_bench.check_outputs(records, {0: PROMPT}, SimpleNamespace(target=model, sample=None))
+    kinds = {r["method"]: r["difference"] and r["difference"]["kind"] for r in records}
+    assert kinds == {"hf_plain": None, "hf_control": None, "ours_ar": None, "ours_nasd": "near-tie",
+                     "hf_prompt_lookup": "defect"}
+    result = summary.summarise(records, list(outputs))
+    assert (result["ours_nasd"]["tasks"]["qa"]["near_ties"], result["hf_prompt_lookup"]["tasks"]["qa"]["defects"]) == (2, 2)
+    text = summary.report(result, list(outputs), {}, summary.noise_verdict(records, result), "greedy")
+    assert "ours_nasd 0 defects, 2 near-ties" in text and "hf_prompt_lookup 2 defects, 0 near-ties" in text
+    sampled = [dict(r) for r in records]
+    spec_bench.check_outputs(sampled, {0: PROMPT}, SimpleNamespace(target=model, sample={"temperature": 0.7}))
+    assert all(r["matches_reference"] and r["difference"] is None for r in sampled)  # sampling: nothing to compare
