@@ -97,3 +97,14 @@ def describe(tally: dict[str, int]) -> str:
     """"0 defects, 2 near-ties"."""
     d, t = tally["defects"], tally["near_ties"]
     return f"{d} defect{'s' * (d != 1)}, {t} near-tie{'s' * (t != 1)}"
+
+
+@torch.no_grad()
+def transformers_greedy(model, prompt: list[int], max_new_tokens: int, end_tokens: list[int]) -> list[int]:
+    """transformers' greedy `generate` of one prompt: the generated ids, through the first end token."""
+    device = input_device(model)
+    out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                         device=device), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end_tokens or None,
+                         pad_token_id=end_tokens[0] if end_tokens else None)
+    ids = out[0, len(prompt):].tolist()
+    return ids[: next((i + 1 for i, token in enumerate(ids) if token in end_tokens), len(ids))]

@@ -258,6 +258,12 @@ def test_evaluate_decodes_a_jsonl_in_batches_as_one_by_one(tmp_path):
         assert line["ids"] == single
     with pytest.raises(SystemExit):
         evaluate.main([str(tmp_path / "missing.jsonl")])
+    checked = evaluate.main([str(data), "--model", str(model_dir), "--batch-size", "2", "--max-new-tokens", "6",
+                             "--check", "--out", str(tmp_path / "checked.jsonl")])
+    assert [line["ids"] for line in checked] == [line["ids"] for line in written]
+    assert all(line["difference"] is None for line in checked)  # NASD's batches give transformers' greedy tokens
+    with pytest.raises(SystemExit):
+        evaluate.main([str(data), "--check", "--sample"])
 
 
 def test_a_timed_loop_splits_its_time_into_the_phases_and_an_untimed_one_records_none():
