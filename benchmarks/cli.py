@@ -18,8 +18,8 @@ from benchmarks.prompts import WORKLOADS
 
 DEVICE_HELP = "where the models run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)"
 TARGET_HELP = "target: a name load_model takes or a folder (default: the built-in SmolLM2-135M-Instruct)"
-DTYPE_HELP = ("of target and drafter (default: load_model's: float32, or for the offline real models the faster "
-              "of float32 and bfloat16 here)")
+DTYPE_HELP = ("of the models (default: load_model's: float32, or for the offline real models the faster of float32 "
+              "and bfloat16 here)")
 
 
 def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
@@ -48,8 +48,8 @@ def add_workload(parser: argparse.ArgumentParser, *, workload: str | None = "spe
     if workload is not None:
         parser.add_argument("--workload", choices=WORKLOADS, default=workload,
                             help="spec_bench: its six tasks; humaneval: code prompts (task 'code')")
-    parser.add_argument("--data", type=Path, default=data, help="a prompt file of the workload's format (default: "
-                        + ("the workload's file in benchmarks/data/)" if data is None else f"{data})"))
+    shown = "the workload's file in benchmarks/data/" if data is None else f"benchmarks/data/{Path(data).name}"
+    parser.add_argument("--data", type=Path, default=data, help=f"a prompt file of the workload's format (default: {shown})")
     if per_category is not None:
         parser.add_argument("--per-category", type=int, default=per_category, help=per_category_help)
 

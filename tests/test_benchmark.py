@@ -326,3 +326,52 @@ def test_the_benchmark_tells_a_near_tie_from_a_defect_and_reports_both():
     sampled = [dict(r) for r in records]
     spec_bench.check_outputs(sampled, {0: PROMPT}, SimpleNamespace(target=model, sample={"temperature": 0.7}))
     assert all(r["matches_reference"] and r["difference"] is None for r in sampled)  # sampling: nothing to compare
+
+
+BENCHMARK_SCRIPTS = ["spec_bench", "throughput", "evaluate", "coupling_acceptance", "draft_cost", "nasd_tau",
+                     "suffix_compare"]
+
+
+@pytest.mark.parametrize("script", BENCHMARK_SCRIPTS)
+def test_every_benchmark_takes_the_shared_flags_with_one_meaning(script, capsys):
+    import importlib
+
+    from benchmarks import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"benchmarks.{script}").main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare words
+    assert exit_.value.code == 0
+    assert "--target MODEL, --model MODEL" in text and " ".join(cli.TARGET_HELP.split()) in text
+    assert "--device DEVICE" in text and " ".join(cli.DEVICE_HELP.split()) in text and "--dtype DTYPE" in text
+
+
+def test_the_shared_parser_refuses_what_no_benchmark_runs_with(tmp_path, capsys):
+    from benchmarks import cli
+
+    parser = cli.benchmark_parser("doc")
+    cli.add_workload(parser)
+    cli.add_run(parser, max_new_tokens=8, repeats=2)
+    for argv, message in [(["--data", str(tmp_path / "none.jsonl")], "does not exist"), (["--repeats", "0"], "--repeats"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens")]:
+        with pytest.raises(SystemExit):
+            cli.parse(parser, argv)
+        assert message in capsys.readouterr().err
+    args = cli.parse(parser, [])
+    assert (args.workload, args.per_category, args.repeats, args.max_new_tokens, args.data) == ("spec_bench", 2, 2, 8, None)
+
+
+def test_nasd_tau_and_suffix_compare_run_on_a_tiny_model(tmp_path, capsys):
+    from benchmarks import nasd_tau, suffix_compare
+
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=512)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in
+                              enumerate([("writing", "w5 w6 w7 w8 w5 w6 w7"), ("qa", "w9 w10 w11 w9 w10 w11")])))
+    nasd_tau.main(["--data", str(data), "--target", str(model), "--per-category", "1", "--max-new-tokens", "6",
+                   "--branching", "1", "2"])
+    assert "branching=2" in capsys.readouterr().out
+    result = suffix_compare.main(["--data", str(data), "--model", str(model), "--per-category", "1",
+                                  "--max-new-tokens", "6", "--out", str(tmp_path / "out")])
+    assert all(not r["mismatch"] and r["difference"] is None for r in result["records"])
+    assert "0 defects, 0 near-ties" in (tmp_path / "out" / "suffix_compare.md").read_text()
