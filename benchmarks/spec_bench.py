@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(table)
     console.print("[red]NOISY RUN[/red]: " + "; ".join(verdict["reasons"]) if verdict["noisy"] else
                   f"quiet run (median spread of repeats {verdict['median_spread']:.0%})")
-    for line in goal_lines(summary, mode, verdict):
+    for line in goal_lines(summary, mode, verdict, args.workload):
         console.print(line)
     console.print(f"written to {args.out}/ (results.json, report.md, speedup.png)")
     return {"summary": summary, "records": records, "report": text, "verdict": verdict, "breakdown": steps}

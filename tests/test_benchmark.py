@@ -282,7 +282,7 @@ def test_a_timed_loop_splits_its_time_into_the_phases_and_an_untimed_one_records
     assert ngram_assisted_speculative_generate(prompt, MultiDynaGram(3), model, max_gen_len=12, stats=untimed)[0] == out
     assert untimed.seconds == {} and set(timed.seconds) == set(PHASES)  # every phase of the loop ran, and only those
     assert all(s >= 0 for s in timed.seconds.values()) and sum(timed.seconds.values()) <= wall
-    assert timed.seconds["target"] > 0 and timed.steps == untimed.steps
+    assert timed.seconds["target"] > 0 and timed.steps >= 1  # (draft sizes, so steps, may follow timings)
 
 
 def test_the_forward_meter_counts_transformers_passes_and_lets_go_of_the_model():
@@ -375,3 +375,20 @@ def test_nasd_tau_and_suffix_compare_run_on_a_tiny_model(tmp_path, capsys):
                                   "--max-new-tokens", "6", "--out", str(tmp_path / "out")])
     assert all(not r["mismatch"] and r["difference"] is None for r in result["records"])
     assert "0 defects, 0 near-ties" in (tmp_path / "out" / "suffix_compare.md").read_text()
+
+
+def test_the_goals_follow_the_workload_and_a_best_of_goal_takes_the_best_method():
+    def run(method, task, prompt, repeat):
+        return {"ours_nasd": 2.0, "ours_hybrid": 1.0, "hf_prompt_lookup": 2.0}.get(method, 4.0)
+
+    records = synthetic_records(run) + [dict(r, method="ours_hybrid", seconds=1.0)
+                                        for r in synthetic_records(run) if r["method"] == "ours_nasd"]
+    methods = ["hf_plain", "hf_control", "ours_ar", "ours_nasd", "hf_prompt_lookup", "ours_hybrid"]
+    result = summary.summarise(records, methods)
+    verdict = summary.noise_verdict(records, result)
+    code = summary.goal_lines(result, "greedy", verdict, "humaneval")
+    assert "best of ours_nasd, ours_hybrid / hf_prompt_lookup (overall): 2.00x (goal >= 1.3x) met" in code
+    assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.1x) NOT met" in code
+    assert not any("hf_assisted" in line for line in code)  # a goal whose methods did not run is left out
+    assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.2x) NOT met" in summary.goal_lines(result, "greedy",
+                                                                                                      verdict)
