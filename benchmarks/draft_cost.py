@@ -13,7 +13,6 @@ then costs about one pass, which is what speculation needs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks import cli
 from utils import calibration, cpu_passes
 from utils.calibration import calibration_key, machine, pass_costs
 from utils.cost_model import DRAFT_SIZES
@@ -58,12 +58,10 @@ def weight_bytes(model) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+    parser = cli.benchmark_parser(__doc__)
+    cli.add_models(parser, dtype="float32")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timings of each pass")
+    args = cli.parse(parser, argv)
     console = Console()
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     console.print(f"machine: {machine()}")

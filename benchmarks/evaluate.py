@@ -8,12 +8,14 @@ Each input line is a JSON object with "prompt" (a string) or "turns" (a list: th
 used), and optionally "id". Each process takes a contiguous share of the prompts (accelerate's
 `split_between_processes`), decodes it `--batch-size` rows at a time with the chosen method, and
 the main process writes one JSONL line per prompt, in input order: id, prompt, output text, ids,
-alpha (speculative methods) and the process's seconds for the batch the prompt was in.
+alpha (speculative methods) and the process's seconds for the batch the prompt was in. With
+--check (greedy), each output is compared with transformers' greedy `generate` of its prompt, and
+the line says how it differs: "difference" null (the same tokens), or a near-tie or a defect
+(`benchmarks/exactness.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -22,6 +24,8 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 
+from benchmarks import cli
+from benchmarks.exactness import classify, transformers_greedy
 from benchmarks.prompts import encode
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate
@@ -66,29 +70,37 @@ def evaluate(prompts: list[list[int]], model, *, method: str = "nasd", batch_siz
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.benchmark_parser(__doc__)
     parser.add_argument("data", type=Path, help="a JSONL file of prompts")
     parser.add_argument("--method", choices=METHODS, default="nasd")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
-    parser.add_argument("--sample", action="store_true", help="temperature 0.7, top-p 0.9 (seeded per prompt)")
-    parser.add_argument("--out", type=Path, default=Path("outputs.jsonl"))
-    args = parser.parse_args(argv)
-    if not args.data.exists():
-        parser.error(f"{args.data} does not exist")
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        parser.error("--batch-size and --max-new-tokens must be >= 1")
+    cli.add_run(parser, max_new_tokens=128, out=Path("outputs.jsonl"), out_help="the JSONL file written")
+    cli.add_models(parser)
+    cli.add_sampling(parser)
+    parser.add_argument("--check", action="store_true", help="greedy: compare every output with transformers' "
+                        "greedy generate (a near-tie or a defect where they differ)")
+    args = cli.parse(parser, argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.check and args.sample:
+        parser.error("--check compares greedy outputs: drop --sample")
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU processes talk over gloo
-    device = str(state.device) if state.device.type != "cpu" else None
-    model, tokenizer = load_model(args.model, device=device)
+    device = args.device or (str(state.device) if state.device.type != "cpu" else None)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=device)
+    sample = cli.sampling_settings(args)
     records = [(index, key, text) for index, (key, text) in enumerate(read_prompts(args.data))]
+    end_tokens = end_token_ids(model, tokenizer)
     with state.split_between_processes(records) as mine:
-        results = evaluate([encode(tokenizer, text) for _, _, text in mine], model, method=args.method,
-                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           end_tokens=end_token_ids(model, tokenizer),
-                           processor=NucleusProcessor(0.7, 0.9) if args.sample else GreedyProcessor(),
+        prompts = [encode(tokenizer, text) for _, _, text in mine]
+        results = evaluate(prompts, model, method=args.method,
+                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, end_tokens=end_tokens,
+                           processor=NucleusProcessor(**sample) if sample else GreedyProcessor(),
                            seed=mine[0][0] if mine else 0)
+        if args.check:  # after the timed decoding: transformers' greedy output of each prompt, and the difference
+            for prompt, result in zip(prompts, results, strict=True):
+                reference = transformers_greedy(model, prompt, args.max_new_tokens, end_tokens)
+                difference = classify(model, prompt, reference, result["ids"])
+                result["difference"] = difference.as_dict() if difference else None
         lines = [{"index": index, "id": key, "prompt": text, "output": tokenizer.decode(result["ids"], skip_special_tokens=True),
                   **result, "process": state.process_index} for (index, key, text), result in zip(mine, results, strict=True)]
     lines = sorted(gather_object(lines) if state.num_processes > 1 else lines, key=lambda line: line["index"])

@@ -20,7 +20,6 @@ a real run. It ignores Python overhead and noise: use it to compare policies, th
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import cli
 from benchmarks.prompts import DEFAULT_DATA, encode, load_prompts
 from benchmarks.summary import TASKS, geometric_mean
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
@@ -36,13 +36,13 @@ from utils.cost_model import PRIOR, _interpolate
 
 
 def record(data: Path, per_category: int, offset: int, max_new_tokens: int, out: Path, model_name: str | None,
-           device: str | None = None) -> None:
+           device: str | None = None, dtype: str | None = None) -> None:
     from sampling import autoregressive_generate
     from utils.caching import input_device
     from utils.calibration import pass_costs
     from utils.loading import end_token_ids, load_model
 
-    model, tokenizer = load_model(model_name, device=device)
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     end = end_token_ids(model, tokenizer)
     traces = []
     for task, text in load_prompts(data, per_category, held_out=True, offset=offset):
@@ -199,16 +199,13 @@ def replay(traces_path: Path, make_drafter, gamma: int = 8, quiet: bool = False,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.benchmark_parser(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     rec = commands.add_parser("record")
-    rec.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    rec.add_argument("--per-category", type=int, default=4)
+    cli.add_workload(rec, workload=None, data=DEFAULT_DATA, per_category=4)
     rec.add_argument("--offset", type=int, default=2, help="skip each task's first held-out prompts")
-    rec.add_argument("--max-new-tokens", type=int, default=128)
-    rec.add_argument("--model", default=None)
-    rec.add_argument("--device", default=None, help="where the model runs: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
-    rec.add_argument("--out", type=Path, default=Path("nasd_traces.json"))
+    cli.add_run(rec, max_new_tokens=128, out=Path("nasd_traces.json"), out_help="the traces written")
+    cli.add_models(rec, dtype=None)
     rep = commands.add_parser("replay")
     rep.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
     rep.add_argument("--drafter", choices=["nasd", "suffix"], default="nasd")
@@ -221,9 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("--prior-table", action="store_true", help="cost passes with the prior (another CPU's) table")
     cmp = commands.add_parser("compare")
     cmp.add_argument("--traces", type=Path, default=Path("nasd_traces.json"))
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     if args.command == "record":
-        record(args.data, args.per_category, args.offset, args.max_new_tokens, args.out, args.model, args.device)
+        record(args.data, args.per_category, args.offset, args.max_new_tokens, args.out, args.model, args.device, args.dtype)
     elif args.command == "compare":
         compare(args.traces)
     elif args.drafter == "suffix":

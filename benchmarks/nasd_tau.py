@@ -11,12 +11,11 @@ each one's geometric-mean ratio over the first.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from collections import defaultdict
-from pathlib import Path
 
+from benchmarks import cli
 from benchmarks.prompts import DEFAULT_DATA, encode, load_prompts
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats
@@ -24,19 +23,17 @@ from utils.loading import end_token_ids, load_model
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--per-category", type=int, default=2)
+    parser = cli.benchmark_parser(__doc__)
+    cli.add_workload(parser, workload=None, data=DEFAULT_DATA)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=8)
     parser.add_argument("--branching", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--top-k-filler", type=int, default=3)
     parser.add_argument("--cut", action="store_true", help="stop_if_unknown=True (the cost cut)")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default=None, help="where the model runs: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
-    args = parser.parse_args(argv)
+    cli.add_models(parser)
+    args = cli.parse(parser, argv)
 
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     end = end_token_ids(model, tokenizer)
     prompts = load_prompts(args.data, args.per_category, held_out=True)
     tau: dict[int, dict[str, list[float]]] = {b: defaultdict(list) for b in args.branching}

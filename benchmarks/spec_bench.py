@@ -8,15 +8,16 @@
 
 Every method runs on each prompt `--repeats` times after a warm-up, interleaved in a rotating
 order, so that a burst of load on the machine lands on one repeat of one method. Greedy: every
-output is checked token for token against transformers' greedy `generate`. Sampling: outputs
-differ run to run, methods are compared by tokens/s (fixed seeds per prompt and repeat). The
-summary, spread and noise verdict are `benchmarks/summary.py`'s. Writes results.json, report.md
-and speedup.png to --out, and prints the table.
+output is checked token for token against transformers' greedy `generate`, and one that differs is
+a near-tie or a defect (`benchmarks/exactness.py`). Sampling: transformers' assisted generation and
+prompt lookup sample too (`do_sample=True`); outputs differ run to run, methods are compared by
+tokens/s (fixed seeds per prompt and repeat). The summary, spread and noise verdict are
+`benchmarks/summary.py`'s; where the time goes (forward passes, our loop's phases) is
+`benchmarks/breakdown.py`'s. Writes results.json, report.md and speedup.png to --out, and prints the table.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -31,9 +32,12 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from benchmarks.prompts import WORKLOADS, encode, load_workload
+from benchmarks import breakdown, cli
+from benchmarks.breakdown import ForwardMeter
+from benchmarks.exactness import Classifier, describe
+from benchmarks.prompts import encode, load_workload
 from benchmarks.suffix_decoding import cache_with_responses, load_peer, run_suffix
-from benchmarks.summary import BASELINE, CONTROL, goal_lines, noise_verdict, report, summarise, tasks_in
+from benchmarks.summary import BASELINE, CONTROL, exactness, goal_lines, noise_verdict, report, summarise, tasks_in
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from utils.caching import input_device
@@ -41,19 +45,26 @@ from utils.calibration import machine, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
-METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_n3", "ours_nasd_chain", "ours_anpd",
-           "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd", "ours_hybrid"]
+METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_n3", "ours_nasd_chain",
+           "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd", "ours_hybrid"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
                     "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
 NASD = {
     "ours_nasd": dict(ngram=lambda: MultiDynaGram(8)),
+    "ours_nasd_g10": dict(ngram=lambda: MultiDynaGram(8), gamma=10),  # prompt lookup's draft length (10 tokens)
     "ours_nasd_n3": dict(ngram=lambda: MultiDynaGram(3)),  # the setting before 2026-12-01
     "ours_nasd_chain": dict(ngram=lambda: MultiDynaGram(8), branching=1),
     "ours_anpd": dict(ngram=lambda: SimpleDynaGram(3), gamma=5, top_k_filler=1, stop_if_unknown=False),
     "ours_chain_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=1),
     "ours_tree3_nocut": dict(ngram=lambda: MultiDynaGram(3), gamma=8, stop_if_unknown=False, branching=3),
 }
+# The step-time breakdown's comparisons: ours against transformers' nearest method.
+BREAKDOWN_PAIRS = [("ours_nasd_g10", "hf_prompt_lookup", "both draft 10 tokens at most"),
+                   ("ours_nasd", "hf_prompt_lookup", "8 against 10 tokens at most"),
+                   ("ours_sd", "hf_assisted", "the same drafter model"), ("ours_ar", BASELINE, "no drafts")]
+
+
 class PeakMemory:
     """Peak resident memory (MiB) of this process while the block runs, sampled every 5 ms."""
 
@@ -98,7 +109,7 @@ class Runner:
         return out[0, len(ids):].tolist(), None
 
     def run(self, method: str, ids: list[int], seed: int = 0):
-        stats = SpeculativeStats()
+        stats = SpeculativeStats(timed=True)  # the loop's phases (benchmarks/breakdown.py)
         common = dict(max_gen_len=self.n, end_tokens_id=self.end, logits_processor=self.processor,
                       generator=torch.Generator().manual_seed(seed))
         if method in (BASELINE, CONTROL):
@@ -177,7 +188,7 @@ def run_all(runner: Runner, prompts: list[tuple[int, str, list[int]]], methods: 
             for index, task, ids in prompts:
                 shift = (repeat + index) % len(methods)
                 for method in methods[shift:] + methods[:shift]:
-                    with PeakMemory() as memory:
+                    with PeakMemory() as memory, ForwardMeter(target=runner.target, drafter=runner.drafter) as meter:
                         start = time.perf_counter()
                         out, stats = runner.run(method, ids, seed=seed + 1000 * repeat + index)
                         seconds = time.perf_counter() - start
@@ -186,40 +197,38 @@ def run_all(runner: Runner, prompts: list[tuple[int, str, list[int]]], methods: 
                         "tokens": len(out), "seconds": seconds, "tau": stats.tau if stats else None,
                         "alpha": stats.alpha if stats else None, "steps": stats.steps if stats else None,
                         "steps_without_drafts": stats.steps_without_drafts if stats else None, "output": out, "peak_rss_mib": memory.peak,
+                        "phases": dict(stats.seconds) if stats else None, **meter.record(),
                     })
                     progress.update()
-    # Greedy: every output must equal transformers' (sampling: nothing to compare, all True).
-    reference = {(r["prompt"], r["repeat"]): r["output"] for r in records if r["method"] == BASELINE}
-    for r in records:
-        r["matches_reference"] = runner.sample is not None or r["output"] == reference[(r["prompt"], r["repeat"])]
+    check_outputs(records, {index: ids for index, _, ids in prompts}, runner)
     return records
 
 
+def check_outputs(records: list[dict], prompts: dict[int, list[int]], runner: Runner) -> None:
+    """Greedy: every output must equal transformers' (`matches_reference`); one that differs is a
+    near-tie or a defect (`difference`, benchmarks/exactness.py). Sampling: nothing to compare."""
+    reference = {(r["prompt"], r["repeat"]): r["output"] for r in records if r["method"] == BASELINE}
+    classify = Classifier(runner.target)
+    for r in records:
+        if runner.sample is not None:
+            r["matches_reference"], r["difference"] = True, None
+            continue
+        ref = reference[(r["prompt"], r["repeat"])]
+        r["matches_reference"] = r["output"] == ref
+        difference = None if r["matches_reference"] else classify(prompts[r["prompt"]], ref, r["output"])
+        r["difference"] = difference.as_dict() if difference else None
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=WORKLOADS, default="spec_bench",
-                        help="spec_bench: its six tasks; humaneval: code prompts (task 'code')")
-    parser.add_argument("--data", type=Path, default=None, help="a prompt file of the workload's format "
-                        "(default: the workload's file in benchmarks/data/)")
-    parser.add_argument("--per-category", type=int, default=2, help="prompts per task")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each method on each prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser = cli.benchmark_parser(__doc__)
+    cli.add_workload(parser)
+    cli.add_run(parser, max_new_tokens=128, repeats=3, out=Path("bench_results"), quiet=True)
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--sample", action="store_true", help="sampling mode (else greedy)")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--target", "--model", dest="model", default=None,
-                        help="target: a name load_model takes (default: the built-in SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=None, help="drafter, e.g. qwen2.5-coder-0.5b-instruct "
-                        "(default: a bfloat16 copy of the target)")
-    parser.add_argument("--dtype", default=None, help="of target and drafter (default: load_model's: float32, "
-                        "or for the offline real models the faster of float32 and bfloat16 here)")
-    parser.add_argument("--device-map", default=None, help="accelerate placement of the target, e.g. auto")
-    parser.add_argument("--device", default=None, help="where target and drafter run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
+    cli.add_sampling(parser)
+    cli.add_models(parser, drafter="drafter, e.g. qwen2.5-coder-0.5b-instruct (default: a bfloat16 copy of the target)",
+                   device_map=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS) - set(OPTIONAL_METHODS)
     if unknown:
@@ -229,10 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
     for required in (CONTROL, BASELINE):  # the reference for speed and outputs, and the noise control
         if required not in methods:
             methods.insert(0, required)
-    if args.data is not None and not args.data.exists():
-        parser.error(f"--data {args.data} does not exist")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
     texts = load_workload(args.workload, args.per_category, path=args.data)
     if not texts:
         parser.error(f"no prompts: --per-category {args.per_category} of workload {args.workload}")
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                 device=device)
     else:
         drafter, drafter_tokenizer = copy.deepcopy(target).to(torch.bfloat16), tokenizer
-    sample = {"temperature": args.temperature, "top_p": args.top_p} if args.sample else None
+    sample = cli.sampling_settings(args)
     runner = Runner(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens, sample)
     runner.tokenizer, runner.drafter_tokenizer = tokenizer, drafter_tokenizer
     prompts = [(index, task, encode(tokenizer, text)) for index, (task, text) in enumerate(texts)]
@@ -264,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
             return {"records": records}
     summary = summarise(records, methods)
     verdict = noise_verdict(records, summary)
+    steps = breakdown.summarise(records, methods)
     settings = {"mode": mode, "workload": args.workload, **(sample or {}), "model": args.model or "SmolLM2-135M-Instruct",
                 "drafter": args.drafter or "bf16 copy of target", "max_new_tokens": args.max_new_tokens,
                 "per_category": args.per_category, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
@@ -272,25 +278,26 @@ def main(argv: list[str] | None = None) -> dict:
                 "machine": machine(), "cost_table": pass_costs(target).table()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
-        {"settings": settings, "verdict": verdict, "summary": summary, "records": records}, indent=1))
+        {"settings": settings, "verdict": verdict, "summary": summary, "breakdown": steps, "records": records}, indent=1))
     text = report(summary, methods, settings, verdict, mode)
+    text += "\n".join(breakdown.report_lines(steps, BREAKDOWN_PAIRS)) + "\n"
     (args.out / "report.md").write_text(text)
     write_chart(args.out, summary, methods, verdict, mode)
 
     tasks_shown = tasks_in(summary)
-    table = Table("method", *tasks_shown, "overall", "mismatches", title=f"speedup vs transformers ({mode}), [min-max]")
+    table = Table("method", *tasks_shown, "overall", "differences", title=f"speedup vs transformers ({mode}), [min-max]")
     for method in methods:
         tasks = summary[method]["tasks"]
         table.add_row(method, *[f"{tasks[t]['speedup']:.2f}x [{tasks[t]['speedup_min']:.2f}-{tasks[t]['speedup_max']:.2f}]"
                                 if t in tasks else "-" for t in tasks_shown],
-                      f"{summary[method]['overall']:.2f}x", str(sum(r["mismatches"] for r in tasks.values())))
+                      f"{summary[method]['overall']:.2f}x", describe(exactness(summary, method)) if mode == "greedy" else "-")
     console.print(table)
     console.print("[red]NOISY RUN[/red]: " + "; ".join(verdict["reasons"]) if verdict["noisy"] else
                   f"quiet run (median spread of repeats {verdict['median_spread']:.0%})")
-    for line in goal_lines(summary, mode, verdict):
+    for line in goal_lines(summary, mode, verdict, args.workload):
         console.print(line)
     console.print(f"written to {args.out}/ (results.json, report.md, speedup.png)")
-    return {"summary": summary, "records": records, "report": text, "verdict": verdict}
+    return {"summary": summary, "records": records, "report": text, "verdict": verdict, "breakdown": steps}
 
 
 if __name__ == "__main__":

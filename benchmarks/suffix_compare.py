@@ -15,11 +15,12 @@ earlier responses across prompts; without the built peer, the pure-Python stand-
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
+from benchmarks import cli
+from benchmarks.exactness import Classifier, counts, describe
 from benchmarks.nasd_replay import summarise as per_task
 from benchmarks.prompts import DEFAULT_DATA, encode, load_prompts
 from benchmarks.suffix_decoding import MAX_TREE_DEPTH, PythonSuffixCache, load_peer, run_suffix
@@ -32,6 +33,7 @@ from utils.loading import end_token_ids, load_model
 
 def measure(prompts, model, end_tokens, max_new_tokens: int, cache, n: int = 8) -> list[dict]:
     costs = pass_costs(model)
+    classify = Classifier(model)  # a differing output: a near-tie or a defect (benchmarks/exactness.py)
     records = []
     for index, (task, ids) in enumerate(prompts):
         reference = autoregressive_generate(ids, model, max_gen_len=max_new_tokens, end_tokens_id=end_tokens)
@@ -47,6 +49,7 @@ def measure(prompts, model, end_tokens, max_new_tokens: int, cache, n: int = 8) 
                 "task": task, "prompt": index, "method": method, "tokens": len(out), "steps": len(steps),
                 "nodes": stats.drafts_proposed, "accepted": stats.drafts_accepted,
                 "cost": sum(costs(len(step.drafts)) for step in steps), "mismatch": out != reference,
+                "difference": difference.as_dict() if (difference := classify(ids, reference, out)) else None,
             })
     return records
 
@@ -64,17 +67,14 @@ def summarise(records: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--per-category", type=int, default=2)
+    parser = cli.benchmark_parser(__doc__)
+    cli.add_workload(parser, workload=None, data=DEFAULT_DATA)
     parser.add_argument("--offset", type=int, default=0, help="skip each task's last held-out prompts (2..5: nasd_replay's tuning set)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default=None, help="where the model runs: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
+    cli.add_run(parser, max_new_tokens=128, out=Path("bench_results"))
+    cli.add_models(parser)
     parser.add_argument("--n", type=int, default=8, help="NASD's pool: MultiDynaGram(n), the benchmark's setting")
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    args = parser.parse_args(argv)
-    model, tokenizer = load_model(args.model, device=args.device)
+    args = cli.parse(parser, argv)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     peer, why = load_peer()
     cache = peer(max_tree_depth=MAX_TREE_DEPTH) if peer else PythonSuffixCache(max_tree_depth=MAX_TREE_DEPTH)
     chosen = load_prompts(args.data, args.per_category, held_out=True, offset=args.offset)
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{s['tau']:.2f} | {s['nodes_per_step']:.2f} | {s['alpha']:.2f} | {s['modelled_speed']:.3f} | "
                          f"{n['modelled_speed'] / s['modelled_speed']:.3f}x |")
     mismatches = sum(r["mismatch"] for r in records)
-    lines += ["", f"Mismatches against greedy decoding: {mismatches} of {len(records)} outputs.",
+    lines += ["", f"Mismatches against greedy decoding: {mismatches} of {len(records)} outputs "
+              f"({describe(counts([r['difference'] for r in records]))}).",
               f"Modelled speed, geometric mean over tasks: NASD {summary['nasd']['overall']['modelled_speed_geomean']:.3f}, "
               f"suffix {summary['suffix']['overall']['modelled_speed_geomean']:.3f}."]
     args.out.mkdir(parents=True, exist_ok=True)

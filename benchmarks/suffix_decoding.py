@@ -14,7 +14,6 @@ the peer is unavailable when it was not built.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import io
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from benchmarks import cli
 from sampling import DraftTree, speculative_generate
 from sampling.drafters import PerRow
 from utils.loading import cache_dir
@@ -236,7 +236,7 @@ def run_suffix(ids, model, cache, *, max_new_tokens, end_tokens, stats, on_step,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.benchmark_parser(__doc__)
     parser.add_argument("--build", action="store_true", help="build the peer into the cache folder")
     args = parser.parse_args(argv)
     if args.build:

@@ -9,13 +9,13 @@ or HumanEval's) are decoded in batches of B for each B, greedy: transformers' `g
 (`ours_nasd`) over the same batches, every (repeat, B) with the methods in a rotating order.
 Figures are tokens/s over all prompts (medians over repeats) and ratios against `hf_batched` at
 the same B; every output is checked against our batch-1 greedy output of the same prompt (our
-batched rows must equal it; transformers' left padding may change a float32 near-tie, counted).
+batched rows must equal it; transformers' left padding may change a near-tie): one that differs is
+a near-tie or a defect (`benchmarks/exactness.py`), both counted in the table.
 Writes throughput.json and throughput.md to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -25,7 +25,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.prompts import WORKLOADS, encode, load_workload
+from benchmarks import cli
+from benchmarks.exactness import Classifier, counts, describe
+from benchmarks.prompts import encode, load_workload
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate, speculative_generate
 from utils.caching import input_device
@@ -70,8 +72,10 @@ class Methods:
 
 
 def run(methods: Methods, prompts: list[list[int]], batch_sizes: list[int], repeats: int) -> list[dict]:
-    """One record per (repeat, batch size, method): tokens, seconds, mismatches against batch 1."""
+    """One record per (repeat, batch size, method): tokens, seconds, mismatches against batch 1 (of
+    which near-ties and defects: benchmarks/exactness.py)."""
     reference = [methods.ours_ar(row) for row in prompts]
+    classify = Classifier(methods.model)
     for method in methods.names:  # warm-up
         getattr(methods, method)(prompts[:2])
     records = []
@@ -84,14 +88,17 @@ def run(methods: Methods, prompts: list[list[int]], batch_sizes: list[int], repe
                 for i in range(0, len(prompts), size):
                     outputs += getattr(methods, method)(prompts[i : i + size])
                 seconds = time.perf_counter() - start
+                differences = [classify(prompt, ref, out) if out != ref else None
+                               for prompt, out, ref in zip(prompts, outputs, reference, strict=True)]
                 records.append({"method": method, "batch_size": size, "repeat": repeat, "seconds": seconds,
-                                "tokens": sum(map(len, outputs)),
-                                "mismatches": sum(out != ref for out, ref in zip(outputs, reference, strict=True))})
+                                "tokens": sum(map(len, outputs)), "mismatches": sum(d is not None for d in differences),
+                                **counts(differences)})
     return records
 
 
 def summarise(records: list[dict], batch_sizes: list[int]) -> dict:
-    """method -> batch size -> {tokens_per_s (median over repeats), vs_hf, mismatches}."""
+    """method -> batch size -> {tokens_per_s (median over repeats), vs_hf, mismatches, defects,
+    near_ties (the most of any repeat)}."""
     summary: dict = {}
     names = list(dict.fromkeys(r["method"] for r in records))
     for method in names:
@@ -99,7 +106,8 @@ def summarise(records: list[dict], batch_sizes: list[int]) -> dict:
             mine = [r for r in records if r["method"] == method and r["batch_size"] == size]
             summary.setdefault(method, {})[size] = {
                 "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in mine),
-                "mismatches": max(r["mismatches"] for r in mine)}
+                "mismatches": max(r["mismatches"] for r in mine), "defects": max(r.get("defects", 0) for r in mine),
+                "near_ties": max(r.get("near_ties", 0) for r in mine)}
     for method in names:
         for size in batch_sizes:
             summary[method][size]["vs_hf"] = summary[method][size]["tokens_per_s"] / summary["hf_batched"][size]["tokens_per_s"]
@@ -121,29 +129,17 @@ def goal_lines(summary: dict, batch_sizes: list[int]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=WORKLOADS, default="spec_bench",
-                        help="spec_bench: its six tasks, in turn; humaneval: code prompts")
-    parser.add_argument("--data", type=Path, default=None, help="a prompt file of the workload's format "
-                        "(default: the workload's file in benchmarks/data/)")
+    parser = cli.benchmark_parser(__doc__)
+    cli.add_workload(parser, per_category=None)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts (a multiple of every batch size)")
     parser.add_argument("--batch-sizes", default="1,2,4,8")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--target", "--model", dest="model", default=None,
-                        help="a name load_model takes (default: the built-in SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=None, help="a drafter model sharing the target's tokenizer: adds "
-                        "speculative decoding with it (adaptive_gamma) to the methods")
-    parser.add_argument("--dtype", default=None, help="default: load_model's")
-    parser.add_argument("--device", default=None, help="where the models run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)")
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
+    cli.add_run(parser, max_new_tokens=96, repeats=2, out=Path("bench_results"), quiet=True)
+    cli.add_models(parser, drafter="a drafter model sharing the target's tokenizer: adds speculative decoding "
+                   "with it (adaptive_gamma) to the methods")
+    args = cli.parse(parser, argv)
     batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
     if any(size < 1 for size in batch_sizes):
         parser.error("--batch-sizes must be integers >= 1")
-    if args.data is not None and not args.data.exists():
-        parser.error(f"--data {args.data} does not exist")
     per_task = -(-args.prompts // 6) if args.workload == "spec_bench" else args.prompts  # Spec-Bench: six tasks
     texts = [text for _, text in load_workload(args.workload, per_task, held_out=True, path=args.data)][: args.prompts]
     if not texts:
@@ -159,11 +155,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "date": time.strftime("%Y-%m-%d"), "machine": machine()}
     goals = goal_lines(summary, batch_sizes)
     lines = [f"Throughput, greedy (tokens/s over {len(prompts)} held-out prompts, median of {args.repeats} repeats; "
-             "x: against transformers' batched `generate` at the same batch size).", "",
+             "x: against transformers' batched `generate` at the same batch size; outputs that differ from our batch-1 "
+             "output: defects and near-ties, benchmarks/exactness.py).", "",
              f"Machine: {settings['machine']}", "", f"Settings: {settings}", "",
              "| method | " + " | ".join(f"B = {s}" for s in batch_sizes) + " |", "|---|" + "---|" * len(batch_sizes)]
     for method in methods.names:
-        cells = [f"{row['tokens_per_s']:.1f} ({row['vs_hf']:.2f}x){' mismatches ' + str(row['mismatches']) if row['mismatches'] else ''}"
+        cells = [f"{row['tokens_per_s']:.1f} ({row['vs_hf']:.2f}x){', ' + describe(row) if row['mismatches'] else ''}"
                  for row in (summary[method][s] for s in batch_sizes)]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += [""] + [f"- {line}" for line in goals]

@@ -13,6 +13,8 @@ from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step
 from sampling.draft_policy import DraftPolicy
 from sampling.drafters import Drafter
+from sampling.step_clock import StepClock
+from utils.caching import input_device
 from utils.logits_processors import LogitsProcessor
 
 
@@ -48,6 +50,11 @@ class SpeculativeStats:
     - `retokenize_seconds`, `lossy_text_rows`: a drafter with another tokenizer: time spent moving
       text between the tokenizers; rows decoded plainly after a text one of them could not
       encode losslessly (`sampling/universal.py`).
+    - `seconds` (with `timed=True`): phase -> seconds, summed over calls: "prefill", "draft" (the
+      drafter's work, its model's passes included), "target" (the verification pass), "accept",
+      "rollback" (the target's cache), "update" (the drafter told what was accepted: its cache, a
+      pool's learning) and "rest" (the loop's own bookkeeping). Off by default: on an accelerator
+      each phase waits for the device's queued work before it is timed.
     """
 
     drafts_proposed: int = 0
@@ -63,6 +70,8 @@ class SpeculativeStats:
     cascade_accepted: int = 0
     lossy_text_rows: int = 0  # a drafter with another tokenizer: rows decoded plainly after a text one could not round-trip
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
+    timed: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def alpha(self) -> float:
@@ -124,10 +133,12 @@ def speculative_loop(
     target = gen.runner
     sequences = [list(prefix) for prefix in gen.prefixes]
     live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's (and drafter's) order
+    clock = StepClock(stats.seconds if stats.timed else None, input_device(target.model))
     drafter.start(sequences)
     drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
     if any(len(sequence) > 1 for sequence in sequences):  # prefill
         target.forward_rows([(sequence[:-1], None) for sequence in sequences], [int(len(s) > 1) for s in sequences])
+    clock.lap("prefill")
     generated: list[list[int]] = [[] for _ in sequences]
     proposed, accepted = [0] * len(sequences), [0] * len(sequences)
     while live:
@@ -137,11 +148,13 @@ def speculative_loop(
         max_drafts = policy.budget(len(live))
         rooms = [gen.max_new_tokens[row] - len(generated[row]) - 1 for row in live]
         drafts = drafter.draft(active, max_drafts, rooms)
+        clock.lap("draft")
 
         # 2. Verify: one target pass over each row's last accepted token and every drafted node.
         blocks = [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
                   for sequence, (tree, _) in zip(active, drafts, strict=True)]
         logits = target.forward_rows(blocks, [len(tokens) for tokens, _ in blocks])
+        clock.lap("target")
 
         paths, ps, going_on = [], [], []  # going_on: positions in `live` of the rows not finished
         for i, row in enumerate(live):
@@ -149,12 +162,14 @@ def speculative_loop(
             # 3. Accept a path of drafts, then take one token from the target.
             path, token, p = accept(logits[i], tree, q, sequence, logits_processor, gen.uniforms[row])
             n = len(path)
+            clock.lap("accept")
 
             # 4. Roll back the target: keep the accepted path, forget the rest.
             if tree.is_chain:
                 target.rollback_row(i, len(sequence) + n)
             else:
                 target.keep_path_row(i, len(sequence) - 1, path)  # the root is the last accepted token
+            clock.lap("rollback")
             accepted_tokens = [tree.tokens[node] for node in path]
             new_tokens, finished = gen.trim(row, accepted_tokens + [token], len(generated[row]))
             sequence += new_tokens
@@ -170,13 +185,16 @@ def speculative_loop(
             if on_step is not None:
                 rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
                 on_step(Step(drafts=tuple(accepted_tokens + rejected), accepted=n, tokens=tuple(new_tokens), row=row))
+            clock.lap("rest")
 
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
         drafter.update(active, paths, logits, ps)
+        clock.lap("update")
         if 0 < len(going_on) < len(live):  # finished rows stop costing compute
             target = gen.runner = target.select_rows(going_on)  # the runner to use from now on
             drafter.select_rows(going_on)
         live = [live[i] for i in going_on]
+        clock.lap("rest")
 
     stats.generated_tokens += sum(len(tokens) for tokens in generated)
     stats.target_forwards += target.forward_passes - target_passes

@@ -34,8 +34,20 @@ def test_benchmark_runs_end_to_end(tmp_path, mode):
     nasd = [r for r in records if r["method"] == "ours_nasd"]
     assert all(r["steps"] >= 1 and 0 <= r["steps_without_drafts"] <= r["steps"] and r["tau"] >= 1.0 for r in nasd)
     assert "drafted nothing" in result["report"]
-    settings = json.loads((out / "results.json").read_text())["settings"]
+    written = json.loads((out / "results.json").read_text())
+    settings = written["settings"]
     assert settings["mode"] == mode and "cost_table" in settings and "load_average_before" in settings
+    # Where the time goes: every method's passes (transformers' by hooks), our loop's phases.
+    steps = written["breakdown"]
+    assert set(steps) == set(spec_bench.METHODS) and all(row["tau"] >= 1.0 and row["target_passes"] > 0
+                                                         for row in steps.values())
+    assert steps["hf_plain"]["phases_ms_per_step"] is None and set(steps["ours_nasd"]["phases_ms_per_step"]) == {
+        "prefill", "draft", "target", "accept", "rollback", "update", "rest"}
+    assert steps["hf_assisted"]["drafter_passes"] > 0 and "Where the time goes" in result["report"]
+    assert "ours_nasd_g10 / hf_prompt_lookup" in result["report"]
+    # Near-ties and defects: none here (float32 tiny model), and said so in greedy mode.
+    assert all(r["difference"] is None for r in records)
+    assert ("differ from transformers' greedy output" in result["report"]) == (mode == "greedy")
 
 
 def test_the_benchmark_and_throughput_run_humaneval_from_the_repository(tmp_path):
@@ -246,3 +258,137 @@ def test_evaluate_decodes_a_jsonl_in_batches_as_one_by_one(tmp_path):
         assert line["ids"] == single
     with pytest.raises(SystemExit):
         evaluate.main([str(tmp_path / "missing.jsonl")])
+    checked = evaluate.main([str(data), "--model", str(model_dir), "--batch-size", "2", "--max-new-tokens", "6",
+                             "--check", "--out", str(tmp_path / "checked.jsonl")])
+    assert [line["ids"] for line in checked] == [line["ids"] for line in written]
+    assert all(line["difference"] is None for line in checked)  # NASD's batches give transformers' greedy tokens
+    with pytest.raises(SystemExit):
+        evaluate.main([str(data), "--check", "--sample"])
+
+
+def test_a_timed_loop_splits_its_time_into_the_phases_and_an_untimed_one_records_none():
+    import time
+
+    from benchmarks.breakdown import PHASES
+    from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
+    from sampling import SpeculativeStats
+    from tests.models import tiny_model
+
+    model, prompt = tiny_model("llama"), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    timed, untimed = SpeculativeStats(timed=True), SpeculativeStats()
+    start = time.perf_counter()
+    out, _ = ngram_assisted_speculative_generate(prompt, MultiDynaGram(3), model, max_gen_len=12, stats=timed)
+    wall = time.perf_counter() - start
+    assert ngram_assisted_speculative_generate(prompt, MultiDynaGram(3), model, max_gen_len=12, stats=untimed)[0] == out
+    assert untimed.seconds == {} and set(timed.seconds) == set(PHASES)  # every phase of the loop ran, and only those
+    assert all(s >= 0 for s in timed.seconds.values()) and sum(timed.seconds.values()) <= wall
+    assert timed.seconds["target"] > 0 and timed.steps >= 1  # (draft sizes, so steps, may follow timings)
+
+
+def test_the_forward_meter_counts_transformers_passes_and_lets_go_of_the_model():
+    import torch
+
+    from benchmarks.breakdown import ForwardMeter, summarise
+    from tests.models import tiny_model
+
+    model = tiny_model("llama")
+    with ForwardMeter(target=model, drafter=model) as meter:  # one model under two names: hooked once
+        out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    record = meter.record()
+    assert record["target_passes"] == 6 and record["drafter_passes"] == 0 and record["forward_seconds"] > 0
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    row = summarise([{"method": "hf_plain", "tokens": out.shape[1] - 3, "seconds": 2 * record["forward_seconds"],
+                      "steps": None, "phases": None, **record}], ["hf_plain"])["hf_plain"]
+    assert row["tau"] == 6 / 5 and row["steps"] == 5 and abs(row["outside_share"] - 0.5) < 1e-9
+    assert row["phases_ms_per_step"] is None
+
+
+def test_the_benchmark_tells_a_near_tie_from_a_defect_and_reports_both():
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.test_exactness import PROMPT, model_with_twin
+
+    model, best, twin, worst = model_with_twin(torch.float32)
+    outputs = {"hf_plain": [best, 3], "hf_control": [best, 3], "ours_ar": [best, 3], "ours_nasd": [twin, 3],
+               "hf_prompt_lookup": [worst, 3]}
+    records = [{"task": "qa", "method": method, "prompt": 0, "repeat": k, "tokens": 2, "seconds": 1.0, "tau": None,
+                "alpha": None, "peak_rss_mib": 1.0, "output": output} for k in range(2) for method, output in outputs.items()]
+    spec_bench.check_outputs(records, {0: PROMPT}, SimpleNamespace(target=model, sample=None))
+    kinds = {r["method"]: r["difference"] and r["difference"]["kind"] for r in records}
+    assert kinds == {"hf_plain": None, "hf_control": None, "ours_ar": None, "ours_nasd": "near-tie",
+                     "hf_prompt_lookup": "defect"}
+    result = summary.summarise(records, list(outputs))
+    assert (result["ours_nasd"]["tasks"]["qa"]["near_ties"], result["hf_prompt_lookup"]["tasks"]["qa"]["defects"]) == (2, 2)
+    text = summary.report(result, list(outputs), {}, summary.noise_verdict(records, result), "greedy")
+    assert "ours_nasd 0 defects, 2 near-ties" in text and "hf_prompt_lookup 2 defects, 0 near-ties" in text
+    sampled = [dict(r) for r in records]
+    spec_bench.check_outputs(sampled, {0: PROMPT}, SimpleNamespace(target=model, sample={"temperature": 0.7}))
+    assert all(r["matches_reference"] and r["difference"] is None for r in sampled)  # sampling: nothing to compare
+
+
+BENCHMARK_SCRIPTS = ["spec_bench", "throughput", "evaluate", "coupling_acceptance", "draft_cost", "nasd_tau",
+                     "suffix_compare"]
+
+
+@pytest.mark.parametrize("script", BENCHMARK_SCRIPTS)
+def test_every_benchmark_takes_the_shared_flags_with_one_meaning(script, capsys):
+    import importlib
+
+    from benchmarks import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"benchmarks.{script}").main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare words
+    assert exit_.value.code == 0
+    assert "--target MODEL, --model MODEL" in text and " ".join(cli.TARGET_HELP.split()) in text
+    assert "--device DEVICE" in text and " ".join(cli.DEVICE_HELP.split()) in text and "--dtype DTYPE" in text
+
+
+def test_the_shared_parser_refuses_what_no_benchmark_runs_with(tmp_path, capsys):
+    from benchmarks import cli
+
+    parser = cli.benchmark_parser("doc")
+    cli.add_workload(parser)
+    cli.add_run(parser, max_new_tokens=8, repeats=2)
+    for argv, message in [(["--data", str(tmp_path / "none.jsonl")], "does not exist"), (["--repeats", "0"], "--repeats"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens")]:
+        with pytest.raises(SystemExit):
+            cli.parse(parser, argv)
+        assert message in capsys.readouterr().err
+    args = cli.parse(parser, [])
+    assert (args.workload, args.per_category, args.repeats, args.max_new_tokens, args.data) == ("spec_bench", 2, 2, 8, None)
+
+
+def test_nasd_tau_and_suffix_compare_run_on_a_tiny_model(tmp_path, capsys):
+    from benchmarks import nasd_tau, suffix_compare
+
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=512)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in
+                              enumerate([("writing", "w5 w6 w7 w8 w5 w6 w7"), ("qa", "w9 w10 w11 w9 w10 w11")])))
+    nasd_tau.main(["--data", str(data), "--target", str(model), "--per-category", "1", "--max-new-tokens", "6",
+                   "--branching", "1", "2"])
+    assert "branching=2" in capsys.readouterr().out
+    result = suffix_compare.main(["--data", str(data), "--model", str(model), "--per-category", "1",
+                                  "--max-new-tokens", "6", "--out", str(tmp_path / "out")])
+    assert all(not r["mismatch"] and r["difference"] is None for r in result["records"])
+    assert "0 defects, 0 near-ties" in (tmp_path / "out" / "suffix_compare.md").read_text()
+
+
+def test_the_goals_follow_the_workload_and_a_best_of_goal_takes_the_best_method():
+    def run(method, task, prompt, repeat):
+        return {"ours_nasd": 2.0, "ours_hybrid": 1.0, "hf_prompt_lookup": 2.0}.get(method, 4.0)
+
+    records = synthetic_records(run) + [dict(r, method="ours_hybrid", seconds=1.0)
+                                        for r in synthetic_records(run) if r["method"] == "ours_nasd"]
+    methods = ["hf_plain", "hf_control", "ours_ar", "ours_nasd", "hf_prompt_lookup", "ours_hybrid"]
+    result = summary.summarise(records, methods)
+    verdict = summary.noise_verdict(records, result)
+    code = summary.goal_lines(result, "greedy", verdict, "humaneval")
+    assert "best of ours_nasd, ours_hybrid / hf_prompt_lookup (overall): 2.00x (goal >= 1.3x) met" in code
+    assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.1x) NOT met" in code
+    assert not any("hf_assisted" in line for line in code)  # a goal whose methods did not run is left out
+    assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.2x) NOT met" in summary.goal_lines(result, "greedy",
+                                                                                                      verdict)
