@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,21 +34,43 @@ RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of 
 AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97)  # the target's last probability of a proposal, bucketed
 
-# (match length, count, majority continuation or target's top choice, rank among siblings, confidence bucket or -1)
-Kind = tuple[int, int, bool, int, int]
+
+@dataclass(frozen=True, slots=True)
+class TextKind:
+    """A proposal only seen in text (the target never scored its context): judged by its match
+    length (1-4, then 5-7, 8-15, 16+ as 5, 6, 7), how often it followed (1-4+), whether it is the
+    majority continuation, and its rank among the context's candidates (0, 1, 2+)."""
+
+    match_length: int
+    count: int
+    majority: bool
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredKind:
+    """A proposal the target scored at that context (a token of its top-k there): judged by its
+    match length (as `TextKind`'s), whether it was the target's top choice, whether it is a
+    runner-up among the pool's candidates, and the bucket of its probability then
+    (`CONFIDENCE_BUCKETS`: 0 below the first edge, len(edges) at or past the last)."""
+
+    match_length: int
+    top_choice: bool
+    runner_up: bool
+    bucket: int
+
+
+Kind = TextKind | ScoredKind  # distinct classes: a text kind never equals a scored one
 
 
 class AcceptanceModel:
     """Online estimate of P(a draft is accepted | the drafts before it were), per kind of proposal.
 
     A proposal the target has scored (a token of its top-k there) is judged by what the target
-    said the last time it saw that context: its kind is (match length, whether it was the target's
-    top choice, whether it is a runner-up among the pool's candidates, the bucket of its
-    probability then). Greedy decoding accepts the target's argmax, so there the prior is how often
+    said the last time it saw that context (`ScoredKind`). Greedy decoding accepts the target's argmax, so there the prior is how often
     the top choice stays the top choice (`TOP_CHOICE_PRIOR`, by match length and probability);
     sampling accepts x with probability p(x), so there it is the middle of the probability's
-    bucket. A proposal only seen in text (the prompt) is judged by (match length, count, whether it
-    is the majority continuation, its rank among its context's candidates), starting from a prior
+    bucket. A proposal only seen in text (the prompt) is judged by its `TextKind`, starting from a prior
     set by its match length (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each
     kind moves to the acceptance rate actually observed. On top of that, a calibration factor
     (accepted / predicted over all judged drafts so far) scales the odds of every estimate, so that
@@ -71,21 +94,20 @@ class AcceptanceModel:
         length = max(prediction.match_length, copied)
         match_length = length if length <= 4 else 5 if length < 8 else 6 if length < 16 else 7
         if p is None:  # only seen in text: count and majority speak for it
-            return match_length, min(prediction.count, 4), 2 * prediction.count > prediction.total, min(rank, 2), -1
+            return TextKind(match_length, min(prediction.count, 4), 2 * prediction.count > prediction.total, min(rank, 2))
         bucket = sum(p >= edge for edge in CONFIDENCE_BUCKETS)
-        return match_length, 0, prediction.target_rank == 0, min(rank, 1), bucket
+        return ScoredKind(match_length, prediction.target_rank == 0, rank > 0, bucket)
 
     def _prior(self, kind: Kind) -> list[float]:
-        match_length, _, top_choice, rank, bucket = kind
-        if bucket < 0:
-            a = self.prior[min(match_length, len(self.prior)) - 1] * (RUNNER_UP_PRIOR if rank else 1.0)
+        if isinstance(kind, TextKind):
+            a = self.prior[min(kind.match_length, len(self.prior)) - 1] * (RUNNER_UP_PRIOR if kind.rank else 1.0)
         else:
             edges = (0.0, *CONFIDENCE_BUCKETS, 1.0)
-            middle = (edges[bucket] + edges[bucket + 1]) / 2  # the target's probability then
+            middle = (edges[kind.bucket] + edges[kind.bucket + 1]) / 2  # the target's probability then
             if not self.greedy:
                 a = middle
-            elif top_choice:
-                row = TOP_CHOICE_PRIOR[min(match_length, len(TOP_CHOICE_PRIOR)) - 1]
+            elif kind.top_choice:
+                row = TOP_CHOICE_PRIOR[min(kind.match_length, len(TOP_CHOICE_PRIOR)) - 1]
                 a = row[sum(middle >= edge for edge in TOP_CHOICE_EDGES)]
             else:
                 a = NOT_TOP_CHOICE_PRIOR
