@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from ngram_assisted.matching import MAX_MATCH, CopyIndex
 from sampling.draft_policy import best_tree_size
 from sampling.drafters import DraftTree, PerRow
 from utils.cost_model import prior_cost
+from utils.logits_processors import supports_float64
 
 # Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4, 5-7, 8-15, 16+
 # tokens: in the pool or, longer, in the text itself), as measured on held-out Spec-Bench prompts
@@ -194,10 +196,15 @@ class NgramDrafter:
         max_depth = max_drafts if max_depth is None else max_depth
         tokens, parents, reaches, judged, depths = [], [], [], [], []
         histories = {-1: list(sequence[-max(self.pool.n - 1, MAX_MATCH) :])}
-        frontier = self._candidates(histories[-1], -1, 1.0) if max_depth > 0 else []
+        # Best-first: the candidate most likely to be reached, the earliest found among equals (a heap
+        # of (-reach, order found)).
+        frontier: list[tuple[float, int, tuple]] = []
+        found = 0
+        for candidate in self._candidates(histories[-1], -1, 1.0) if max_depth > 0 else []:
+            heapq.heappush(frontier, (-candidate[0], found, candidate))
+            found += 1
         while frontier and len(tokens) < max_drafts:
-            best = max(range(len(frontier)), key=lambda i: frontier[i][0])  # best-first: most likely to be reached
-            reach, parent, kind, estimate, prediction = frontier.pop(best)
+            reach, parent, kind, estimate, prediction = heapq.heappop(frontier)[2]
             node = len(tokens)
             tokens.append(prediction.token)
             parents.append(parent)
@@ -206,7 +213,9 @@ class NgramDrafter:
             histories[node] = histories[parent] + [prediction.token]
             depths.append(1 + (depths[parent] if parent >= 0 else 0))
             if depths[node] < max_depth:  # only a path's depth can become generated tokens
-                frontier += self._candidates(histories[node], node, reach)
+                for candidate in self._candidates(histories[node], node, reach):
+                    heapq.heappush(frontier, (-candidate[0], found, candidate))
+                    found += 1
         self._tree, self._judged, self.reaches = DraftTree(tokens, parents), judged, reaches
         if self.stop_if_unknown if cut is None else cut:
             return self.keep(best_tree_size(reaches, self.draft_cost)), None
@@ -231,12 +240,10 @@ class NgramDrafter:
         self.acceptance.greedy = p is None  # greedy judges the argmax, sampling p(x): the priors differ
         reached = {-1, *path}
         judged_nodes = [node for node, parent in enumerate(tree.parents) if parent in reached]
-        if p is not None and judged_nodes:
-            rows = torch.tensor([1 + tree.parents[node] for node in judged_nodes], device=p.device)
-            tokens = torch.tensor([tree.tokens[node] for node in judged_nodes], device=p.device)
-            chances = p[rows, tokens].tolist()
-        else:
-            chances = [float(node in path) for node in judged_nodes]
+        top_k, chances = self._read_scores(tree, judged_nodes, target_logits, p)
+        if p is None:
+            on_path = set(path)
+            chances = [float(node in on_path) for node in judged_nodes]
         for node, chance in zip(judged_nodes, chances, strict=True):
             kind, estimate = self._judged[node]
             self.acceptance.record(kind, chance, estimate)
@@ -245,14 +252,6 @@ class NgramDrafter:
         # accepted tokens, so that on equal counts the token really generated (added last, most
         # recent) stays the proposal; that one only gets its probability here.
         longest = self.pool.n - 1
-        if p is not None:
-            top = p.topk(self.top_k_filler, dim=-1)
-            probabilities = top.values
-        else:  # softmax of the top-k only (no full-vocabulary softmax per step)
-            top = target_logits.topk(self.top_k_filler, dim=-1)
-            probabilities = (top.values - target_logits.logsumexp(dim=-1, keepdim=True)).exp()
-        # A row scored nowhere (all -inf, as off the path in the offline replay) teaches nothing.
-        top_k = list(zip(top.indices.tolist(), probabilities.nan_to_num(0.0).tolist(), strict=True))
         prefix = sequence[max(0, self._base - longest) : self._base]
         for row, node in enumerate([-1, *path]):
             end = self._base + row
@@ -262,6 +261,32 @@ class NgramDrafter:
             if node not in reached:
                 self._recycle((prefix + tree.path_to(node))[-longest:], top_k[1 + node], generated=None)
         self.pool.learn(sequence)  # the accepted tokens and the target's own
+
+    def _read_scores(self, tree: DraftTree, judged_nodes: list[int], target_logits: Tensor,
+                     p: Tensor | None) -> tuple[list[tuple[list[int], list[float]]], list[float]]:
+        """-> (the target's top-k (ids, probabilities) at every row of its scores; sampling: p of each
+        judged node's token there, else []), computed on the scores' device and read in one transfer
+        (one host sync per step, whatever the tree's size)."""
+        k = self.top_k_filler
+        if p is not None:
+            top = p.topk(k, dim=-1)
+            probabilities = top.values
+        else:  # softmax of the top-k only (no full-vocabulary softmax per step)
+            top = target_logits.topk(k, dim=-1)
+            probabilities = (top.values - target_logits.logsumexp(dim=-1, keepdim=True)).exp()
+        # Ids travel as floats beside the probabilities: exact below 2**24 (float32) or 2**53.
+        dtype = torch.float64 if supports_float64(target_logits.device) else torch.float32
+        # A row scored nowhere (all -inf, as off the path in the offline replay) teaches nothing.
+        parts = [top.indices.to(dtype).flatten(), probabilities.to(dtype).nan_to_num(0.0).flatten()]
+        if p is not None and judged_nodes:
+            rows = torch.tensor([1 + tree.parents[node] for node in judged_nodes], device=p.device)
+            tokens = torch.tensor([tree.tokens[node] for node in judged_nodes], device=p.device)
+            parts.append(p[rows, tokens].to(dtype))
+        values = torch.cat(parts).tolist()
+        size = top.indices.numel()
+        ids, chances = [int(i) for i in values[:size]], values[2 * size :]
+        top_k = [(ids[row : row + k], values[size + row : size + row + k]) for row in range(0, size, k)]
+        return top_k, chances
 
     def _recycle(self, context: list[int], top_k: tuple[list[int], list[float]], generated: int | None) -> None:
         for rank, (token, probability) in enumerate(zip(*top_k, strict=True)):
