@@ -34,6 +34,7 @@ NOT_TOP_CHOICE_PRIOR = 0.1  # greedy: a token the target ranked below another th
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed drafts
 RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of the first's prior
 AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
+COPY_CANDIDATES = 3  # the pool's candidates per node searched for the longest copy, whatever the branching
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97)  # the target's last probability of a proposal, bucketed
 
 
@@ -182,9 +183,14 @@ class NgramDrafter:
         self._indexed = len(sequence)
 
     def _candidates(self, history: list[int], parent: int, reach: float) -> list[tuple[float, int, Kind, float, Prediction]]:
-        """(reach, parent, kind, acceptance estimate, proposal) of the pool's candidates after `history`."""
-        found = self.pool.candidates(history[len(history) - (self.pool.n - 1) :], self.branching)
-        kinds = [AcceptanceModel.kind(c, rank, self.copies.match_length(history, c.token)) for rank, c in enumerate(found)]
+        """(reach, parent, kind, acceptance estimate, proposal) of the pool's candidates after `history`:
+        the `branching` whose earlier occurrences repeat the longest stretch of the text before them
+        (prompt lookup's copy; SuffixDecoding's longest match), the pool's order among equals."""
+        found = self.pool.candidates(history[len(history) - (self.pool.n - 1) :], max(self.branching, COPY_CANDIDATES))
+        copied = [self.copies.match_length(history, c.token) for c in found]
+        order = sorted(range(len(found)), key=lambda i: -copied[i])[: self.branching]  # stable: pool order kept
+        found = [found[i] for i in order]
+        kinds = [AcceptanceModel.kind(found[rank], rank, copied[i]) for rank, i in enumerate(order)]
         estimates = [self.acceptance.estimate(kind) for kind in kinds]
         return [(reach * a, parent, kind, a, c) for kind, a, c in zip(kinds, estimates, found, strict=True)]
 
