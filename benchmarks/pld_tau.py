@@ -27,6 +27,7 @@ from benchmarks.prompts import encode, load_humaneval
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import DraftTree, SpeculativeStats, speculative_generate
 from utils.loading import end_token_ids, load_model
+from utils.logits_processors import NucleusProcessor
 
 # Qwen2.5-Coder-1.5B, bfloat16, AMD EPYC Zen 5 (2 cores): cost of a pass over 1 + k tokens / one token.
 BF16_1_5B = {0: 1.0, 8: 1.0, 12: 1.11, 16: 1.19, 24: 1.40, 31: 1.64}
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gamma", type=int, default=None, help="NASD's gamma (default: the function's)")
     parser.add_argument("--costs", choices=["bf16-1.5b", "machine"], default="bf16-1.5b")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' own prompt lookup")
+    parser.add_argument("--sample", action="store_true", help="temperature 0.7, top-p 0.9 (ours only, seed 0)")
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
@@ -120,9 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     for _, text in load_humaneval(args.prompts, args.offset):
         ids = encode(tokenizer, text)
         common = dict(max_gen_len=args.max_new_tokens, end_tokens_id=end)
+        if args.sample:  # both exact: the same tokens for one seed (the coupled rule, `sampling.randomness`)
+            common.update(logits_processor=NucleusProcessor(temperature=0.7, top_p=0.9),
+                          generator=torch.Generator().manual_seed(0))
         stats = {name: SpeculativeStats() for name in ("nasd", "pld")}
         nasd, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(8), model, draft_cost=cost,
                                                       stats=stats["nasd"], **nasd_options, **common)
+        if args.sample:
+            common["generator"] = torch.Generator().manual_seed(0)
         pld, _ = speculative_generate(ids, TransformersPromptLookup(end_tokens=end), model, gamma=10,
                                       stats=stats["pld"], **common)
         differ += nasd != pld
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             totals[name][0] += s.generated_tokens
             totals[name][1] += s.steps
         line = f"nasd {stats['nasd'].tau:5.2f}  pld {stats['pld'].tau:5.2f}"
-        if not args.no_hf:
+        if not (args.no_hf or args.sample):
             hf, tau = hf_prompt_lookup_tau(model, ids, args.max_new_tokens, end)
             taus["hf_pld"].append(tau)
             line += f"  hf_pld {tau:5.2f}{'' if hf == pld else ' (other tokens)'}"
@@ -140,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         if values:
             pooled = f", pooled {totals[name][0] / totals[name][1]:.2f}" if name in totals else ""
             print(f"{name:7} mean tau {statistics.fmean(values):.2f}{pooled}")
-    print(f"prompts {len(taus['nasd'])}, NASD's output differs from PLD's in {differ} (must be 0: both greedy)")
+    print(f"prompts {len(taus['nasd'])}, NASD's output differs from PLD's in {differ} (must be 0: the same greedy "
+          f"or seeded tokens)")
 
 
 if __name__ == "__main__":
