@@ -70,11 +70,12 @@ class AcceptanceModel:
     """Online estimate of P(a draft is accepted | the drafts before it were), per kind of proposal.
 
     A proposal the target has scored (a token of its top-k there) is judged by what the target
-    said the last time it saw that context (`ScoredKind`). Greedy decoding accepts the target's argmax, so there the prior is how often
-    the top choice stays the top choice (`TOP_CHOICE_PRIOR`, by match length and probability);
-    sampling accepts x with probability p(x), so there it is the middle of the probability's
-    bucket. A proposal only seen in text (the prompt) is judged by its `TextKind`, starting from a prior
-    set by its match length (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each
+    said the last time it saw that context (`ScoredKind`). Greedy decoding accepts the target's
+    argmax, so there the prior is how often the top choice stays the top choice
+    (`TOP_CHOICE_PRIOR`, by match length and probability); sampling accepts x with probability
+    p(x), so there it is the middle of the probability's bucket. A proposal only seen in text (the
+    prompt) is judged by its `TextKind`, starting from a prior set by its match length
+    (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each
     kind moves to the acceptance rate actually observed. On top of that, a calibration factor
     (accepted / predicted over all judged drafts so far) scales the odds of every estimate, so that
     text where the pool is less reliable than usual stops the drafting after a few misses (in odds,
