@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=None, help="NASD's gamma (default: the function's)")
+    parser.add_argument("--branching", type=int, default=None, help="NASD's branching (default: the function's)")
     parser.add_argument("--costs", choices=["bf16-1.5b", "machine"], default="bf16-1.5b")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' own prompt lookup")
     parser.add_argument("--sample", action="store_true", help="temperature 0.7, top-p 0.9 (ours only, seed 0)")
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     end = end_token_ids(model, tokenizer)
     cost = table_cost(BF16_1_5B) if args.costs == "bf16-1.5b" else None
-    nasd_options = {} if args.gamma is None else {"gamma": args.gamma}
+    nasd_options = {name: value for name, value in (("gamma", args.gamma), ("branching", args.branching))
+                    if value is not None}
     taus: dict[str, list[float]] = {"nasd": [], "pld": [], "hf_pld": []}
     totals = {name: [0, 0] for name in ("nasd", "pld")}
     differ = 0
