@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -12,6 +14,7 @@ from ngram_assisted.matching import MAX_MATCH, CopyIndex
 from sampling.draft_policy import best_tree_size
 from sampling.drafters import DraftTree, PerRow
 from utils.cost_model import prior_cost
+from utils.logits_processors import supports_float64
 
 # Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4, 5-7, 8-15, 16+
 # tokens: in the pool or, longer, in the text itself), as measured on held-out Spec-Bench prompts
@@ -31,24 +34,48 @@ NOT_TOP_CHOICE_PRIOR = 0.1  # greedy: a token the target ranked below another th
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed drafts
 RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of the first's prior
 AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
+COPY_CANDIDATES = 3  # the pool's candidates per node searched for the longest copy, whatever the branching
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97)  # the target's last probability of a proposal, bucketed
 
-# (match length, count, majority continuation or target's top choice, rank among siblings, confidence bucket or -1)
-Kind = tuple[int, int, bool, int, int]
+
+@dataclass(frozen=True, slots=True)
+class TextKind:
+    """A proposal only seen in text (the target never scored its context): judged by its match
+    length (1-4, then 5-7, 8-15, 16+ as 5, 6, 7), how often it followed (1-4+), whether it is the
+    majority continuation, and its rank among the context's candidates (0, 1, 2+)."""
+
+    match_length: int
+    count: int
+    majority: bool
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredKind:
+    """A proposal the target scored at that context (a token of its top-k there): judged by its
+    match length (as `TextKind`'s), whether it was the target's top choice, whether it is a
+    runner-up among the pool's candidates, and the bucket of its probability then
+    (`CONFIDENCE_BUCKETS`: 0 below the first edge, len(edges) at or past the last)."""
+
+    match_length: int
+    top_choice: bool
+    runner_up: bool
+    bucket: int
+
+
+Kind = TextKind | ScoredKind  # distinct classes: a text kind never equals a scored one
 
 
 class AcceptanceModel:
     """Online estimate of P(a draft is accepted | the drafts before it were), per kind of proposal.
 
     A proposal the target has scored (a token of its top-k there) is judged by what the target
-    said the last time it saw that context: its kind is (match length, whether it was the target's
-    top choice, whether it is a runner-up among the pool's candidates, the bucket of its
-    probability then). Greedy decoding accepts the target's argmax, so there the prior is how often
-    the top choice stays the top choice (`TOP_CHOICE_PRIOR`, by match length and probability);
-    sampling accepts x with probability p(x), so there it is the middle of the probability's
-    bucket. A proposal only seen in text (the prompt) is judged by (match length, count, whether it
-    is the majority continuation, its rank among its context's candidates), starting from a prior
-    set by its match length (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each
+    said the last time it saw that context (`ScoredKind`). Greedy decoding accepts the target's
+    argmax, so there the prior is how often the top choice stays the top choice
+    (`TOP_CHOICE_PRIOR`, by match length and probability); sampling accepts x with probability
+    p(x), so there it is the middle of the probability's bucket. A proposal only seen in text (the
+    prompt) is judged by its `TextKind`, starting from a prior set by its match length
+    (`MATCH_LENGTH_PRIOR`). Priors are worth `PRIOR_WEIGHT` drafts; each
     kind moves to the acceptance rate actually observed. On top of that, a calibration factor
     (accepted / predicted over all judged drafts so far) scales the odds of every estimate, so that
     text where the pool is less reliable than usual stops the drafting after a few misses (in odds,
@@ -71,21 +98,20 @@ class AcceptanceModel:
         length = max(prediction.match_length, copied)
         match_length = length if length <= 4 else 5 if length < 8 else 6 if length < 16 else 7
         if p is None:  # only seen in text: count and majority speak for it
-            return match_length, min(prediction.count, 4), 2 * prediction.count > prediction.total, min(rank, 2), -1
+            return TextKind(match_length, min(prediction.count, 4), 2 * prediction.count > prediction.total, min(rank, 2))
         bucket = sum(p >= edge for edge in CONFIDENCE_BUCKETS)
-        return match_length, 0, prediction.target_rank == 0, min(rank, 1), bucket
+        return ScoredKind(match_length, prediction.target_rank == 0, rank > 0, bucket)
 
     def _prior(self, kind: Kind) -> list[float]:
-        match_length, _, top_choice, rank, bucket = kind
-        if bucket < 0:
-            a = self.prior[min(match_length, len(self.prior)) - 1] * (RUNNER_UP_PRIOR if rank else 1.0)
+        if isinstance(kind, TextKind):
+            a = self.prior[min(kind.match_length, len(self.prior)) - 1] * (RUNNER_UP_PRIOR if kind.rank else 1.0)
         else:
             edges = (0.0, *CONFIDENCE_BUCKETS, 1.0)
-            middle = (edges[bucket] + edges[bucket + 1]) / 2  # the target's probability then
+            middle = (edges[kind.bucket] + edges[kind.bucket + 1]) / 2  # the target's probability then
             if not self.greedy:
                 a = middle
-            elif top_choice:
-                row = TOP_CHOICE_PRIOR[min(match_length, len(TOP_CHOICE_PRIOR)) - 1]
+            elif kind.top_choice:
+                row = TOP_CHOICE_PRIOR[min(kind.match_length, len(TOP_CHOICE_PRIOR)) - 1]
                 a = row[sum(middle >= edge for edge in TOP_CHOICE_EDGES)]
             else:
                 a = NOT_TOP_CHOICE_PRIOR
@@ -158,9 +184,14 @@ class NgramDrafter:
         self._indexed = len(sequence)
 
     def _candidates(self, history: list[int], parent: int, reach: float) -> list[tuple[float, int, Kind, float, Prediction]]:
-        """(reach, parent, kind, acceptance estimate, proposal) of the pool's candidates after `history`."""
-        found = self.pool.candidates(history[len(history) - (self.pool.n - 1) :], self.branching)
-        kinds = [AcceptanceModel.kind(c, rank, self.copies.match_length(history, c.token)) for rank, c in enumerate(found)]
+        """(reach, parent, kind, acceptance estimate, proposal) of the pool's candidates after `history`:
+        the `branching` whose earlier occurrences repeat the longest stretch of the text before them
+        (prompt lookup's copy; SuffixDecoding's longest match), the pool's order among equals."""
+        found = self.pool.candidates(history[len(history) - (self.pool.n - 1) :], max(self.branching, COPY_CANDIDATES))
+        copied = [self.copies.match_length(history, c.token) for c in found]
+        order = sorted(range(len(found)), key=lambda i: -copied[i])[: self.branching]  # stable: pool order kept
+        found = [found[i] for i in order]
+        kinds = [AcceptanceModel.kind(found[rank], rank, copied[i]) for rank, i in enumerate(order)]
         estimates = [self.acceptance.estimate(kind) for kind in kinds]
         return [(reach * a, parent, kind, a, c) for kind, a, c in zip(kinds, estimates, found, strict=True)]
 
@@ -172,10 +203,15 @@ class NgramDrafter:
         max_depth = max_drafts if max_depth is None else max_depth
         tokens, parents, reaches, judged, depths = [], [], [], [], []
         histories = {-1: list(sequence[-max(self.pool.n - 1, MAX_MATCH) :])}
-        frontier = self._candidates(histories[-1], -1, 1.0) if max_depth > 0 else []
+        # Best-first: the candidate most likely to be reached, the earliest found among equals (a heap
+        # of (-reach, order found)).
+        frontier: list[tuple[float, int, tuple]] = []
+        found = 0
+        for candidate in self._candidates(histories[-1], -1, 1.0) if max_depth > 0 else []:
+            heapq.heappush(frontier, (-candidate[0], found, candidate))
+            found += 1
         while frontier and len(tokens) < max_drafts:
-            best = max(range(len(frontier)), key=lambda i: frontier[i][0])  # best-first: most likely to be reached
-            reach, parent, kind, estimate, prediction = frontier.pop(best)
+            reach, parent, kind, estimate, prediction = heapq.heappop(frontier)[2]
             node = len(tokens)
             tokens.append(prediction.token)
             parents.append(parent)
@@ -184,7 +220,9 @@ class NgramDrafter:
             histories[node] = histories[parent] + [prediction.token]
             depths.append(1 + (depths[parent] if parent >= 0 else 0))
             if depths[node] < max_depth:  # only a path's depth can become generated tokens
-                frontier += self._candidates(histories[node], node, reach)
+                for candidate in self._candidates(histories[node], node, reach):
+                    heapq.heappush(frontier, (-candidate[0], found, candidate))
+                    found += 1
         self._tree, self._judged, self.reaches = DraftTree(tokens, parents), judged, reaches
         if self.stop_if_unknown if cut is None else cut:
             return self.keep(best_tree_size(reaches, self.draft_cost)), None
@@ -209,12 +247,10 @@ class NgramDrafter:
         self.acceptance.greedy = p is None  # greedy judges the argmax, sampling p(x): the priors differ
         reached = {-1, *path}
         judged_nodes = [node for node, parent in enumerate(tree.parents) if parent in reached]
-        if p is not None and judged_nodes:
-            rows = torch.tensor([1 + tree.parents[node] for node in judged_nodes], device=p.device)
-            tokens = torch.tensor([tree.tokens[node] for node in judged_nodes], device=p.device)
-            chances = p[rows, tokens].tolist()
-        else:
-            chances = [float(node in path) for node in judged_nodes]
+        top_k, chances = self._read_scores(tree, judged_nodes, target_logits, p)
+        if p is None:
+            on_path = set(path)
+            chances = [float(node in on_path) for node in judged_nodes]
         for node, chance in zip(judged_nodes, chances, strict=True):
             kind, estimate = self._judged[node]
             self.acceptance.record(kind, chance, estimate)
@@ -223,14 +259,6 @@ class NgramDrafter:
         # accepted tokens, so that on equal counts the token really generated (added last, most
         # recent) stays the proposal; that one only gets its probability here.
         longest = self.pool.n - 1
-        if p is not None:
-            top = p.topk(self.top_k_filler, dim=-1)
-            probabilities = top.values
-        else:  # softmax of the top-k only (no full-vocabulary softmax per step)
-            top = target_logits.topk(self.top_k_filler, dim=-1)
-            probabilities = (top.values - target_logits.logsumexp(dim=-1, keepdim=True)).exp()
-        # A row scored nowhere (all -inf, as off the path in the offline replay) teaches nothing.
-        top_k = list(zip(top.indices.tolist(), probabilities.nan_to_num(0.0).tolist(), strict=True))
         prefix = sequence[max(0, self._base - longest) : self._base]
         for row, node in enumerate([-1, *path]):
             end = self._base + row
@@ -240,6 +268,32 @@ class NgramDrafter:
             if node not in reached:
                 self._recycle((prefix + tree.path_to(node))[-longest:], top_k[1 + node], generated=None)
         self.pool.learn(sequence)  # the accepted tokens and the target's own
+
+    def _read_scores(self, tree: DraftTree, judged_nodes: list[int], target_logits: Tensor,
+                     p: Tensor | None) -> tuple[list[tuple[list[int], list[float]]], list[float]]:
+        """-> (the target's top-k (ids, probabilities) at every row of its scores; sampling: p of each
+        judged node's token there, else []), computed on the scores' device and read in one transfer
+        (one host sync per step, whatever the tree's size)."""
+        k = self.top_k_filler
+        if p is not None:
+            top = p.topk(k, dim=-1)
+            probabilities = top.values
+        else:  # softmax of the top-k only (no full-vocabulary softmax per step)
+            top = target_logits.topk(k, dim=-1)
+            probabilities = (top.values - target_logits.logsumexp(dim=-1, keepdim=True)).exp()
+        # Ids travel as floats beside the probabilities: exact below 2**24 (float32) or 2**53.
+        dtype = torch.float64 if supports_float64(target_logits.device) else torch.float32
+        # A row scored nowhere (all -inf, as off the path in the offline replay) teaches nothing.
+        parts = [top.indices.to(dtype).flatten(), probabilities.to(dtype).nan_to_num(0.0).flatten()]
+        if p is not None and judged_nodes:
+            rows = torch.tensor([1 + tree.parents[node] for node in judged_nodes], device=p.device)
+            tokens = torch.tensor([tree.tokens[node] for node in judged_nodes], device=p.device)
+            parts.append(p[rows, tokens].to(dtype))
+        values = torch.cat(parts).tolist()
+        size = top.indices.numel()
+        ids, chances = [int(i) for i in values[:size]], values[2 * size :]
+        top_k = [(ids[row : row + k], values[size + row : size + row + k]) for row in range(0, size, k)]
+        return top_k, chances
 
     def _recycle(self, context: list[int], top_k: tuple[list[int], list[float]], generated: int | None) -> None:
         for rank, (token, probability) in enumerate(zip(*top_k, strict=True)):

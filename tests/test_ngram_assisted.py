@@ -8,7 +8,7 @@ from ngram_assisted import (
     ngram_assisted_speculative_generate,
     ngram_assisted_speculative_generate_encoder_decoder,
 )
-from ngram_assisted.drafter import MATCH_LENGTH_PRIOR, AcceptanceModel, NgramDrafter
+from ngram_assisted.drafter import MATCH_LENGTH_PRIOR, AcceptanceModel, NgramDrafter, ScoredKind, TextKind
 from ngram_assisted.dynagram import Prediction
 from ngram_assisted.matching import CopyIndex
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
@@ -116,6 +116,34 @@ def test_the_targets_confidence_sets_a_proposals_estimate():
     seen_in_text = Prediction(5, count=1, total=1, match_length=2)  # no score: the match-length prior
     assert model.estimate(model.kind(seen_in_text)) == pytest.approx(MATCH_LENGTH_PRIOR[1])
     assert model.estimate(model.kind(seen_in_text, copied=20)) == pytest.approx(MATCH_LENGTH_PRIOR[-1])
+
+
+def test_kinds_name_their_fields_and_text_never_passes_for_scored():
+    seen_in_text = AcceptanceModel.kind(Prediction(5, count=2, total=3, match_length=2), rank=1)
+    assert seen_in_text == TextKind(match_length=2, count=2, majority=True, rank=1)
+    scored = AcceptanceModel.kind(Prediction(5, count=1, total=1, match_length=9, probability=0.5, target_rank=0))
+    assert scored == ScoredKind(match_length=6, top_choice=True, runner_up=False, bucket=5)
+    assert TextKind(1, 1, True, 0) != ScoredKind(1, 1, True, 0)  # same numbers, other kinds: other counts
+    assert len({TextKind(1, 1, True, 0), ScoredKind(1, 1, True, 0)}) == 2
+
+
+def test_a_long_copy_is_drafted_past_prompt_lookups_ten_tokens_where_passes_cost_the_same():
+    # Prompt lookup proposes the 10 tokens after an earlier occurrence of the last tokens; NASD's
+    # pool holds the same copy and, where a wide pass costs a plain one, drafts it as far as gamma.
+    passage = list(range(10, 40))
+    sequence = [1, 2, *passage, 3, 4, *passage[:3]]
+    def cost(k):  # Qwen2.5-Coder-1.5B in bfloat16 on a Zen 5 CPU (issue 34): flat to 8 drafts, 1.19 at 16
+        return 1.0 + 0.024 * max(0, k - 8)
+
+    drafter = NgramDrafter(MultiDynaGram(8), vocab_size=50, draft_cost=cost, branching=1)
+    drafter.start(sequence)
+    tree, _ = drafter.draft(sequence, 16)
+    # The copy, at least as far as prompt lookup's, before anything was judged (the priors alone).
+    assert len(tree) >= 10 and tree.tokens == passage[3 : 3 + len(tree)]
+    drafter.acceptance.accepted = drafter.acceptance.predicted = 0.0  # once longer copies were judged:
+    for _ in range(20):
+        drafter.acceptance.record(drafter.acceptance.kind(Prediction(5, 1, 1, 7), copied=16), 1.0, 0.9)
+    assert drafter.draft(sequence, 16)[0].tokens == passage[3:19]  # as far as gamma
 
 
 def test_the_copy_index_measures_how_far_back_a_proposal_matches():
