@@ -31,6 +31,7 @@ def _source_copy(folder: Path) -> Path:
     return source
 
 
+@pytest.mark.subprocess
 def test_the_built_distribution_carries_only_the_library(tmp_path):
     pytest.importorskip("setuptools")  # the dev extra installs it; --no-build-isolation builds with it, offline
     source = _source_copy(tmp_path)
@@ -46,7 +47,7 @@ def test_the_built_distribution_carries_only_the_library(tmp_path):
     assert top_level == LIBRARY
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_benchmarks_run_from_the_repository_root():
     run = subprocess.run([sys.executable, "-m", "benchmarks.spec_bench", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
