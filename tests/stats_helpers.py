@@ -46,9 +46,10 @@ def chi_square_p_value(samples: list[tuple[int, int]], joint: dict[tuple[int, in
 
 SAMPLES = 1000  # draws per chi-square test
 # Drawn as batches of the same prompt: each call decodes ROWS_PER_CALL rows, every row its own random
-# stream (derived from the one generator). A row of a batch is the single call with its seed (tests/
-# test_batches.py: test_sampling_with_one_generator_per_row_gives_the_single_calls_tokens), so these are
-# single calls' draws, at a fraction of the calls (a call's own overhead is most of a 2-token generation).
+# stream (derived from the one generator). A row of a batch is the single call with its seed (plain,
+# NASD chains and trees, a model drafter under either rule: tests/test_batches.py; another tokenizer:
+# tests/test_universal.py), so these are single calls' draws, in half the time or less (a call's own
+# work is most of a 2-token generation). Tests whose drafts differ in a batch keep one call per sample.
 ROWS_PER_CALL = 100
 
 
