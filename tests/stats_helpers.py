@@ -42,3 +42,24 @@ def chi_square_p_value(samples: list[tuple[int, int]], joint: dict[tuple[int, in
         expected.append(rest_exp)
     scale = sum(observed) / sum(expected)  # float rounding only
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+SAMPLES = 1000  # draws per chi-square test
+# Drawn as batches of the same prompt: each call decodes ROWS_PER_CALL rows, every row its own random
+# stream (derived from the one generator). A row of a batch is the single call with its seed (plain,
+# NASD chains and trees, a model drafter under either rule: tests/test_batches.py; another tokenizer:
+# tests/test_universal.py), so these are single calls' draws, in half the time or less (a call's own
+# work is most of a 2-token generation). Tests whose drafts differ in a batch keep one call per sample.
+ROWS_PER_CALL = 100
+
+
+def first_two_tokens(generate, inputs: list[int], samples: int = SAMPLES, seed: int = 0) -> list[tuple[int, int]]:
+    """`samples` draws of the first two generated tokens after `inputs`: `generate(rows, generator)`
+    decodes a batch (a list of rows) and returns its outputs, one (ids, alpha) or ids per row."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(samples // ROWS_PER_CALL):
+        for out in generate([list(inputs) for _ in range(ROWS_PER_CALL)], generator):
+            ids = out[0] if isinstance(out, tuple) else out
+            pairs.append(tuple(ids[:2]))
+    return pairs

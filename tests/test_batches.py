@@ -20,7 +20,13 @@ from sampling import (
     speculative_generate_encoder_decoder,
 )
 from tests.models import DECODER_ONLY, ENCODER_DECODER, VOCAB, prompt, tiny_model
-from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from tests.stats_helpers import (
+    P_VALUE_THRESHOLD,
+    ROWS_PER_CALL,
+    SAMPLES,
+    chi_square_p_value,
+    exact_two_token_distribution,
+)
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor
 
 ROWS = [prompt(0, length=8), prompt(1, length=15) * 2, prompt(2, length=5)]  # ragged lengths, one repetitive
@@ -144,10 +150,30 @@ def test_sampling_with_one_generator_per_row_gives_the_single_calls_tokens(name)
     batch = nasd(ROWS, MultiDynaGram(3), model, max_gen_len=16, logits_processor=processor, generator=generators,
                  stop_if_unknown=False)
     assert [out for out, _ in batch] == single  # coupled sampling, row by row
+    for branching in (1, 3):  # one pool per row, as each single call has its own: chains, then trees
+        seeded = [torch.Generator().manual_seed(s) for s in seeds]
+        batch = nasd(ROWS, [MultiDynaGram(3) for _ in ROWS], model, max_gen_len=16, logits_processor=processor,
+                     generator=seeded, stop_if_unknown=False, branching=branching)
+        assert [out for out, _ in batch] == single, branching
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+@pytest.mark.parametrize("drafter_invariant", [False, True])
+def test_a_row_of_a_batch_drafted_by_a_model_is_the_single_call_with_its_seed(name, drafter_invariant):
+    """The statistical tests draw their samples as rows of batches (tests/stats_helpers.py): a row is
+    the single call with its seed, so the law they check is the single call's."""
+    target, drafter = tiny_model(name), tiny_model(name, seed=1)
+    _, sd, _ = functions(name)
+    processor = NucleusProcessor(temperature=1.2, top_p=0.95)
+    seeds = [3, 4, 5]
+    common = dict(gamma=3, max_gen_len=16, logits_processor=processor, drafter_invariant=drafter_invariant)
+    single = [sd(row, drafter, target, generator=torch.Generator().manual_seed(s), **common)[0]
+              for row, s in zip(ROWS, seeds, strict=True)]
+    batch = sd(ROWS, drafter, target, generator=[torch.Generator().manual_seed(s) for s in seeds], **common)
+    assert [out for out, _ in batch] == single
 
 
 TWO_ROWS = [[3, 4, 5, 3], [6, 2, 7]]
-SAMPLES = 1000
 
 
 @pytest.mark.slow
@@ -157,16 +183,20 @@ def test_each_row_of_a_sampled_batch_follows_its_own_law():
     processor = MultinomialProcessor(temperature=2.0)
     generator = torch.Generator().manual_seed(0)  # one generator: each row gets a stream derived from it
     pairs = {"nasd": ([], []), "speculative": ([], [])}
-    for _ in range(SAMPLES):
-        nasd = ngram_assisted_speculative_generate(TWO_ROWS, MultiDynaGram(2), target, gamma=2, max_gen_len=2,
+    stats = {"nasd": SpeculativeStats(), "speculative": SpeculativeStats()}
+    rows = TWO_ROWS * (ROWS_PER_CALL // 2)  # the two prompts alternate, every row its own stream
+    for _ in range(SAMPLES * 2 // len(rows)):
+        nasd = ngram_assisted_speculative_generate(rows, MultiDynaGram(2), target, gamma=2, max_gen_len=2,
                                                    logits_processor=processor, generator=generator,
-                                                   stop_if_unknown=False)
-        spec = speculative_generate(TWO_ROWS, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor,
-                                    generator=generator)
+                                                   stop_if_unknown=False, stats=stats["nasd"])
+        spec = speculative_generate(rows, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor,
+                                    generator=generator, stats=stats["speculative"])
         for method, batch in (("nasd", nasd), ("speculative", spec)):
             for row, (out, _) in enumerate(batch):
-                pairs[method][row].append(tuple(out))
+                pairs[method][row % 2].append(tuple(out))
+    assert all(method_stats.drafts_proposed >= SAMPLES for method_stats in stats.values())  # rows drafted
     for row, inputs in enumerate(TWO_ROWS):
+        assert len(pairs["nasd"][row]) == len(pairs["speculative"][row]) == SAMPLES
         joint = exact_two_token_distribution(target, inputs, processor)
         for method in pairs:
             assert chi_square_p_value(pairs[method][row], joint) > P_VALUE_THRESHOLD, (method, row)

@@ -12,6 +12,7 @@ from tests.saved_model import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "> "
+pytestmark = pytest.mark.subprocess  # each test starts infer.py: left out of `make test-fast`
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from sampling import (
     speculative_generate_encoder_decoder,
 )
 from tests.models import prompt, tiny_model
-from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.calibration import pass_costs
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor, TransformersProcessor
 
@@ -122,7 +122,6 @@ def test_the_option_is_checked():
         speculative_generate(prompt(0), target, target, drafter_invariant="yes")
 
 
-SAMPLES = 1000
 
 
 @pytest.mark.slow
@@ -131,8 +130,8 @@ def test_drafter_invariant_sampling_follows_the_targets_law():
     drafter = tiny_model("llama", seed=1, vocab=8)
     processor = MultinomialProcessor(temperature=2.0)
     inputs = [3, 4, 5, 3]
-    generator = seeded(0)
-    samples = [tuple(speculative_generate(inputs, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor,
-                                          generator=generator, drafter_invariant=True)[0]) for _ in range(SAMPLES)]
+    samples = first_two_tokens(lambda rows, generator: speculative_generate(
+        rows, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor, generator=generator,
+        drafter_invariant=True), inputs)
     joint = exact_two_token_distribution(target, inputs, processor)
     assert chi_square_p_value(samples, joint) > P_VALUE_THRESHOLD

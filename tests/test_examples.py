@@ -1,6 +1,12 @@
 """The notebook tour and the README's Python snippet run as they are, on the built-in model, so
 that neither can rot. They use the user's cache, as `make chat` does: the model is converted once.
-Marked slow: `make test` runs them; CI's second run (transformers 4.57) does not."""
+Marked slow: `make test` runs them; CI's second run (transformers 4.57) does not.
+
+Threads: one, as the rest of the suite (tests/conftest.py; the notebook's kernel inherits
+OMP_NUM_THREADS=1). They check that every cell and line runs and what comes out, not speed; one thread
+keeps them as fast beside another busy process as on a quiet machine. The pass costs they measure are
+cached under the thread count, so a user's own table (`make chat`, on every core) is neither read nor
+replaced."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from ngram_assisted.matching import CopyIndex
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
 from sampling.randomness import ACCEPT, TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
-from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
 
 # The pools, on hand-written histories
@@ -241,17 +241,16 @@ def test_anpd_settings_run_and_stay_exact():
 # Exactness of NASD sampling (q one-hot at each draft)
 
 INPUTS = [3, 4, 5, 3]  # the pool proposes 4 after 3, then 5 after 4: both first tokens are drafted
-SAMPLES = 1000
 
 
 def sample_pairs(target, processor, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        tuple(ngram_assisted_speculative_generate(INPUTS, SimpleDynaGram(2), target, gamma=2, max_gen_len=2,
-                                                  stop_if_unknown=False, logits_processor=processor,
-                                                  generator=generator)[0])
-        for _ in range(SAMPLES)
-    ]
+    """Every row with a fresh pool of its own, as a single call with a new pool."""
+    stats = SpeculativeStats()
+    pairs = first_two_tokens(lambda rows, generator: ngram_assisted_speculative_generate(
+        rows, [SimpleDynaGram(2) for _ in rows], target, gamma=2, max_gen_len=2, stop_if_unknown=False,
+        logits_processor=processor, generator=generator, stats=stats), INPUTS, seed=seed)
+    assert stats.drafts_proposed >= SAMPLES  # every row drafted (the pool knows what follows the last 3)
+    return pairs
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from sampling import (
 )
 from sampling.randomness import ACCEPT, TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
-from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils import calibration
 from utils.cost_model import PassCosts
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
@@ -103,7 +103,6 @@ SAMPLERS = [
     NucleusProcessor(temperature=2.0, top_p=0.8),
 ]
 INPUTS = [3, 4, 5, 3]
-SAMPLES = 1000
 
 
 def close_pair():
@@ -116,12 +115,8 @@ def close_pair():
 
 
 def sample_pairs(target, drafter, processor, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        tuple(speculative_generate(INPUTS, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor,
-                                   generator=generator)[0])
-        for _ in range(SAMPLES)
-    ]
+    return first_two_tokens(lambda rows, generator: speculative_generate(
+        rows, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor, generator=generator), INPUTS, seed=seed)
 
 
 @pytest.mark.slow

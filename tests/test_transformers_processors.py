@@ -27,7 +27,7 @@ from sampling import (
     speculative_generate_encoder_decoder,
 )
 from tests.models import prompt, tiny_model
-from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import NucleusProcessor, TransformersProcessor
 
 
@@ -89,7 +89,6 @@ def test_a_custom_subclass_works_everywhere():
     assert out == expected and 7 not in out
 
 
-SAMPLES = 1000
 INPUTS = [3, 4, 5, 3]  # the pool proposes 4 after 3: drafts are verified under the processors
 
 
@@ -103,18 +102,17 @@ def sampling_processor():
 def test_sampling_follows_the_exact_law_of_the_processed_distribution(method):
     target, drafter = tiny_model("llama", vocab=8), tiny_model("llama", seed=1, vocab=8)
     processor = sampling_processor()
-    generator = torch.Generator().manual_seed(0)
-    common = dict(max_gen_len=2, logits_processor=processor, generator=generator)
-    pairs = []
-    for _ in range(SAMPLES):
+
+    def generate(rows, generator):
+        common = dict(max_gen_len=2, logits_processor=processor, generator=generator)
         if method == "plain":
-            out = autoregressive_generate(INPUTS, target, **common)
-        elif method == "speculative":
-            out, _ = speculative_generate(INPUTS, drafter, target, gamma=2, **common)
-        else:
-            out, _ = ngram_assisted_speculative_generate(INPUTS, MultiDynaGram(2), target, gamma=2,
-                                                         stop_if_unknown=False, **common)
-        pairs.append(tuple(out))
+            return autoregressive_generate(rows, target, **common)
+        if method == "speculative":
+            return speculative_generate(rows, drafter, target, gamma=2, **common)
+        return ngram_assisted_speculative_generate(rows, [MultiDynaGram(2) for _ in rows], target, gamma=2,
+                                                   stop_if_unknown=False, **common)
+
+    pairs = first_two_tokens(generate, INPUTS)
     joint = exact_two_token_distribution(target, INPUTS, processor)
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
 

@@ -15,7 +15,7 @@ from ngram_assisted import (
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
 from sampling.acceptance import greedy_accept_tree
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
-from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.caching import ModelRunner
 from utils.logits_processors import GreedyProcessor, MultinomialProcessor
 
@@ -132,16 +132,18 @@ INPUTS = [3, 4, 3, 5, 3, 6, 3]  # after 3 the pool knows 4, 5 and 6: three candi
 def test_tree_sampling_follows_the_target_distribution():
     target = tiny_model("llama", vocab=8)
     processor = MultinomialProcessor(temperature=2.0)
-    generator = torch.Generator().manual_seed(0)
-    pairs, trees = [], 0
-    for _ in range(1000):
-        steps = []
-        out, _ = ngram_assisted_speculative_generate(INPUTS, SimpleDynaGram(2), target, gamma=3, max_gen_len=4,
-                                                     branching=3, stop_if_unknown=False, logits_processor=processor,
-                                                     generator=generator, on_step=steps.append)
-        trees += len(steps[0].drafts) == 3
-        pairs.append(tuple(out[:2]))  # the first two tokens' joint law
-    assert trees == 1000  # every first step verified a tree with the three candidates
+    first_steps = {}  # (call, row) -> the row's first step
+
+    def generate(rows, generator):
+        call = len(first_steps)  # the rows seen before: unique to this call
+        return ngram_assisted_speculative_generate(
+            rows, [SimpleDynaGram(2) for _ in rows], target, gamma=3, max_gen_len=4, branching=3, stop_if_unknown=False,
+            logits_processor=processor, generator=generator,
+            on_step=lambda step: first_steps.setdefault((call, step.row), step))
+
+    pairs = first_two_tokens(generate, INPUTS)  # the first two tokens' joint law
+    assert len(first_steps) == SAMPLES
+    assert all(len(step.drafts) == 3 for step in first_steps.values())  # every first step verified a three-candidate tree
     joint = exact_two_token_distribution(target, INPUTS, processor)
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
 

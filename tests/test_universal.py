@@ -14,7 +14,7 @@ from sampling import SpeculativeStats, autoregressive_generate, speculative_gene
 from sampling.universal import LOOKBEHIND
 from sampling.vocabularies import intersection
 from tests.models import tiny_model
-from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
+from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import GreedyProcessor, MultinomialProcessor, TopKProcessor, TransformersProcessor
 
 CORPUS = [
@@ -135,7 +135,6 @@ def test_the_drafter_does_not_reread_the_prompt():
 # Sampling: the law of the first two tokens, and seeds.
 
 INPUTS_TEXT = "def add(a, b):\n    return"
-SAMPLES = 1000
 
 
 def sampling_pair():
@@ -154,10 +153,11 @@ def test_sampling_follows_the_target_distribution(processor):
     target, drafter = sampling_pair()
     inputs = BIG.encode(INPUTS_TEXT)
     joint = exact_two_token_distribution(target, inputs, processor)
-    generator = torch.Generator().manual_seed(0)
-    pairs = [tuple(speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=2,
-                                        max_gen_len=2, logits_processor=processor, generator=generator)[0])
-             for _ in range(SAMPLES)]
+    stats = SpeculativeStats()
+    pairs = first_two_tokens(lambda rows, generator: speculative_generate(
+        rows, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=2, max_gen_len=2, logits_processor=processor,
+        generator=generator, stats=stats), inputs)
+    assert stats.drafts_proposed >= SAMPLES  # every row drafted
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
 
 
