@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step
 from sampling.draft_policy import DraftPolicy
-from sampling.drafters import Drafter
+from sampling.drafters import Drafter, DraftTree
 from sampling.step_clock import StepClock
 from utils.caching import input_device
 from utils.logits_processors import LogitsProcessor
@@ -111,6 +111,20 @@ class SpeculativeStats:
             self.accepted_by_position[i] += i < num_accepted
 
 
+def verification_blocks(sequences: list[list[int]], trees: list[DraftTree]) -> list[tuple[list[int], list[int] | None]]:
+    """Each row's block for the target's pass: its last accepted token (the root) and its drafted
+    nodes; parents None for a chain, else the tree's parents within the block (-1: the root)."""
+    return [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
+            for sequence, tree in zip(sequences, trees, strict=True)]
+
+
+def streamed_step(tree: DraftTree, path: list[int], new_tokens: list[int], row: int) -> Step:
+    """What `on_step` receives for one row's step: the accepted drafts first, then the rejected ones."""
+    accepted = [tree.tokens[node] for node in path]
+    rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
+    return Step(drafts=tuple(accepted + rejected), accepted=len(path), tokens=tuple(new_tokens), row=row)
+
+
 def speculative_loop(
     gen: Generation,
     drafter: Drafter,
@@ -151,8 +165,7 @@ def speculative_loop(
         clock.lap("draft")
 
         # 2. Verify: one target pass over each row's last accepted token and every drafted node.
-        blocks = [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
-                  for sequence, (tree, _) in zip(active, drafts, strict=True)]
+        blocks = verification_blocks(active, [tree for tree, _ in drafts])
         logits = target.forward_rows(blocks, [len(tokens) for tokens, _ in blocks])
         clock.lap("target")
 
@@ -183,8 +196,7 @@ def speculative_loop(
             proposed[row], accepted[row] = proposed[row] + len(tree), accepted[row] + n
             stats.record(len(tree), n, tree.depth())
             if on_step is not None:
-                rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
-                on_step(Step(drafts=tuple(accepted_tokens + rejected), accepted=n, tokens=tuple(new_tokens), row=row))
+                on_step(streamed_step(tree, path, new_tokens, row))
             clock.lap("rest")
 
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
