@@ -6,7 +6,7 @@
 The same held-out prompts (from the end of the workload's file in `benchmarks/data/`: Spec-Bench's
 or HumanEval's) are decoded in batches of B for each B, greedy: transformers' `generate` with left padding (`hf_batched`), our
 `autoregressive_generate` (`ours_ar`) and NASD with one fresh `MultiDynaGram(8)` per row
-(`ours_nasd`) over the same batches, every (repeat, B) with the methods in a rotating order.
+(`ours_nasd`) over the same batches, batch by batch with the methods in a rotating order (the machine's speed drifts over minutes).
 Figures are tokens/s over all prompts (medians over repeats) and ratios against `hf_batched` at
 the same B; every output is checked against our batch-1 greedy output of the same prompt (our
 batched rows must equal it; transformers' left padding may change a near-tie): one that differs is
@@ -79,20 +79,24 @@ def run(methods: Methods, prompts: list[list[int]], batch_sizes: list[int], repe
     for method in methods.names:  # warm-up
         getattr(methods, method)(prompts[:2])
     records = []
+    names = methods.names
     for repeat in range(repeats):
         for b, size in enumerate(batch_sizes):
-            names = methods.names
-            shift = (repeat + b) % len(names)
-            for method in names[shift:] + names[:shift]:
-                outputs, start = [], time.perf_counter()
-                for i in range(0, len(prompts), size):
-                    outputs += getattr(methods, method)(prompts[i : i + size])
-                seconds = time.perf_counter() - start
+            # Batch by batch, the methods in a rotating order: the machine's speed drifts over minutes
+            # (a 2-core VM here: the same method 136 -> 166 ms a token), so no method gets a stretch of its own.
+            outputs, seconds = {name: [] for name in names}, dict.fromkeys(names, 0.0)
+            for j, i in enumerate(range(0, len(prompts), size)):
+                shift = (repeat + b + j) % len(names)
+                for method in names[shift:] + names[:shift]:
+                    start = time.perf_counter()
+                    outputs[method] += getattr(methods, method)(prompts[i : i + size])
+                    seconds[method] += time.perf_counter() - start
+            for method in names:
                 differences = [classify(prompt, ref, out) if out != ref else None
-                               for prompt, out, ref in zip(prompts, outputs, reference, strict=True)]
-                records.append({"method": method, "batch_size": size, "repeat": repeat, "seconds": seconds,
-                                "tokens": sum(map(len, outputs)), "mismatches": sum(d is not None for d in differences),
-                                **counts(differences)})
+                               for prompt, out, ref in zip(prompts, outputs[method], reference, strict=True)]
+                records.append({"method": method, "batch_size": size, "repeat": repeat, "seconds": seconds[method],
+                                "tokens": sum(map(len, outputs[method])),
+                                "mismatches": sum(d is not None for d in differences), **counts(differences)})
     return records
 
 
