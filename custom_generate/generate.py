@@ -145,6 +145,8 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
         on_step = lambda step: streamer.put(torch.tensor(step.tokens, dtype=torch.long))  # noqa: E731
     common = dict(logits_processor=_processor(config, lp), max_gen_len=max_new, end_tokens_id=eos or None,
                   use_cache=config.use_cache if config.use_cache is not None else True, on_step=on_step, **options)
+    if attention_mask is None and config.pad_token_id is not None:
+        common["pad_token_id"] = int(config.pad_token_id)  # a batch without a mask: stripped of it (`_rows` above)
     batch = rows if len(rows) > 1 else rows[0]  # one row: the single call (its generator's own numbers)
     if assistant_model is not None:
         run = sampling.speculative_generate_encoder_decoder if encoder_decoder else sampling.speculative_generate

@@ -19,7 +19,8 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
     sequences = [list(prefix) for prefix in gen.prefixes]  # what the processor sees as history (the decoder's ids)
     generated: list[list[int]] = [[] for _ in sequences]
     live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's order
-    logits = gen.runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(live))  # prefill
+    runner = gen.runner
+    logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(live))  # prefill
     while True:
         feeds, going_on = [], []  # going_on: positions in `live` of the rows not finished
         for i, row in enumerate(live):
@@ -37,9 +38,9 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
         if not going_on:
             return gen.results(generated)
         if len(going_on) < len(live):
-            gen.runner = gen.runner.select_rows(going_on)  # finished rows stop costing compute
+            runner = runner.select_rows(going_on)  # finished rows stop costing compute (the runner to use next)
             live = [live[i] for i in going_on]
-        logits = gen.runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
+        logits = runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
 
 
 @transformers_names

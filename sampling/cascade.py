@@ -53,7 +53,7 @@ class PromptLookup:
     def _index(self, row: int, sequence: list[int]) -> None:
         """Index every n-gram of `sequence` that a token follows (end positions j < len(sequence))."""
         text, ends = self._texts[row], self._ends[row]
-        same = len(text) if sequence[: len(text)] == text else _common_prefix(text, sequence)
+        same = len(text) if sequence[: len(text)] == text else common_prefix(text, sequence)
         for j in range(len(text) - 1, same - 1, -1):  # forget n-grams followed by a changed token
             for n in range(1, min(self.max_match, j) + 1):
                 ends[tuple(text[j - n : j])].pop()
@@ -80,7 +80,8 @@ class PromptLookup:
         return 0, []
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -168,7 +169,7 @@ class Cascade:
         that came after it (how many leading proposals were the drafter's own)."""
         for before, match, tokens in self._lookups[row]:
             later = drafts[before:]
-            matched = _common_prefix(tokens, later)
+            matched = common_prefix(tokens, later)
             judged = min(matched + 1, len(tokens), len(later))
             if judged:
                 self.acceptance.update(match, judged, matched)

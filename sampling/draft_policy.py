@@ -42,7 +42,7 @@ def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) 
 
 
 class DraftPolicy(Protocol):
-    """How many nodes the loop lets each row draft in a step (`sampling.speculative_loop`).
+    """How many nodes the loop lets each row draft in a step (`sampling.loop.speculative_loop`).
 
     `budget(num_rows)` is asked once per step, before drafting, with the number of rows verified
     together in that step's pass -> the step's `max_drafts` (0: a plain step). `update` is told each

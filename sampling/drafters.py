@@ -1,4 +1,4 @@
-"""Drafters: where speculative decoding gets its guesses. The loop in `sampling/speculative.py`
+"""Drafters: where speculative decoding gets its guesses. The loop in `sampling/loop.py`
 only talks to this interface, so a small model and an n-gram pool (`ngram_assisted/`) plug into the
 same draft -> verify -> accept loop."""
 
@@ -120,7 +120,8 @@ DRAFT_TIME_WEIGHT = 0.2  # weight of one drafting step's timing in the running a
 class ModelDrafter:
     """A small language model as drafter (Leviathan et al. 2023): drafts are sampled from q, the
     drafter's distribution under the same logits processor as the target's p. The rows of a batch
-    draft in lockstep, one drafter pass per drafted token for all rows.
+    draft in lockstep, one drafter pass per drafted token for all rows (fewer with a `cascade`:
+    several drafts from one pass, `sampling/cascade.py`).
 
     Each row's cache always holds a prefix of its accepted sequence: what it has not seen yet (the
     target's token, and the last draft when all were accepted) is fed at the next `draft`.

@@ -14,7 +14,7 @@ from sampling.common import Generation, OnStep, Step
 from sampling.draft_policy import DraftPolicy
 from sampling.drafters import Drafter, DraftTree
 from sampling.step_clock import StepClock
-from utils.caching import input_device
+from utils.caching import model_devices
 from utils.logits_processors import LogitsProcessor
 
 
@@ -147,7 +147,7 @@ def speculative_loop(
     target = gen.runner
     sequences = [list(prefix) for prefix in gen.prefixes]
     live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's (and drafter's) order
-    clock = StepClock(stats.seconds if stats.timed else None, input_device(target.model))
+    clock = StepClock(stats.seconds if stats.timed else None, model_devices(target.model))
     drafter.start(sequences)
     drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
     if any(len(sequence) > 1 for sequence in sequences):  # prefill
@@ -203,7 +203,7 @@ def speculative_loop(
         drafter.update(active, paths, logits, ps)
         clock.lap("update")
         if 0 < len(going_on) < len(live):  # finished rows stop costing compute
-            target = gen.runner = target.select_rows(going_on)  # the runner to use from now on
+            target = target.select_rows(going_on)  # the runner to use from now on
             drafter.select_rows(going_on)
         live = [live[i] for i in going_on]
         clock.lap("rest")

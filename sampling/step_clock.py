@@ -6,23 +6,25 @@ import time
 
 import torch
 
+from utils.caching import synchronize
+
 
 class StepClock:
     """Laps of one loop: `lap(phase)` adds the seconds since the previous lap to `seconds[phase]`,
     so every moment of the loop belongs to exactly one phase. Off (`seconds` None), a lap does
-    nothing. On an accelerator a lap first waits for the work queued there (the current device),
-    else its time would land in a later phase; on the CPU the work is done when a call returns."""
+    nothing. On an accelerator a lap first waits for the work queued on every device the model
+    spans, else its time would land in a later phase; on the CPU the work is done when a call returns."""
 
-    def __init__(self, seconds: dict[str, float] | None, device: torch.device) -> None:
+    def __init__(self, seconds: dict[str, float] | None, devices: tuple[torch.device, ...]) -> None:
         self.seconds = seconds
-        self.sync = seconds is not None and device.type not in ("cpu", "meta")
+        self.devices = tuple(d for d in devices if d.type not in ("cpu", "meta")) if seconds is not None else ()
         self.last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
         if self.seconds is None:
             return
-        if self.sync:
-            torch.accelerator.synchronize()
+        if self.devices:
+            synchronize(*self.devices)
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now

@@ -1,7 +1,7 @@
 """A drafter with another tokenizer: universal speculative decoding, exact in greedy and sampling.
 
 The drafter reads the text so far in its own tokens and drafts in its own vocabulary; the target
-only ever sees target tokens, so the loop (`sampling/speculative.py`) and its acceptance rules are
+only ever sees target tokens, so the loop (`sampling/loop.py`) and its acceptance rules are
 those of the same-tokenizer case.
 
 - Text, target -> drafter (every drafting step, per row): decode the target tokens from an anchor
@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sampling.cascade import Cascade
+from sampling.cascade import Cascade, common_prefix
 from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree, ModelDrafter
 from sampling.randomness import PositionUniforms
 from sampling.vocabularies import check_tokenizer, intersection, same_vocabulary
@@ -98,15 +98,6 @@ def _tail(decode, head: list[int], ids: list[int]) -> str:
         return decode(ids)
     whole, before = decode(head + ids), decode(head)
     return whole[len(before):] if whole.startswith(before) else decode(ids)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -260,7 +251,7 @@ class UniversalDrafter(ModelDrafter):
         one_for_one = same[: same.index(-1) if -1 in same else len(same)][:room]
         if not self.trees:
             return DraftTree.chain(by_text[:max_drafts])
-        common = _common_prefix(by_text, one_for_one)
+        common = common_prefix(by_text, one_for_one)
         a, b = by_text[common:], one_for_one[common:]
         while common + len(a) + len(b) > max_drafts:  # trim the longer tail (the one-for-one on a tie)
             if len(a) > len(b):
@@ -309,7 +300,7 @@ class UniversalDrafter(ModelDrafter):
             k = 0 if row.lossy else k
             if k:
                 # Keep the cache's common prefix with the new tokens, and at least one token to feed.
-                keep = min(_common_prefix(row.cached, row.tokens), len(row.tokens) - 1)
+                keep = min(common_prefix(row.cached, row.tokens), len(row.tokens) - 1)
                 k = k if keep >= 0 else 0  # no text yet: nothing to draft from
                 keep = max(keep, 0)
                 self.runner.rollback_row(b, keep)
