@@ -26,25 +26,12 @@ import torch
 from benchmarks.prompts import encode, load_humaneval
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import DraftTree, SpeculativeStats, speculative_generate
+from utils.cost_model import PassCosts
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import NucleusProcessor
 
 # Qwen2.5-Coder-1.5B, bfloat16, AMD EPYC Zen 5 (2 cores): cost of a pass over 1 + k tokens / one token.
 BF16_1_5B = {0: 1.0, 8: 1.0, 12: 1.11, 16: 1.19, 24: 1.40, 31: 1.64}
-
-
-def table_cost(table: dict[int, float]):
-    """A `draft_cost` interpolating `table` (k -> relative cost), linear past its last k."""
-    keys = sorted(table)
-
-    def cost(k: int) -> float:
-        for k0, k1 in zip(keys, keys[1:], strict=False):
-            if k <= k1:
-                return table[k0] + (table[k1] - table[k0]) * (k - k0) / (k1 - k0)
-        k0, k1 = keys[-2], keys[-1]
-        return table[k1] + (table[k1] - table[k0]) * (k - k1) / (k1 - k0)
-
-    return cost
 
 
 class TransformersPromptLookup:
@@ -115,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     end = end_token_ids(model, tokenizer)
-    cost = table_cost(BF16_1_5B) if args.costs == "bf16-1.5b" else None
+    cost = PassCosts(relative=dict(BF16_1_5B), one_token_seconds=None) if args.costs == "bf16-1.5b" else None
     nasd_options = {name: value for name, value in (("gamma", args.gamma), ("branching", args.branching))
                     if value is not None}
     taus: dict[str, list[float]] = {"nasd": [], "pld": [], "hf_pld": []}

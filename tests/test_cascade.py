@@ -12,14 +12,13 @@ from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.cascade import Cascade, PromptLookup
 from sampling.draft_policy import CostAwareDraftLength
+from tests.cost_tables import AVX2_FP32, BF16_05B
 from tests.models import prompt, tiny_model
 from tests.test_drafter_invariant import near_copy, seeded
 from utils.cost_model import PassCosts
 from utils.logits_processors import GreedyProcessor, NucleusProcessor, TopKProcessor
 
 # Relative cost of a pass over 1 + k tokens (issue 34; REFERENCE_NOTES "Fifth round").
-BF16_05B = {0: 1.0, 3: 1.0, 4: 1.04, 6: 1.11, 8: 1.16, 12: 1.26, 16: 1.41}  # Qwen2.5-Coder-0.5B, bfloat16
-AVX2_FP32 = {0: 1.0, 4: 1.40, 8: 2.08}  # an AVX2-only CPU in float32: 5 tokens 1.40x, 9 tokens 2.08x
 
 
 def table(relative: dict[int, float], seconds: float = 0.058) -> PassCosts:

@@ -12,10 +12,10 @@ from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength
+from tests.cost_tables import AVX2_FP32, BF16_15B, fix_costs
 from tests.models import prompt, tiny_model
 from utils.cost_model import PassCosts
 
-AVX2_FP32 = {0: 1.0, 4: 1.40, 8: 2.08}  # a pass over 5 tokens 1.40x a one-token pass, over 9 tokens 2.08x
 TOKENS = 96
 
 
@@ -32,14 +32,7 @@ def contrary(target):
 def dear_drafting(monkeypatch):
     """Every model's passes cost the AVX2 table; a drafted token costs 0.37 of a target pass (the
     0.5B's share of the 1.5B's pass); no timing moves either."""
-    def costs(model):
-        return PassCosts(relative=dict(AVX2_FP32), one_token_seconds=0.1, measured=True)
-
-    monkeypatch.setattr("sampling.common.pass_costs", costs)
-    monkeypatch.setattr("sampling.model_drafting.pass_costs", costs)
-    monkeypatch.setattr(PassCosts, "observe", lambda self, k, seconds: None)
-    monkeypatch.setattr(PassCosts, "observe_batch", lambda self, rows, width, seconds: None)
-    monkeypatch.setattr(CostAwareDraftLength, "drafter_step_cost", lambda self: 0.37)
+    fix_costs(monkeypatch, AVX2_FP32, 0.37)
 
 
 def assert_soon_plain(stats: SpeculativeStats) -> None:
@@ -72,7 +65,10 @@ def test_the_hybrid_with_a_drafter_that_never_agrees_soon_stops_using_it(dear_dr
     assert stats.drafter_forwards <= 0.35 * stats.generated_tokens
 
 
-def test_a_drafter_with_another_tokenizer_that_rarely_agrees_soon_drafts_nothing(dear_drafting):
+def other_tokenizer_runs():
+    """A llama target drafted for by a qwen2 drafter with another tokenizer (tests/test_universal.py's
+    pair, a drafter that rarely agrees), on each of its prompts: the output checked against greedy
+    decoding -> each run's stats."""
     from tests.test_universal import PROMPTS, models_for
 
     target, tokenizer, drafter, drafter_tokenizer = models_for("llama", "qwen2")
@@ -82,6 +78,11 @@ def test_a_drafter_with_another_tokenizer_that_rarely_agrees_soon_drafts_nothing
         out, _ = speculative_generate(ids, drafter, target, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
                                       adaptive_gamma=True, max_gen_len=TOKENS, stats=stats)
         assert out == autoregressive_generate(ids, target, max_gen_len=TOKENS)
+        yield stats
+
+
+def test_a_drafter_with_another_tokenizer_that_rarely_agrees_soon_drafts_nothing(dear_drafting):
+    for stats in other_tokenizer_runs():
         # A random drafter: it may be right now and then, but it drafts no long chains for it.
         assert stats.alpha < 0.5
         assert stats.steps_without_drafts >= 0.8 * stats.steps
@@ -101,35 +102,17 @@ def test_a_chain_the_stop_drops_whole_counts_against_drafting():
     assert policy.acceptance_rate < alpha / 3 and policy.gamma == 0
 
 
-BF16_15B = {0: 1.0, 8: 1.0, 12: 1.11, 16: 1.19, 24: 1.40, 31: 1.64}  # Qwen2.5-Coder-1.5B, bfloat16
-
-
 @pytest.fixture
 def cheap_drafting(monkeypatch):
     """Wide passes cost what a one-token pass costs, a drafted token 0.05 of a target pass: drafting
     a token the target takes one time in ten still pays, a long chain of them does not."""
-    def costs(model):
-        return PassCosts(relative=dict(BF16_15B), one_token_seconds=0.1, measured=True)
-
-    monkeypatch.setattr("sampling.common.pass_costs", costs)
-    monkeypatch.setattr("sampling.model_drafting.pass_costs", costs)
-    monkeypatch.setattr(PassCosts, "observe", lambda self, k, seconds: None)
-    monkeypatch.setattr(PassCosts, "observe_batch", lambda self, rows, width, seconds: None)
-    monkeypatch.setattr(CostAwareDraftLength, "drafter_step_cost", lambda self: 0.05)
+    fix_costs(monkeypatch, BF16_15B, 0.05)
 
 
 def test_a_drafter_with_another_tokenizer_drafts_short_chains_where_it_is_rarely_right(cheap_drafting):
     """The other-tokenizer drafter has no per-token stop: its chains are sized by its acceptance
     (SmolLM2 for Qwen2.5-Coder on Spec-Bench drafted ~15 tokens a step at alpha 0.13 before)."""
-    from tests.test_universal import PROMPTS, models_for
-
-    target, tokenizer, drafter, drafter_tokenizer = models_for("llama", "qwen2")
-    for text in PROMPTS:
-        ids = tokenizer.encode(text)
-        stats = SpeculativeStats()
-        out, _ = speculative_generate(ids, drafter, target, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
-                                      adaptive_gamma=True, max_gen_len=TOKENS, stats=stats)
-        assert out == autoregressive_generate(ids, target, max_gen_len=TOKENS)
+    for stats in other_tokenizer_runs():
         assert stats.alpha < 0.5
         assert stats.drafter_forwards <= 2 * stats.steps
 

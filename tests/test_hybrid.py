@@ -7,15 +7,11 @@ import pytest
 
 from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from sampling.draft_policy import CostAwareDraftLength
+from tests.cost_tables import BF16_15B, fix_costs
 from tests.models import prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
 from tests.test_drafter_invariant import near_copy, seeded
-from utils.cost_model import PassCosts
 from utils.logits_processors import NucleusProcessor
-
-# Qwen2.5-Coder-1.5B in bfloat16 on a Zen 5 (the fifth round's table): a pass over 1 + k tokens / one token.
-BF16_15B = {0: 1.0, 8: 1.0, 12: 1.11, 16: 1.19, 24: 1.40, 31: 1.64}
 
 
 def repeating_prompt(target, length: int = 12) -> list[int]:
@@ -56,18 +52,11 @@ def test_both_drafters_are_used_and_accepted(monkeypatch):
         original(self, sequences, paths, target_logits, p)
 
     monkeypatch.setattr(hybrid.HybridDrafter, "update", counting)
-    # A tiny drafter costs what its tiny target costs: price its token as a real 0.5B drafting for a
-    # 1.5B does (a tenth of a target pass), or the model could never pay and never be chosen.
-    monkeypatch.setattr(CostAwareDraftLength, "drafter_step_cost", lambda self: 0.1)
     # The choice follows the costs: fixed ones (a real table, no timing moves it), so that the test
-    # says the same on a quiet machine and a busy one.
-    def costs(model):
-        return PassCosts(relative=dict(BF16_15B), one_token_seconds=0.1, measured=True)
-
-    monkeypatch.setattr("sampling.common.pass_costs", costs)
-    monkeypatch.setattr("sampling.model_drafting.pass_costs", costs)
-    monkeypatch.setattr(PassCosts, "observe", lambda self, k, seconds: None)
-    monkeypatch.setattr(PassCosts, "observe_batch", lambda self, rows, width, seconds: None)
+    # says the same on a quiet machine and a busy one. A tiny drafter costs what its tiny target costs:
+    # price its token as a real 0.5B drafting for a 1.5B does (a tenth of a target pass), or the model
+    # could never pay and never be chosen.
+    fix_costs(monkeypatch, BF16_15B, 0.1)
     stats = SpeculativeStats()
     for row in (repeating_prompt(target), prompt(5)):
         speculative_generate(row, drafter, target, gamma=4, max_gen_len=24, ngram=MultiDynaGram(8), stats=stats)
