@@ -149,6 +149,12 @@ def check_request(
     return Request(model, encoder_decoder, use_cache, row_ids, batched, end_tokens, max_gen_len, generators)
 
 
+def max_tokens(prefixes: list[list[int]], max_new: list[int]) -> int:
+    """The most tokens any row may hold before its drafts: its prefix and its length budget (what a
+    static KV buffer must fit)."""
+    return max(len(prefix) + new for prefix, new in zip(prefixes, max_new, strict=True))
+
+
 def start_generation(request: Request) -> Generation:
     """The target's runner over a checked request's rows, each row's prefix, budget and random
     numbers. Callers check their own arguments first: the runner's pass costs may be calibrated
@@ -164,5 +170,5 @@ def start_generation(request: Request) -> Generation:
     uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(request.generators, prefixes, strict=True)]
     # Its costs: the kernels measured fastest here (calibrated once per machine).
     runner = make_runner(model, rows=len(rows), use_cache=request.use_cache, encoder_input_ids=encoder_input_ids,
-                         costs=pass_costs(model))
+                         costs=pass_costs(model), max_tokens=max_tokens(prefixes, max_new))
     return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched)

@@ -1,0 +1,146 @@
+"""Compiled passes over a static KV buffer: a model compiled once at a few fixed widths.
+
+A pass over n new tokens runs at the smallest compiled width >= n, padded (`static.py`), so each
+model compiles a handful of graphs, once, and every speculative method (a chain of gamma drafts,
+a tree, a one-token step) reuses them. The shapes are fixed: one row, `slots` positions of KV
+buffer, `width` new tokens. Passes that fit no graph (the prompt pass, a batch, a buffer grown
+past `slots`) run eager over the same buffer: exact either way.
+
+`compile_model(model)` compiles (a progress bar per width on stderr) and registers the model, so
+that `make_runner` gives it a `StaticRunner`; `compiled_passes(model)` answers what was
+registered. Inductor's caches (its FX graphs, autotuning) live under `SPECDEC_CACHE`
+(`utils.paths.cache_dir() / "inductor"`), so that a later start of the same model on the same
+machine finds its kernels there. A compile that fails (no C++ compiler, a model dynamo cannot
+trace) leaves the model eager, with one warning that says why.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from utils.paths import cache_dir
+from utils.runners.model_info import context_length, shares_passes
+
+__all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "inductor_cache_dir"]
+
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per pass: a step, short chains, prompt lookup's copies
+DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
+
+_REGISTERED: weakref.WeakKeyDictionary[PreTrainedModel, CompiledPasses] = weakref.WeakKeyDictionary()
+
+
+def _logits(model: PreTrainedModel, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """What a compiled graph computes: the logits of every new token, (rows, width, vocab)."""
+    return model(input_ids=ids, **kwargs).logits
+
+
+@dataclass
+class CompiledPasses:
+    """A model's compiled passes: one graph per width, for one row over `slots` KV positions."""
+
+    widths: tuple[int, ...]  # sorted; () = the static buffer without compiling (exact, eager)
+    slots: int
+    options: dict = field(default_factory=dict)  # inductor's options the graphs were compiled with
+    compile_seconds: dict[int, float] = field(default_factory=dict)  # width -> first call (the compile)
+    _graphs: dict[int, Callable] = field(default_factory=dict, repr=False)
+
+    def width_for(self, rows: int, longest: int) -> int | None:
+        """The compiled width a pass of `rows` rows whose longest block has `longest` tokens runs
+        at, None when no graph holds it (it runs eager at its own width)."""
+        if rows != 1:
+            return None
+        return next((width for width in self.widths if width >= longest), None)
+
+    def forward(self, rows: int, width: int) -> Callable | None:
+        """The compiled `_logits` for (rows, width), None where that pass runs eager."""
+        return self._graphs.get(width) if rows == 1 else None
+
+
+def compiled_passes(model: PreTrainedModel) -> CompiledPasses | None:
+    """What `compile_model` registered for `model` (None: its runners are the eager ones)."""
+    return _REGISTERED.get(model)
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its compiled kernels: under the project's cache folder."""
+    return str(cache_dir() / "inductor")
+
+
+def _use_project_cache() -> None:
+    """Point inductor's caches at the project's folder, unless the user chose another one (inductor
+    writes its default into the environment the first time it looks)."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        default = default_cache_dir()
+    except ImportError:  # another torch release: only an unset variable is ours to set
+        default = None
+    if current is None or os.path.abspath(current) == os.path.abspath(default or current + "/"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+
+
+def _options(model: PreTrainedModel) -> dict:
+    """Inductor's settings: weights frozen into the graph (constant folding, packed weights for
+    the CPU's GEMM kernels) on CPU; the default elsewhere."""
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    return {"freezing": True} if on_cpu else {}
+
+
+def compile_model(
+    model: PreTrainedModel,
+    *,
+    widths: tuple[int, ...] = DEFAULT_WIDTHS,
+    slots: int | None = None,
+    progress: bool = True,
+) -> CompiledPasses | None:
+    """Compile `model`'s passes at `widths` new tokens over a static buffer of `slots` positions
+    (default: `DEFAULT_SLOTS`, at most the model's context) and register them, so that every
+    decoding function runs it through a `StaticRunner`. `widths=()` registers the static buffer
+    without compiling anything. Returns the registered passes, or None (the model stays eager,
+    with one warning) where the model cannot run over a static buffer or the compile fails."""
+    if not isinstance(widths, tuple) or not all(isinstance(w, int) and w >= 1 for w in widths):
+        raise ValueError(f"widths must be a tuple of ints >= 1, got {widths!r}")
+    if not shares_passes(model, use_cache=True):
+        warnings.warn(f"{type(model).__name__} stays eager: a static buffer needs a decoder-only model with one kind "
+                      "of attention layer, eager or SDPA attention", stacklevel=2)
+        return None
+    limit = context_length(model)
+    slots = slots or (DEFAULT_SLOTS if limit is None else min(DEFAULT_SLOTS, limit))
+    passes = CompiledPasses(tuple(sorted(set(widths))), slots, _options(model))
+    try:
+        _compile_widths(model, passes, progress)
+    except Exception as error:  # noqa: BLE001 - any compiler failure: eager is the fallback, never a failure
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        warnings.warn(f"{type(model).__name__} stays eager: compiling failed ({type(error).__name__}: {first_line})",
+                      stacklevel=2)
+        return None
+    _REGISTERED[model] = passes
+    return passes
+
+
+def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bool) -> None:
+    """Compile one graph per width by running it once over a scratch buffer (the compile happens
+    at the first call), each with a bar line saying which width it compiles."""
+    from utils.runners.static import StaticRunner  # static.py uses this module's passes at run time
+
+    if not passes.widths:
+        return
+    _use_project_cache()
+    bar = tqdm(passes.widths, desc="compiling", unit="width", disable=not progress, leave=False)
+    for width in bar:
+        bar.set_postfix_str(f"{width} new token{'s' * (width > 1)}")
+        passes._graphs[width] = torch.compile(_logits, dynamic=False, options=passes.options)
+        runner = StaticRunner(model, rows=1, slots=passes.slots, compiled=passes)
+        runner.forward_rows([([0], None)], [1])  # the eager prompt pass allocates the buffer
+        start = time.perf_counter()
+        runner.forward_rows([([0] * width, None)], [1])  # compiles this width
+        passes.compile_seconds[width] = time.perf_counter() - start
