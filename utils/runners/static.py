@@ -175,3 +175,18 @@ class StaticRunner(ModelPasses):
             self._cache.select_rows(keep)
             self.rows = [self.rows[row] for row in keep]
         return self
+
+
+class StaticSequence(StaticRunner):
+    """One row over a static buffer with the one-sequence calls calibration times: `forward(tokens,
+    num_logits=)` and `rollback(length)` (a compiled graph takes no CPU shortcuts: `shortcuts` is
+    for the eager runner's signature)."""
+
+    def __init__(self, model: PreTrainedModel, *, slots: int, compiled=None, costs: PassCosts | None = None) -> None:
+        super().__init__(model, rows=1, slots=slots, costs=costs, compiled=compiled)
+
+    def forward(self, new_tokens: list[int], num_logits: int = 1, *, shortcuts: Shortcuts | None = None) -> Tensor:
+        return self.forward_rows([(new_tokens, None)], [num_logits])[0]
+
+    def rollback(self, length: int) -> None:
+        self.rollback_row(0, length)
