@@ -52,7 +52,7 @@ from utils import cost_model, cpu_passes
 from utils.caching import context_length, input_device, is_encoder_decoder, synchronize, vocab_size
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
-from utils.loading import cache_dir
+from utils.paths import cache_dir
 from utils.runners import SequenceRunner
 from utils.runners.compiled import compiled_passes
 from utils.runners.static import StaticSequence

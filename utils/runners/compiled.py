@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from utils.paths import cache_dir
 from utils.runners.model_info import context_length, shares_passes
 
-__all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "inductor_cache_dir"]
+__all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "forget", "inductor_cache_dir"]
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per pass: a step, short chains, prompt lookup's copies
 DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
@@ -68,6 +68,11 @@ class CompiledPasses:
 def compiled_passes(model: PreTrainedModel) -> CompiledPasses | None:
     """What `compile_model` registered for `model` (None: its runners are the eager ones)."""
     return _REGISTERED.get(model)
+
+
+def forget(model: PreTrainedModel) -> None:
+    """Unregister `model`: its runners are the eager ones again (its graphs are dropped with it)."""
+    _REGISTERED.pop(model, None)
 
 
 def inductor_cache_dir() -> str:
