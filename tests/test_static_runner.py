@@ -152,3 +152,29 @@ def test_compiled_passes_return_the_eager_tokens():
     runner = make_runner(target, max_tokens=40)
     runner.forward_rows([(ids, None)], [1])
     assert runner._width(3) == 4 and runner._width(5) == 5  # padded to a graph; wider: its own width, eager
+
+
+def test_auto_compiles_where_the_stored_verdict_says_it_pays(monkeypatch):
+    """compile="auto": measured once (here a stand-in measurement), stored, then read: a model that
+    did not pay is left eager and is not compiled again at the next start."""
+    from utils import compile_policy
+
+    monkeypatch.delenv(compile_policy.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(compile_policy, "AUTO_MIN_PARAMETERS", 0)
+    compiled = []
+    monkeypatch.setattr(compile_policy, "compile_model",
+                        lambda model, progress: compiled.append(model) or compile_model(model, widths=()))
+    for seconds, pays in ((0.5, True), (1.2, False)):  # one config: one key, so each round starts afresh
+        model = tiny_model("llama")
+        compile_policy._verdict_path(model).unlink(missing_ok=True)
+        monkeypatch.setattr(compile_policy, "measure", lambda model: {"eager_seconds": 1.0, "compiled_seconds": seconds})
+        assert compile_policy.apply(model, "auto") is pays
+        assert (compiled_passes(model) is not None) is pays
+        assert compile_policy._stored_verdict(model)["pays"] is pays
+        before = len(compiled)
+        assert compile_policy.apply(tiny_model("llama"), "auto") is pays  # the next start reads the verdict
+        assert len(compiled) == before + pays  # compiled again only where it pays
+    with pytest.raises(ValueError, match="compile must be"):
+        compile_policy.apply(model, "yes")
+    monkeypatch.setenv(compile_policy.COMPILE_ENV, "0")
+    assert compile_policy.apply(tiny_model("llama"), "auto") is False
