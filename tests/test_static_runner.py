@@ -167,7 +167,7 @@ def test_auto_compiles_where_the_stored_verdict_says_it_pays(monkeypatch):
     for seconds, pays in ((0.5, True), (1.2, False)):  # one config: one key, so each round starts afresh
         model = tiny_model("llama")
         compile_policy._verdict_path(model).unlink(missing_ok=True)
-        monkeypatch.setattr(compile_policy, "measure", lambda model: {"eager_seconds": 1.0, "compiled_seconds": seconds})
+        monkeypatch.setattr(compile_policy, "measure", lambda model, seconds=seconds: {"eager_seconds": 1.0, "compiled_seconds": seconds})
         assert compile_policy.apply(model, "auto") is pays
         assert (compiled_passes(model) is not None) is pays
         assert compile_policy._stored_verdict(model)["pays"] is pays
