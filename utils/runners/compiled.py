@@ -30,7 +30,8 @@ from transformers import PreTrainedModel
 from utils.paths import cache_dir
 from utils.runners.model_info import context_length, shares_passes
 
-__all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "forget", "inductor_cache_dir"]
+__all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "forget", "inductor_cache_dir",
+           "register"]
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per pass: a step, short chains, prompt lookup's copies
 DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
@@ -68,6 +69,11 @@ class CompiledPasses:
 def compiled_passes(model: PreTrainedModel) -> CompiledPasses | None:
     """What `compile_model` registered for `model` (None: its runners are the eager ones)."""
     return _REGISTERED.get(model)
+
+
+def register(model: PreTrainedModel, passes: CompiledPasses) -> None:
+    """Run `model` through `passes` again (after `forget`: a benchmark compares both ways)."""
+    _REGISTERED[model] = passes
 
 
 def forget(model: PreTrainedModel) -> None:
@@ -128,7 +134,7 @@ def compile_model(
         warnings.warn(f"{type(model).__name__} stays eager: compiling failed ({type(error).__name__}: {first_line})",
                       stacklevel=2)
         return None
-    _REGISTERED[model] = passes
+    register(model, passes)
     return passes
 
 
