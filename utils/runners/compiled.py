@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,12 +35,18 @@ __all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per pass: a step, short chains, prompt lookup's copies
 DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
 
-_REGISTERED: weakref.WeakKeyDictionary[PreTrainedModel, CompiledPasses] = weakref.WeakKeyDictionary()
+_ATTRIBUTE = "_specdec_compiled_passes"  # where a model keeps its passes: they live and die with it
 
 
-def _logits(model: PreTrainedModel, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """What a compiled graph computes: the logits of every new token, (rows, width, vocab)."""
-    return model(input_ids=ids, **kwargs).logits
+def _graph(model: PreTrainedModel) -> Callable:
+    """What a compiled graph computes: the logits of every new token, (rows, width, vocab). The
+    model is the closure's, not an argument, so that its weights are the graph's constants
+    (inductor's freezing packs them for its GEMM kernels) and each model compiles its own graphs."""
+
+    def logits(ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        return model(input_ids=ids, **kwargs).logits
+
+    return logits
 
 
 @dataclass
@@ -62,23 +67,23 @@ class CompiledPasses:
         return next((width for width in self.widths if width >= longest), None)
 
     def forward(self, rows: int, width: int) -> Callable | None:
-        """The compiled `_logits` for (rows, width), None where that pass runs eager."""
+        """The compiled graph for (rows, width), None where that pass runs eager."""
         return self._graphs.get(width) if rows == 1 else None
 
 
 def compiled_passes(model: PreTrainedModel) -> CompiledPasses | None:
     """What `compile_model` registered for `model` (None: its runners are the eager ones)."""
-    return _REGISTERED.get(model)
+    return getattr(model, _ATTRIBUTE, None)
 
 
 def register(model: PreTrainedModel, passes: CompiledPasses) -> None:
-    """Run `model` through `passes` again (after `forget`: a benchmark compares both ways)."""
-    _REGISTERED[model] = passes
+    """Run `model` through `passes` (again, after `forget`: a benchmark compares both ways)."""
+    model.__dict__[_ATTRIBUTE] = passes
 
 
 def forget(model: PreTrainedModel) -> None:
     """Unregister `model`: its runners are the eager ones again (its graphs are dropped with it)."""
-    _REGISTERED.pop(model, None)
+    model.__dict__.pop(_ATTRIBUTE, None)
 
 
 def inductor_cache_dir() -> str:
@@ -99,11 +104,15 @@ def _use_project_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
 
 
-def _options(model: PreTrainedModel) -> dict:
+def _options(model: PreTrainedModel, autotune: bool) -> dict:
     """Inductor's settings: weights frozen into the graph (constant folding, packed weights for
-    the CPU's GEMM kernels) on CPU; the default elsewhere."""
+    the CPU's GEMM kernels) on CPU; with `autotune`, every GEMM timed against inductor's own C++
+    micro-kernels (AVX-512, AMX), the fastest kept (minutes more per width)."""
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    return {"freezing": True} if on_cpu else {}
+    options = {"freezing": True} if on_cpu else {}
+    if autotune:
+        options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN" if on_cpu else "TRITON,ATEN"}
+    return options
 
 
 def compile_model(
@@ -111,6 +120,7 @@ def compile_model(
     *,
     widths: tuple[int, ...] = DEFAULT_WIDTHS,
     slots: int | None = None,
+    autotune: bool = False,
     progress: bool = True,
 ) -> CompiledPasses | None:
     """Compile `model`'s passes at `widths` new tokens over a static buffer of `slots` positions
@@ -126,15 +136,16 @@ def compile_model(
         return None
     limit = context_length(model)
     slots = slots or (DEFAULT_SLOTS if limit is None else min(DEFAULT_SLOTS, limit))
-    passes = CompiledPasses(tuple(sorted(set(widths))), slots, _options(model))
+    passes = CompiledPasses(tuple(sorted(set(widths))), slots, _options(model, autotune))
+    register(model, passes)  # before compiling: the graphs are traced with the model as it will run
     try:
         _compile_widths(model, passes, progress)
     except Exception as error:  # noqa: BLE001 - any compiler failure: eager is the fallback, never a failure
+        forget(model)
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         warnings.warn(f"{type(model).__name__} stays eager: compiling failed ({type(error).__name__}: {first_line})",
                       stacklevel=2)
         return None
-    register(model, passes)
     return passes
 
 
@@ -149,9 +160,12 @@ def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bo
     bar = tqdm(passes.widths, desc="compiling", unit="width", disable=not progress, leave=False)
     for width in bar:
         bar.set_postfix_str(f"{width} new token{'s' * (width > 1)}")
-        passes._graphs[width] = torch.compile(_logits, dynamic=False, options=passes.options)
+        passes._graphs[width] = torch.compile(_graph(model), dynamic=False)
         runner = StaticRunner(model, rows=1, slots=passes.slots, compiled=passes)
         runner.forward_rows([([0], None)], [1])  # the eager prompt pass allocates the buffer
         start = time.perf_counter()
-        runner.forward_rows([([0] * width, None)], [1])  # compiles this width
+        # The settings as inductor's config while it compiles (torch.compile's `options=` does not
+        # reach freezing): the first call compiles this width.
+        with torch._inductor.config.patch(passes.options):
+            runner.forward_rows([([0] * width, None)], [1])
         passes.compile_seconds[width] = time.perf_counter() - start

@@ -154,7 +154,7 @@ class StaticRunner(ModelPasses):
     def _call(self, ids: Tensor, kwargs: dict):
         if self._next_forward is None:
             return self.model(input_ids=ids, **kwargs)
-        return SimpleNamespace(logits=self._next_forward(self.model, ids, kwargs))
+        return SimpleNamespace(logits=self._next_forward(ids, kwargs))
 
     def rollback_row(self, row: int, length: int) -> None:
         assert 0 <= length <= len(self.rows[row])
