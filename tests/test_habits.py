@@ -294,3 +294,12 @@ def test_each_habit_is_checked_before_any_model_runs(no_forward, needle, call, e
     with pytest.raises(error) as info:
         call(tiny_model("llama"))
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("function", [autoregressive_generate, beam_search_generate, speculative_generate,
+                                      ngram_assisted_speculative_generate], ids=lambda f: f.__name__)
+def test_more_transformers_names_are_answered_in_every_function(no_forward, function):  # noqa: F811
+    for name, ours in [("length_penalty", "alpha of beam_search_generate"), ("output_logits", "logprobs"),
+                       ("no_repeat_ngram_size", "logits_processor"), ("generation_config", "from_generation_config")]:
+        with pytest.raises(TypeError, match=f"got {name}=, transformers' name: this library calls it .*{ours}"):
+            function([5, 6], tiny_model("llama"), **{name: 1})

@@ -37,9 +37,12 @@ TRANSFORMERS_NAMES = {
     "min_length": "logits_processor (TransformersProcessor([MinLengthLogitsProcessor(...)], do_sample=...))",
     "generation_config": "logits_processor=TransformersProcessor.from_generation_config(config), with "
                          "max_gen_len and end_tokens_id from it",
-    "output_scores": "stats=SpeculativeStats(): its logprobs hold each returned token's log-probability",
-    "output_logits": "stats=SpeculativeStats(): its logprobs hold each returned token's log-probability",
-    "return_dict_in_generate": "stats=SpeculativeStats() (the ids come back as lists, the numbers in stats)",
+    "output_scores": "stats=SpeculativeStats(): its logprobs hold each returned token's log-probability "
+                     "(every function but beam_search_generate, which returns ids only)",
+    "output_logits": "stats=SpeculativeStats(): its logprobs hold each returned token's log-probability "
+                     "(every function but beam_search_generate, which returns ids only)",
+    "return_dict_in_generate": "stats=SpeculativeStats() (the ids come back as lists, the numbers in stats; "
+                               "every function but beam_search_generate)",
     "num_beam_groups": "nothing: diverse beam search is not offered",
     "diversity_penalty": "nothing: diverse beam search is not offered",
     "assistant_model": "drafter (speculative_generate(inputs, drafter, target))",
