@@ -86,7 +86,12 @@ def autoregressive_generate(
     rows). `pad_token_id`: for a batch without an attention mask, the token stripped from both
     ends of each row (without it, a batch that looks padded is refused). `generator` (one, or one per row)
     makes sampling reproducible (`sampling.randomness`); `on_step` receives each new token as a
-    `Step` (streaming; `Step.row` says which row).
+    `Step` (streaming; `Step.row` says which row). `stats` (a `SpeculativeStats`) gets the
+    generated tokens, steps, target passes and each token's `logprobs`.
+    `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
+    `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
+    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/stopping.py`);
+    `num_return_sequences=n` returns what the batch of n copies of each prompt returns.
     """
     request = check_request(
         inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,

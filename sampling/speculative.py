@@ -136,6 +136,11 @@ def speculative_generate(
     model tokens that it checks in one pass of its own, so several drafts cost one drafter pass where
     its measured costs say a wider pass is cheap; its drafts and q are exactly those of one-token
     passes, so outputs are unchanged. None (the default): on with `adaptive_gamma`, off otherwise.
+    `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
+    `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
+    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/stopping.py`);
+    `num_return_sequences=n` returns what the batch of n copies of each prompt returns. `stats.logprobs`: each returned token's
+    log-softmax of the target's raw logits, from the verification passes.
     """
     return _speculative(
         inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
