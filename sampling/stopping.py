@@ -7,7 +7,7 @@ block after the first token at which one fires, so a speculative call stops wher
 stops and returns the same tokens.
 
 A criterion is called as transformers' `generate` calls it: `criterion(input_ids, scores)` with
-`input_ids` a (1, length) int64 tensor of the row's ids so far (decoder-only: the prompt and the
+`input_ids` a (1, length) int64 tensor (on the scores' device) of the row's ids so far (decoder-only: the prompt and the
 generated tokens; encoder-decoder: the decoder's start token and the generated tokens) and
 `scores` a one-item tuple holding the processed scores (1, V) of the position that produced the
 newest token (`scores[-1]`, what `generate` gives criteria with `output_scores=True`). It returns a
@@ -72,7 +72,7 @@ class StopRules:
 
     def stops(self, history: Sequence[int], scores: Tensor | None) -> bool:
         """Whether a criterion fires on the row's ids `history` (the newest token last)."""
-        ids = torch.tensor([list(history)], dtype=torch.long)
+        ids = torch.tensor([list(history)], dtype=torch.long, device=scores.device if scores is not None else "cpu")
         return any(_fired(criterion(ids, (scores[None],) if needs and scores is not None else None))
                    for criterion, needs in zip(self.criteria, self.needs_scores, strict=True))
 
