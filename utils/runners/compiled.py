@@ -32,7 +32,10 @@ from utils.runners.model_info import context_length, shares_passes
 __all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "forget", "inductor_cache_dir",
            "register"]
 
-DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per pass: a step, short chains, prompt lookup's copies
+DEFAULT_WIDTHS = (1, 4, 16)  # new tokens per pass: a step, a short chain, a long chain or a tree (padded up)
+# Graphs whose GEMMs are autotuned: the one-token pass, what plain decoding and a drafter model run
+# most; wider passes are frozen and fused, with the default kernels (autotuning each costs minutes).
+AUTOTUNE_WIDTHS = (1,)
 DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
 
 _ATTRIBUTE = "_specdec_compiled_passes"  # where a model keeps its passes: they live and die with it
@@ -55,7 +58,7 @@ class CompiledPasses:
 
     widths: tuple[int, ...]  # sorted; () = the static buffer without compiling (exact, eager)
     slots: int
-    options: dict = field(default_factory=dict)  # inductor's options the graphs were compiled with
+    options: dict[int, dict] = field(default_factory=dict)  # width -> inductor's settings its graph was compiled with
     compile_seconds: dict[int, float] = field(default_factory=dict)  # width -> first call (the compile)
     _graphs: dict[int, Callable] = field(default_factory=dict, repr=False)
 
@@ -105,9 +108,10 @@ def _use_project_cache() -> None:
 
 
 def _options(model: PreTrainedModel, autotune: bool) -> dict:
-    """Inductor's settings: weights frozen into the graph (constant folding, packed weights for
-    the CPU's GEMM kernels) on CPU; with `autotune`, every GEMM timed against inductor's own C++
-    micro-kernels (AVX-512, AMX), the fastest kept (minutes more per width)."""
+    """Inductor's settings: weights frozen into the graph (constant folding, weights packed for the
+    CPU's GEMM kernels) on CPU; with `autotune`, every GEMM of the graph timed here against
+    inductor's own C++ micro-kernels (AVX2, AVX-512, AMX) and the fastest kept, ATen's included, so
+    the choice is a measurement on this machine (a minute or more per graph of a 1.5B model)."""
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     options = {"freezing": True} if on_cpu else {}
     if autotune:
@@ -120,7 +124,7 @@ def compile_model(
     *,
     widths: tuple[int, ...] = DEFAULT_WIDTHS,
     slots: int | None = None,
-    autotune: bool = False,
+    autotune: tuple[int, ...] = AUTOTUNE_WIDTHS,
     progress: bool = True,
 ) -> CompiledPasses | None:
     """Compile `model`'s passes at `widths` new tokens over a static buffer of `slots` positions
@@ -136,7 +140,8 @@ def compile_model(
         return None
     limit = context_length(model)
     slots = slots or (DEFAULT_SLOTS if limit is None else min(DEFAULT_SLOTS, limit))
-    passes = CompiledPasses(tuple(sorted(set(widths))), slots, _options(model, autotune))
+    widths = tuple(sorted(set(widths)))
+    passes = CompiledPasses(widths, slots, {width: _options(model, width in autotune) for width in widths})
     register(model, passes)  # before compiling: the graphs are traced with the model as it will run
     try:
         _compile_widths(model, passes, progress)
@@ -166,6 +171,6 @@ def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bo
         start = time.perf_counter()
         # The settings as inductor's config while it compiles (torch.compile's `options=` does not
         # reach freezing): the first call compiles this width.
-        with torch._inductor.config.patch(passes.options):
+        with torch._inductor.config.patch(passes.options[width]):
             runner.forward_rows([([0] * width, None)], [1])
         passes.compile_seconds[width] = time.perf_counter() - start
