@@ -22,6 +22,7 @@ the developers do not see (`--held-out` reads those). Writes results.json to --o
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -267,8 +268,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.drafter:
         drafter, _ = load_model(args.drafter, dtype=target.dtype, device=args.device)
     else:
-        import copy
-
         drafter = copy.deepcopy(target).to(torch.bfloat16)
     runner = Replay(target, drafter, end_token_ids(target, tokenizer), args.max_new_tokens)
     records = replay(runner, tokenizer, conversations, methods, max_prompt_tokens=args.max_prompt_tokens,

@@ -212,7 +212,7 @@ class ModelTreeDrafter:
                  acceptance: TreeAcceptance) -> None:
         assert branching >= 2 and chain.runner.supports_trees
         self.chain, self.branching, self.planner, self.acceptance = chain, branching, planner, acceptance
-        self._trees: list[RowTree | None] = []  # this step's trees, None on a chain step
+        self._trees: list[RowTree] = []  # this step's trees, one per row; empty on a chain step
         self._chain_lengths: list[int] = []
         self.tree_steps = 0  # steps drafted as trees (for reports)
 
