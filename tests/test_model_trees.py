@@ -11,8 +11,10 @@ from sampling import SpeculativeStats, autoregressive_generate, speculative_gene
 from tests.cost_tables import AVX2_FP32, fix_costs
 from tests.models import DECODER_ONLY, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
+from sampling.drafters import DraftTree
+from sampling.tree_sampling import recursive_rejection_walk
 from tests.test_drafter_invariant import near_copy
-from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
+from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor, inverse_cdf
 
 FLAT = {0: 1.0, 8: 1.0, 16: 1.05, 31: 1.2}  # a pass over 32 tokens costs about one (an accelerator)
 
@@ -24,6 +26,30 @@ def seeded(seed: int) -> torch.Generator:
 def tree_steps(stats: SpeculativeStats) -> bool:
     """Whether some step verified a tree that was not a chain (more nodes than its depth)."""
     return stats.drafts_proposed > sum(stats.proposed_by_position)
+
+
+def test_recursive_rejection_of_children_drawn_without_replacement_emits_p_and_changes_no_input():
+    """The rule alone (`sampling/tree_sampling.py`), no model: three children of the root drawn from q
+    without replacement, 20000 draws, the emitted token's law against p (chi-square, fixed seed)."""
+    from scipy.stats import chisquare
+
+    generator = torch.Generator().manual_seed(0)
+    p_root = torch.tensor([0.05, 0.3, 0.1, 0.4, 0.15], dtype=torch.float64)
+    q_root = torch.tensor([0.4, 0.1, 0.3, 0.1, 0.1], dtype=torch.float64)
+    p = torch.stack([p_root] + [torch.full((5,), 0.2, dtype=torch.float64)] * 3)  # rows after the children: unused
+    q = q_root.expand(3, 5).clone()
+    p_before, q_before = p.clone(), q.clone()
+    counts = [0] * 5
+    for _ in range(20000):
+        u = torch.rand(8, generator=generator, dtype=torch.float64).tolist()  # 3 draws, 3 coins, 2 residuals
+        remaining, children = q_root, []
+        for i in range(3):
+            children.append(int(inverse_cdf(remaining, u[i])))
+            remaining = remaining.index_fill(0, torch.tensor([children[-1]]), 0.0)
+        path, token = recursive_rejection_walk(p, q, DraftTree(children, [-1, -1, -1]), u[3:6], u[6:])
+        counts[children[path[0]] if path else token] += 1
+    assert chisquare(counts, [20000 * float(x) for x in p_root]).pvalue > P_VALUE_THRESHOLD
+    assert torch.equal(p, p_before) and torch.equal(q, q_before)
 
 
 @pytest.mark.parametrize("name", DECODER_ONLY)
