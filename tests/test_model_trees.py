@@ -8,11 +8,11 @@ import torch
 
 from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate, speculative_generate_encoder_decoder
+from sampling.drafters import DraftTree
+from sampling.tree_sampling import recursive_rejection_walk
 from tests.cost_tables import AVX2_FP32, fix_costs
 from tests.models import DECODER_ONLY, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
-from sampling.drafters import DraftTree
-from sampling.tree_sampling import recursive_rejection_walk
 from tests.test_drafter_invariant import near_copy
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor, inverse_cdf
 
