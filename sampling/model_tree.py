@@ -123,19 +123,21 @@ class TreePlanner:
                 order += 1
         return nodes, reaches
 
-    def drafting_cost(self, nodes: list[tuple[int, int, int]]) -> float:
-        """The drafter's passes for a tree of these nodes, in one-token target passes."""
+    def drafting_costs(self, nodes: list[tuple[int, int, int]]) -> list[float]:
+        """The drafter's passes for each prefix of these nodes (in the order added), in one-token
+        target passes: the root's pass, and per depth a pass over the root and the paths to that
+        depth's expanded nodes."""
         step = self.policy.drafter_step_cost()
-        expanded = {parent for parent, _, _ in nodes if parent >= 0}
-        cost = step  # the root's pass
-        for depth in range(1, max((d for _, d, _ in nodes), default=1)):
-            fed: set[int] = set()
-            for node in (i for i in expanded if nodes[i][1] == depth):
-                while node >= 0 and node not in fed:
-                    fed.add(node)
-                    node = nodes[node][0]
-            cost += step * self.drafter_costs(len(fed))  # the root and those paths
-        return cost
+        fed: dict[int, set[int]] = {}  # a depth -> the nodes its pass feeds after the root
+        costs = []
+        for parent, _, _ in nodes:
+            if parent >= 0:  # the parent is expanded: its pass feeds the path to it
+                block = fed.setdefault(nodes[parent][1], set())
+                while parent >= 0 and parent not in block:
+                    block.add(parent)
+                    parent = nodes[parent][0]
+            costs.append(step * (1.0 + sum(self.drafter_costs(len(block)) for block in fed.values())))
+        return costs
 
     def budget(self, max_drafts: int) -> int:
         """The tree's node budget this step (the loop's `max_drafts` at most), 0 for a chain."""
@@ -145,10 +147,11 @@ class TreePlanner:
         k = best_draft_length([min(top, 0.99)] * max_drafts, self.policy.cost)
         chain_rate = (1.0 + sum(top ** j for j in range(1, k + 1))) / self.policy.cost(k)
         nodes, reaches = self.shape(max_drafts)
-        best, best_rate, branched = 0, chain_rate, False
-        for n in range(1, len(nodes) + 1):
+        best, best_rate, branched, expected = 0, chain_rate, False, 1.0
+        for n, drafting in enumerate(self.drafting_costs(nodes), start=1):
             branched = branched or nodes[n - 1][2] > 0
-            rate = (1.0 + sum(reaches[:n])) / (self.policy.verify_cost(n) + self.drafting_cost(nodes[:n]))
+            expected += reaches[n - 1]
+            rate = expected / (self.policy.verify_cost(n) + drafting)
             if branched and rate > best_rate:
                 best, best_rate = n, rate
         return best
