@@ -75,10 +75,11 @@ def test_drafter_is_target_accepts_everything(name):
 
 def test_adaptive_gamma_keeps_output_and_counts_statistics(monkeypatch):
     target, drafter = pair("llama")
-    # A drafter that looks nearly free until its drafting steps are timed: the policy drafts.
-    monkeypatch.setitem(calibration._COSTS, drafter, PassCosts(relative={0: 1.0, 31: 2.0}, one_token_seconds=1e-9))
     reference = autoregressive_generate(prompt(3), target, max_gen_len=40)
     for branching in (1, None):  # chains; the default: trees on the steps where the costs say they pay
+        # A drafter that looks nearly free until its drafting steps are timed: the policy drafts (each run
+        # from its own untimed costs: the first run's timings would price the second's drafts).
+        monkeypatch.setitem(calibration._COSTS, drafter, PassCosts(relative={0: 1.0, 31: 2.0}, one_token_seconds=1e-9))
         stats = SpeculativeStats()
         out, alpha = speculative_generate(prompt(3), drafter, target, gamma=2, max_gen_len=40, adaptive_gamma=True,
                                           stats=stats, branching=branching)
