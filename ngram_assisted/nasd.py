@@ -19,19 +19,22 @@ from ngram_assisted.dynagram import DynaGram
 from ngram_assisted.rows import ngram_rows
 from sampling.common import OnStep, check_request, start_generation
 from sampling.draft_policy import DraftLength
+from sampling.habits import Habits
 from sampling.loop import SpeculativeStats, speculative_loop
 from sampling.speculative import check_gamma
+from sampling.stopping import Criterion
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs, transformers_names
+from utils.validation import MODEL_EOS, Inputs, transformers_names
 
 
 def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
-          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step, pad_token_id=None):
+          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step, pad_token_id=None,
+          habits=Habits()):
     """Check every argument (before any model runs), build the pool's drafter rows, run the loop."""
     gamma = check_gamma(gamma)
     request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
                             logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
-                            model_name="target", pad_token_id=pad_token_id)
+                            model_name="target", pad_token_id=pad_token_id, habits=habits)
     build_rows = ngram_rows(ngram, request, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
                             draft_cost=draft_cost, branching=branching)
     gen = start_generation(request)
@@ -44,21 +47,24 @@ def ngram_assisted_speculative_generate(
     inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
     target: PreTrainedModel,
+    *,
     tokenizer=None,
     gamma: int = 16,
     top_k_filler: int = 3,
     logits_processor: LogitsProcessor = GreedyProcessor(),
     max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = None,
+    end_tokens_id: int | list[int] | None = MODEL_EOS,
     pad_token_id: int | None = None,
     use_cache: bool = True,
     stop_if_unknown: bool = True,
-    *,
     draft_cost: Callable[[int], float] | None = None,
     branching: int | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
+    stop_strings: str | list[str] | None = None,
+    stopping_criteria: Criterion | list[Criterion] | None = None,
+    num_return_sequences: int = 1,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """NASD for a decoder-only `target` -> (generated ids, alpha), or one such pair per row of a batch.
 
@@ -80,13 +86,15 @@ def ngram_assisted_speculative_generate(
     chains. Greedy output equals greedy `autoregressive_generate`; sampled output follows the
     target's processed distribution exactly (multi-candidate speculative sampling on trees).
     `pad_token_id`: for a batch without an attention mask, the token stripped from both ends of
-    each row. `tokenizer`: compatibility, unused.
+    each row. `tokenizer`: the target's, for `stop_strings`. `stop_strings`, `stopping_criteria`,
+    `num_return_sequences` and `end_tokens_id` left out: as in `autoregressive_generate`.
     """
     return _nasd(
         inputs, ngram, target, encoder_decoder=False, gamma=gamma, top_k_filler=top_k_filler,
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
         end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
         stats=stats, on_step=on_step, pad_token_id=pad_token_id,
+        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
     )
 
 
@@ -95,21 +103,24 @@ def ngram_assisted_speculative_generate_encoder_decoder(
     inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
     target: PreTrainedModel,
+    *,
     tokenizer=None,
     gamma: int = 16,
     top_k_filler: int = 3,
     logits_processor: LogitsProcessor = GreedyProcessor(),
     max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = None,
+    end_tokens_id: int | list[int] | None = MODEL_EOS,
     pad_token_id: int | None = None,
     use_cache: bool = True,
     stop_if_unknown: bool = True,
-    *,
     draft_cost: Callable[[int], float] | None = None,
     branching: int | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
+    stop_strings: str | list[str] | None = None,
+    stopping_criteria: Criterion | list[Criterion] | None = None,
+    num_return_sequences: int = 1,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """NASD for encoder-decoder models: the pool is also seeded with the encoder's source tokens
     (`inputs`, in any form the decoder-only variant takes), where summarisation and translation
@@ -119,4 +130,5 @@ def ngram_assisted_speculative_generate_encoder_decoder(
         stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
         end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
         stats=stats, on_step=on_step, pad_token_id=pad_token_id,
+        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
     )

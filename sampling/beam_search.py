@@ -8,9 +8,11 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.common import Generation, check_request, start_generation
+from sampling.habits import Habits
+from sampling.stopping import Criterion
 from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
-from utils.validation import Inputs, check_int, transformers_names
+from utils.validation import MODEL_EOS, Inputs, check_int, transformers_names
 
 
 def length_penalty(length: int, min_length: int, alpha: float) -> float:
@@ -22,14 +24,19 @@ def length_penalty(length: int, min_length: int, alpha: float) -> float:
 def beam_search_generate(
     inputs: Inputs,
     model: PreTrainedModel,
+    *,
     max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = None,
+    end_tokens_id: int | list[int] | None = MODEL_EOS,
     pad_token_id: int | None = None,
     top_k: int = 3,
     num_beams: int = 5,
     min_length: int = 5,
     alpha: float = 1.2,
     use_cache: bool = True,
+    tokenizer=None,
+    stop_strings: str | list[str] | None = None,
+    stopping_criteria: Criterion | list[Criterion] | None = None,
+    num_return_sequences: int = 1,
 ) -> list[int] | list[list[int]]:
     """Beam search over a decoder-only model -> the best finished sequence's generated ids.
 
@@ -42,7 +49,12 @@ def beam_search_generate(
     beam can beat the best of them. `pad_token_id`: for a batch without an attention mask, the token
     stripped from both ends of each row (it is never an end token). `inputs`: token ids, a tensor, or a tokenizer's output
     (`utils.validation.INPUTS_DOC`); a batch is searched row by row and gives a list, one result
-    per row. `alpha` here is the length penalty's exponent, not an acceptance rate.
+    per row. `alpha` here is the length penalty's exponent (>= 0), not an acceptance rate.
+    `stop_strings` (with `tokenizer`) and `stopping_criteria` finish a beam as an end token does
+    (the criteria get the beam's ids and its log-probabilities as scores). `num_return_sequences=n`
+    (<= num_beams): the n best finished beams, best first, a list of n id lists for one prompt
+    (for a batch, each row's n side by side, as transformers orders them); fewer only when fewer
+    beams could finish.
     """
     if is_encoder_decoder(model):
         raise ValueError(f"beam_search_generate supports decoder-only models; model is {type(model).__name__}, an encoder-decoder")
@@ -50,19 +62,28 @@ def beam_search_generate(
     check_int(num_beams, "num_beams", 1)
     check_int(min_length, "min_length", 0)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a number, got {alpha!r}")
+        raise TypeError(f"alpha must be a number >= 0 (the length penalty's exponent), got {alpha!r}")
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0 (the length penalty's exponent; 0: no penalty), got {alpha}")
+    n = check_int(num_return_sequences, "num_return_sequences", 1)
+    if n > num_beams:
+        raise ValueError(f"num_return_sequences must be <= num_beams ({num_beams}): the best finished beams are "
+                         f"returned, got {n}")
     request = check_request(inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
                             logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
-                            pad_token_id=pad_token_id)
+                            pad_token_id=pad_token_id, habits=Habits(tokenizer, stop_strings, stopping_criteria))
     # The beams of one row already fill the batch dimension: a batch's rows are searched one by one.
-    results = [_search(start_generation(request.row(i)), model, top_k, num_beams, min_length, alpha, use_cache)
+    results = [_search(start_generation(request.row(i)), model, top_k, num_beams, min_length, alpha, use_cache, n)
                for i in range(request.num_rows)]
+    if n > 1:
+        return [ids for best in results for ids in best]
+    results = [best[0] for best in results]
     return results if request.batched else results[0]
 
 
 def _search(gen: Generation, model: PreTrainedModel, top_k: int, num_beams: int, min_length: int, alpha: float,
-            use_cache: bool) -> list[int]:
-    """Beam search of one sequence (`gen` holds one row) -> the best finished sequence's generated ids."""
+            use_cache: bool, n: int = 1) -> list[list[int]]:
+    """Beam search of one sequence (`gen` holds one row) -> the `n` best finished sequences' generated ids."""
     max_len = gen.max_new_tokens[0]
     runner = BeamRunner(model, use_cache=use_cache, costs=gen.runner.costs)  # the CPU shortcuts measured fastest here
 
@@ -93,17 +114,24 @@ def _search(gen: Generation, model: PreTrainedModel, top_k: int, num_beams: int,
             score = float(candidates[c])
             if len(live_idx) == num_beams and score / penalty < worst_kept:
                 break
-            if token in gen.end_tokens or length == max_len:
+            if token in gen.end_tokens or length == max_len or _stops(gen, history[beam], token, log_probs[beam]):
                 finished.append((score / penalty, history[beam].tolist() + [token]))
             elif len(live_idx) < num_beams:
                 live_idx.append(beam)
                 live_tokens.append(token)
                 live_scores.append(score)
         finished = sorted(finished, key=lambda f: f[0], reverse=True)[:num_beams]
-        # 3. Stop when no live beam can beat the best finished one.
-        if not live_idx or (finished and finished[0][0] >= max(best_possible(s, length) for s in live_scores)):
+        # 3. Stop when no live beam can beat the n-th best finished one.
+        if not live_idx or (len(finished) >= n and finished[n - 1][0] >= max(best_possible(s, length) for s in live_scores)):
             break
         scores = torch.tensor(live_scores, dtype=torch.float64)
         device = runner.sequences.device
         logits = runner.step(torch.tensor(live_idx, device=device), torch.tensor(live_tokens, device=device))
-    return finished[0][1]
+    return [ids for _, ids in finished[:n]]
+
+
+def _stops(gen: Generation, history: torch.Tensor, token: int, log_probs: torch.Tensor) -> bool:
+    """Whether a stopping rule finishes the beam `history` (its generated ids) extended by `token`."""
+    if gen.stopping is None:
+        return False
+    return gen.stopping.stops([*gen.prefix, *history.tolist(), token], log_probs)

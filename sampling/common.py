@@ -8,7 +8,9 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from sampling.habits import Habits, check_gen_len
 from sampling.randomness import PositionUniforms
+from sampling.stopping import StopRules
 from utils.caching import Runner, context_length, make_runner
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
@@ -56,6 +58,7 @@ class Generation:
     max_new_tokens: list[int]  # max_gen_len, capped so that each row fits the model's context
     uniforms: list[PositionUniforms]  # each row's random numbers by position
     batched: bool  # the inputs were a batch: results come back as a list, one per row
+    stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/stopping.py)
 
     @property
     def prefix(self) -> list[int]:
@@ -63,9 +66,17 @@ class Generation:
         assert len(self.prefixes) == 1
         return self.prefixes[0]
 
-    def trim(self, row: int, tokens: list[int], generated: int) -> tuple[list[int], bool]:
-        """Cut row `row`'s new `tokens` after the first end token and at its length budget ->
-        (tokens, finished)."""
+    def trim(self, row: int, tokens: list[int], generated: int, history: list[int] | None = None,
+             logits: torch.Tensor | None = None) -> tuple[list[int], bool]:
+        """Cut row `row`'s new `tokens` after the first end token, at its length budget and after the
+        first token at which a stopping rule fires (`history`: the row's ids before them; `logits`:
+        the target's at the positions that produced them) -> (tokens, finished)."""
+        tokens, finished = self._trim_end(row, tokens, generated)
+        if self.stopping is not None and history is not None:
+            tokens, finished = self.stopping.cut(history, tokens, logits, finished)
+        return tokens, finished
+
+    def _trim_end(self, row: int, tokens: list[int], generated: int) -> tuple[list[int], bool]:
         budget = self.max_new_tokens[row] - generated
         for i, token in enumerate(tokens[:budget]):
             if token in self.end_tokens:
@@ -110,6 +121,7 @@ class Request:
     end_tokens: frozenset[int]
     max_gen_len: int
     generators: list[torch.Generator | None]  # one per row
+    stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/stopping.py)
 
     @property
     def num_rows(self) -> int:
@@ -132,21 +144,32 @@ def check_request(
     generator: torch.Generator | list[torch.Generator] | None = None,
     model_name: str = "model",
     pad_token_id: int | None = None,
+    habits: Habits = Habits(),
 ) -> Request:
     """Validate what every decoding function takes, once per call and before any model runs.
     `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
-    removed by the attention mask there (`check_batch`), in this one place for every function."""
+    removed by the attention mask there (`check_batch`), in this one place for every function.
+    `habits`: stop strings, stopping criteria, num_return_sequences (each row repeated), on_step."""
     check_model(model, model_name, encoder_decoder)
     row_ids, batched = check_batch(inputs, "inputs", model, pad_token_id)
     check_int(max_gen_len, "max_gen_len", 1)
+    check_gen_len(max_gen_len, model)
     check_processor(logits_processor)
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
     end_tokens = check_end_tokens(end_tokens_id, model)
+    stopping = habits.check(model, logits_processor, model_name)
+    row_ids, batched = habits.repeat(row_ids, batched)
     for i, ids in enumerate(row_ids):
         check_fits(len(ids), model, f"inputs[{i}]" if batched else "inputs")
     generators = row_generators(generator, len(row_ids), batched)
-    return Request(model, encoder_decoder, use_cache, row_ids, batched, end_tokens, max_gen_len, generators)
+    return Request(model, encoder_decoder, use_cache, row_ids, batched, end_tokens, max_gen_len, generators, stopping)
+
+
+def max_tokens(prefixes: list[list[int]], max_new: list[int]) -> int:
+    """The most tokens any row may hold before its drafts: its prefix and its length budget (what a
+    static KV buffer must fit)."""
+    return max(len(prefix) + new for prefix, new in zip(prefixes, max_new, strict=True))
 
 
 def start_generation(request: Request) -> Generation:
@@ -164,5 +187,6 @@ def start_generation(request: Request) -> Generation:
     uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(request.generators, prefixes, strict=True)]
     # Its costs: the kernels measured fastest here (calibrated once per machine).
     runner = make_runner(model, rows=len(rows), use_cache=request.use_cache, encoder_input_ids=encoder_input_ids,
-                         costs=pass_costs(model))
-    return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched)
+                         costs=pass_costs(model), max_tokens=max_tokens(prefixes, max_new))
+    return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched,
+                      request.stopping)

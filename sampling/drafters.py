@@ -148,11 +148,12 @@ class ModelDrafter:
         costs: PassCosts | None = None,
         stop: ConfidenceStop | None = None,
         cascade: Cascade | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         rows = len(uniforms)
         # Its costs: its kernels, and its step's cost for adaptive gamma (`utils.calibration.pass_costs`).
         self.runner = make_runner(model, rows=rows, use_cache=use_cache, encoder_input_ids=encoder_input_ids,
-                                  costs=costs)
+                                  costs=costs, max_tokens=max_tokens)
         self.processor = processor
         self.vocab_size = vocab_size  # the target's logit width: q must live in the same space as p
         self.uniforms = uniforms  # row b's draft at position t: the inverse CDF of q at its DRAFT number

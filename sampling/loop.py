@@ -13,6 +13,7 @@ from sampling.acceptance import accept
 from sampling.common import Generation, OnStep, Step
 from sampling.draft_policy import DraftPolicy
 from sampling.drafters import Drafter, DraftTree
+from sampling.logprobs import RowLogprobs, step_logits
 from sampling.step_clock import StepClock
 from utils.caching import model_devices
 from utils.logits_processors import LogitsProcessor
@@ -55,6 +56,9 @@ class SpeculativeStats:
       "rollback" (the target's cache), "update" (the drafter told what was accepted: its cache, a
       pool's learning) and "rest" (the loop's own bookkeeping). Off by default: on an accelerator
       each phase waits for the device's queued work before it is timed.
+    - `logprobs`: one list per row of every call (in call order, a batch's rows in order): for each
+      returned token, log softmax of the target's raw logits (before any processor) at that token,
+      read from the verification passes (`sampling/logprobs.py`).
     """
 
     drafts_proposed: int = 0
@@ -72,6 +76,7 @@ class SpeculativeStats:
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
     timed: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
+    logprobs: list[list[float]] = field(default_factory=list)
 
     @property
     def alpha(self) -> float:
@@ -143,6 +148,7 @@ def speculative_loop(
     batch. Random numbers come from each row's `gen.uniforms` (`sampling.randomness`). `policy`
     gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome.
     """
+    logprobs = RowLogprobs(len(gen.prefixes)) if stats is not None else None
     stats = stats if stats is not None else SpeculativeStats()
     target = gen.runner
     sequences = [list(prefix) for prefix in gen.prefixes]
@@ -184,7 +190,10 @@ def speculative_loop(
                 target.keep_path_row(i, len(sequence) - 1, path)  # the root is the last accepted token
             clock.lap("rollback")
             accepted_tokens = [tree.tokens[node] for node in path]
-            new_tokens, finished = gen.trim(row, accepted_tokens + [token], len(generated[row]))
+            block_logits = None if logprobs is None and gen.stopping is None else step_logits(logits[i], path)
+            new_tokens, finished = gen.trim(row, accepted_tokens + [token], len(generated[row]), sequence, block_logits)
+            if logprobs is not None:
+                logprobs.add(row, block_logits, new_tokens)
             sequence += new_tokens
             generated[row] += new_tokens
             paths.append(path)
@@ -211,4 +220,6 @@ def speculative_loop(
     stats.generated_tokens += sum(len(tokens) for tokens in generated)
     stats.target_forwards += target.forward_passes - target_passes
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
+    if logprobs is not None:
+        stats.logprobs += logprobs.lists()
     return gen.results([(tokens, a / p if p else 0.0) for tokens, a, p in zip(generated, accepted, proposed, strict=True)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from sampling.cascade import Cascade
-from sampling.common import Generation
+from sampling.common import Generation, max_tokens
 from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.drafters import ModelDrafter
@@ -65,7 +65,7 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
         model_drafter = ModelDrafter(
             drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
-            costs=drafter_costs, cascade=proposer,
+            costs=drafter_costs, cascade=proposer, max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
         )
         width = tree_branching(branching, adaptive_gamma)
         if width > 1 and gen.runner.supports_trees and model_drafter.runner.supports_trees:

@@ -13,12 +13,14 @@ from sampling.common import OnStep, check_request, start_generation
 from sampling.custom_drafters import check_drafter_options, checked_drafter
 from sampling.draft_policy import DraftLength
 from sampling.drafters import Drafter
+from sampling.habits import Habits
 from sampling.hybrid import NgramPool, hybrid_drafter, pool_rows
 from sampling.loop import SpeculativeStats, speculative_loop
 from sampling.model_drafting import check_same_vocabulary, model_drafting
+from sampling.stopping import Criterion
 from sampling.universal import check_tokenizers
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import Inputs, check_int, check_model, transformers_names
+from utils.validation import MODEL_EOS, Inputs, check_int, check_model, transformers_names
 
 __all__ = ["SpeculativeStats", "check_gamma", "speculative_generate", "speculative_generate_encoder_decoder",
            "speculative_loop"]
@@ -35,7 +37,7 @@ def check_branching(branching: object) -> int | None:
 
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len, logits_processor,
                  end_tokens_id, adaptive_gamma, generator, stats, on_step, tokenizer=None, drafter_tokenizer=None,
-                 drafter_invariant=None, ngram=None, cascade=None, pad_token_id=None, branching=1):
+                 drafter_invariant=None, ngram=None, cascade=None, pad_token_id=None, habits=Habits(), branching=1):
     """Check every argument (before any model runs), build the drafter, run the loop."""
     if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
         raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
@@ -53,7 +55,7 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
                               drafter_invariant=drafter_invariant, cascade=cascade)
     request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
                             logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
-                            model_name="target", pad_token_id=pad_token_id)
+                            model_name="target", pad_token_id=pad_token_id, habits=habits)
     gamma = check_gamma(gamma)
     if not isinstance(adaptive_gamma, bool):
         raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
@@ -94,14 +96,14 @@ def speculative_generate(
     inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
     target: PreTrainedModel,
+    *,
     tokenizer=None,
     gamma: int = 5,
     logits_processor: LogitsProcessor = GreedyProcessor(),
     max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = None,
+    end_tokens_id: int | list[int] | None = MODEL_EOS,
     pad_token_id: int | None = None,
     use_cache: bool = True,
-    *,
     adaptive_gamma: bool = False,
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
@@ -110,6 +112,9 @@ def speculative_generate(
     drafter_invariant: bool | None = None,
     ngram: NgramPool | list[NgramPool] | None = None,
     cascade: bool | None = None,
+    stop_strings: str | list[str] | None = None,
+    stopping_criteria: Criterion | list[Criterion] | None = None,
+    num_return_sequences: int = 1,
     branching: int | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
@@ -142,6 +147,11 @@ def speculative_generate(
     model tokens that it checks in one pass of its own, so several drafts cost one drafter pass where
     its measured costs say a wider pass is cheap; its drafts and q are exactly those of one-token
     passes, so outputs are unchanged. None (the default): on with `adaptive_gamma`, off otherwise.
+    `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
+    `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
+    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/stopping.py`);
+    `num_return_sequences=n` returns what the batch of n copies of each prompt returns. `stats.logprobs`: each returned token's
+    log-softmax of the target's raw logits, from the verification passes.
     `branching` (token trees from the drafter model, `sampling/model_tree.py`, docs/trees.md): up to this
     many children per node, the tree verified in one target pass, exact (greedy: the argmax path;
     sampling: recursive rejection sampling with the drafter's q); `gamma` counts every node. 1: chains.
@@ -156,6 +166,7 @@ def speculative_generate(
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
         cascade=cascade, pad_token_id=pad_token_id, branching=branching,
+        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer),
     )
 
 
@@ -164,14 +175,14 @@ def speculative_generate_encoder_decoder(
     inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
     target: PreTrainedModel,
+    *,
     tokenizer=None,
     gamma: int = 5,
     logits_processor: LogitsProcessor = GreedyProcessor(),
     max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = None,
+    end_tokens_id: int | list[int] | None = MODEL_EOS,
     pad_token_id: int | None = None,
     use_cache: bool = True,
-    *,
     adaptive_gamma: bool = False,
     generator: torch.Generator | list[torch.Generator] | None = None,
     stats: SpeculativeStats | None = None,
@@ -180,6 +191,9 @@ def speculative_generate_encoder_decoder(
     drafter_invariant: bool | None = None,
     ngram: NgramPool | list[NgramPool] | None = None,
     cascade: bool | None = None,
+    stop_strings: str | list[str] | None = None,
+    stopping_criteria: Criterion | list[Criterion] | None = None,
+    num_return_sequences: int = 1,
     branching: int | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
@@ -192,4 +206,5 @@ def speculative_generate_encoder_decoder(
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
         cascade=cascade, pad_token_id=pad_token_id, branching=branching,
+        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer),
     )

@@ -60,6 +60,10 @@ def tiny_model(name: str, seed: int = 0, vocab: int = VOCAB, dtype: torch.dtype 
     config.initializer_range = 0.3  # large weights: peaked, varied distributions, no near-ties
     model = _CLASSES[name](config).to(dtype).eval()
     model.generation_config.pad_token_id = 0
+    # No end token in the generation config: `end_tokens_id` left out means the model's eos, and the
+    # suite's properties are about max_gen_len tokens of random text, where token 2 would cut them short.
+    # The config keeps eos 2 (padding evidence); tests/test_habits.py decodes with it set.
+    model.generation_config.eos_token_id = None
     return model
 
 

@@ -97,7 +97,7 @@ def test_seeded_sampling_is_the_librarys_plain_sampling_and_the_streamer_sees_ev
 
     streamer = Collect()
     out = custom(model, ids, max_new_tokens=20, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
-                 generator=torch.Generator().manual_seed(3), streamer=streamer)
+                 generator=torch.Generator().manual_seed(3), streamer=streamer, eos_token_id=2)
     plain = autoregressive_generate(ids[0].tolist(), model, max_gen_len=20,
                                     logits_processor=TopKNucleusProcessor(temperature=0.8, top_k=50, top_p=0.9),
                                     end_tokens_id=2, generator=torch.Generator().manual_seed(3))

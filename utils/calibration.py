@@ -52,8 +52,10 @@ from utils import cost_model, cpu_passes
 from utils.caching import context_length, input_device, is_encoder_decoder, synchronize, vocab_size
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
-from utils.loading import cache_dir
+from utils.paths import cache_dir
 from utils.runners import SequenceRunner
+from utils.runners.compiled import compiled_passes
+from utils.runners.static import StaticSequence
 
 __all__ = ["CoreWatch", "MachineBusy", "calibrate", "calibration_key", "is_measured", "machine", "pass_costs", "time_passes"]
 
@@ -146,9 +148,7 @@ def time_passes(
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, min(vocab_size(model), 10_000), (context + max(DRAFT_SIZES) + 1,), generator=generator)
     tokens = tokens.tolist()
-    encoder_ids = tokens[:context] if is_encoder_decoder(model) else None
-    runner = SequenceRunner(model, encoder_input_ids=encoder_ids)
-    runner.forward(tokens[:context])
+    runner = _runner(model, tokens[:context])
     device = runner.device
     times: dict[tuple[int, Shortcuts], list[float]] = {}
     plan = [(k, choice) for k in (0, *DRAFT_SIZES) for choice in choices]
@@ -176,7 +176,7 @@ def time_passes(
                 runner.forward(tokens[context : context + k + 1], num_logits=k + 1, shortcuts=choice)
                 synchronize(device)
                 times.setdefault((k, choice), []).append(time.perf_counter() - start)
-                runner.rollback(context)
+                runner.rollback(context)  # a static buffer: a length moves; a growing cache: cropped
                 # Give up at once on a busy machine: every later pass would be as wrong and slower.
                 if watch is not None and watch.elapsed() >= next_check:
                     next_check = watch.elapsed() + _CHECK_EVERY
@@ -185,6 +185,18 @@ def time_passes(
     finally:
         progress.close()
     return {key: values[1:] for key, values in times.items() if len(values) > 1}
+
+
+def _runner(model: PreTrainedModel, context: list[int]):
+    """The runner generation gives `model` (a compiled model's static one, `compile_model`), its
+    cache holding `context`; its `forward(tokens, num_logits=, shortcuts=)` and `rollback(length)`."""
+    passes = compiled_passes(model)
+    if passes is not None:
+        runner = StaticSequence(model, slots=passes.slots, compiled=passes)
+    else:
+        runner = SequenceRunner(model, encoder_input_ids=context if is_encoder_decoder(model) else None)
+    runner.forward(context)
+    return runner
 
 
 BUDGET_SECONDS = 40.0  # of a first calibration, past the warm-up round: repeats beyond it are dropped
@@ -204,7 +216,9 @@ def prune(plan: list[tuple[int, Shortcuts]], warm: dict[tuple[int, Shortcuts], l
 def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch | None = None) -> tuple[PassCosts, float]:
     """Measure `model`'s pass costs here -> (costs, spread of the one-token pass's repeats).
     With a `watch`, raises `MachineBusy` as soon as it says the cores were not ours."""
-    choices = cpu_passes.available_shortcuts(model)
+    passes = compiled_passes(model)
+    # A compiled graph is its own kernel choice: no shortcut is patched into it.
+    choices = [Shortcuts()] if passes is not None else cpu_passes.available_shortcuts(model)
     times = time_passes(model, choices, repeats, watch)
     relative, shortcuts = {}, {}
     for k in (0, *DRAFT_SIZES):
@@ -220,7 +234,8 @@ def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch |
     # A longer pass never costs less than a shorter one in this model: smooth out timing noise.
     for k0, k1 in zip(sorted(relative), sorted(relative)[1:], strict=False):
         relative[k1] = max(relative[k1], relative[k0])
-    return PassCosts(relative, base, shortcuts, measured=True, spread=table_spread), spread
+    widths = passes.widths if passes is not None else ()
+    return PassCosts(relative, base, shortcuts, measured=True, spread=table_spread, widths=widths), spread
 
 
 def _cpu_name() -> str:
@@ -272,6 +287,7 @@ def calibration_key(model: PreTrainedModel) -> dict:
         "transformers": transformers.__version__,
         "attention": getattr(model.config, "_attn_implementation", None),
         "kernels": kernels,
+        "compiled": None if (passes := compiled_passes(model)) is None else [list(passes.widths), passes.slots],
     }
 
 

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from utils import compile_policy
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir
 
@@ -121,6 +122,7 @@ def load_model(
     load_in_8bit: bool = False,
     load_in_4bit: bool = False,
     trust_remote_code: bool = False,
+    compile: bool | str = "auto",
 ):
     """Load a causal or sequence-to-sequence LM and its tokenizer -> (model, tokenizer), in eval mode.
 
@@ -132,9 +134,15 @@ def load_model(
     `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory`
     (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in `offload_folder` (default: a
     folder under the cache). 8/4-bit loading needs bitsandbytes (`pip install bitsandbytes`).
+    `compile`: "auto" compiles a decoder-only model's passes over a static KV buffer
+    (`utils.runners.compiled`) where that is measured to pay here (`utils.compile_policy`: models of
+    300M parameters and more; minutes once per model and machine, with a progress bar; cached);
+    True compiles, False never. A model placed by `device_map` or quantized stays eager.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     if dtype is None:
         offline = offline_model(None if name_or_path is None else str(name_or_path))
         real = offline is not None and offline.name != "smollm2-135m-instruct"
@@ -168,7 +176,10 @@ def load_model(
     if load_in_4bit:
         check_4bit_runs_here(model)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    return model.eval(), tokenizer
+    model.eval()
+    if device_map is None and "quantization_config" not in kwargs:
+        compile_policy.apply(model, compile)
+    return model, tokenizer
 
 
 def check_4bit_runs_here(model) -> None:

@@ -3,6 +3,7 @@ the argument, the value and what was expected (STYLE.md, principle 7)."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,22 @@ TRANSFORMERS_NAMES = {
     "repetition_penalty": "logits_processor (e.g. TransformersProcessor([RepetitionPenaltyLogitsProcessor(1.2)], "
                           "do_sample=False))",
     "num_beams": "beam_search_generate(inputs, model, num_beams=...)",
+    "length_penalty": "alpha of beam_search_generate (the GNMT length penalty's exponent; here alpha >= 0)",
+    "early_stopping": "nothing: beam_search_generate stops when no live beam can beat the best finished one",
+    "no_repeat_ngram_size": "logits_processor (e.g. TransformersProcessor([NoRepeatNGramLogitsProcessor(3)], "
+                            "do_sample=False))",
+    "bad_words_ids": "logits_processor (TransformersProcessor([NoBadWordsLogitsProcessor(...)], do_sample=...))",
+    "min_length": "logits_processor (TransformersProcessor([MinLengthLogitsProcessor(...)], do_sample=...))",
+    "generation_config": "logits_processor=TransformersProcessor.from_generation_config(config), with "
+                         "max_gen_len and end_tokens_id from it",
+    "output_scores": "stats=SpeculativeStats(): its logprobs hold each returned token's log-probability "
+                     "(every function but beam_search_generate, which returns ids only)",
+    "output_logits": "stats=SpeculativeStats(): its logprobs hold each returned token's log-probability "
+                     "(every function but beam_search_generate, which returns ids only)",
+    "return_dict_in_generate": "stats=SpeculativeStats() (the ids come back as lists, the numbers in stats; "
+                               "every function but beam_search_generate)",
+    "num_beam_groups": "nothing: diverse beam search is not offered",
+    "diversity_penalty": "nothing: diverse beam search is not offered",
     "assistant_model": "drafter (speculative_generate(inputs, drafter, target))",
     "assistant_tokenizer": "drafter_tokenizer (with tokenizer=, the target's)",
     "num_assistant_tokens": "gamma",
@@ -260,8 +277,33 @@ def check_rows_argument(value: object, name: str, rows: int, kind: type | tuple[
     return [value] * rows
 
 
+class _Default(enum.Enum):
+    """Defaults that stand for something the model says."""
+
+    MODEL_EOS = "the model's generation_config.eos_token_id"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them, when a list), as
+# transformers' `generate` does; an explicit None means that only max_gen_len stops.
+MODEL_EOS = _Default.MODEL_EOS
+
+
+def model_end_tokens(model: PreTrainedModel) -> frozenset[int]:
+    """The end tokens of the model's generation config (its `eos_token_id`, an int or a list), those in its vocabulary."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    vocab = vocab_size(model)
+    return frozenset(t for t in ids if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)
+
+
 def check_end_tokens(value: object, model: PreTrainedModel) -> frozenset[int]:
-    """`end_tokens_id`: None, an int, or a list of ints -> the set of end tokens."""
+    """`end_tokens_id`: None, an int, or a list of ints -> the set of end tokens; `MODEL_EOS` (left
+    out): the model's own (`model_end_tokens`)."""
+    if value is MODEL_EOS:
+        return model_end_tokens(model)
     if value is None:
         return frozenset()
     if isinstance(value, int) and not isinstance(value, bool):

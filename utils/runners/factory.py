@@ -5,11 +5,16 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
+from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import shares_passes
 from utils.runners.per_row import PerRowRunner
 from utils.runners.protocol import Runner
 from utils.runners.sequence import SequenceRunner
 from utils.runners.shared_batch import SharedBatchRunner
+from utils.runners.static import StaticRunner
+
+DRAFT_ROOM = 128  # slots past a row's budget: the widest draft block (a tree's nodes) and a padded pass
+SLOTS_STEP = 256  # an uncompiled static buffer's size is a multiple of this
 
 
 def make_runner(
@@ -19,13 +24,24 @@ def make_runner(
     use_cache: bool = True,
     encoder_input_ids: list[list[int]] | None = None,
     costs: PassCosts | None = None,
+    max_tokens: int | None = None,
 ) -> Runner:
-    """A runner over `rows` sequences of `model`: one row -> a `SequenceRunner`; a batch of a model
-    that takes a custom 4D mask with a cache -> a `SharedBatchRunner` (one pass for every row);
-    any other batch -> a `PerRowRunner` (one pass per row). `encoder_input_ids`: an
-    encoder-decoder's encoder ids, one list per row (None for a decoder-only model); `costs`: the
-    model's `PassCosts` (`utils.calibration.pass_costs`), or None (no CPU shortcuts, no timing)."""
+    """A runner over `rows` sequences of `model`. A model registered by `compile_model` (decoder-only,
+    with a cache) -> a `StaticRunner` over a fixed KV buffer, its compiled widths used where the buffer
+    is the compiled one (`max_tokens`, the most tokens a row may hold before its drafts, fits it);
+    else one row -> a `SequenceRunner`; a batch of a model that takes a custom 4D mask with a cache ->
+    a `SharedBatchRunner` (one pass for every row); any other batch -> a `PerRowRunner` (one pass
+    per row). `encoder_input_ids`: an encoder-decoder's encoder ids, one list per row (None for a
+    decoder-only model); `costs`: the model's `PassCosts` (`utils.calibration.pass_costs`), or None
+    (no CPU shortcuts, no timing)."""
     assert rows >= 1 and (encoder_input_ids is None or len(encoder_input_ids) == rows)
+    compiled = compiled_passes(model)
+    if compiled is not None and max_tokens is not None and shares_passes(model, use_cache):
+        needed = max_tokens + DRAFT_ROOM
+        if needed <= compiled.slots:
+            return StaticRunner(model, rows=rows, slots=compiled.slots, costs=costs, compiled=compiled)
+        slots = -(-needed // SLOTS_STEP) * SLOTS_STEP  # a longer request: the same buffer, eager passes
+        return StaticRunner(model, rows=rows, slots=slots, costs=costs)
     if rows == 1:
         ids = None if encoder_input_ids is None else encoder_input_ids[0]
         return SequenceRunner(model, use_cache=use_cache, encoder_input_ids=ids, costs=costs)

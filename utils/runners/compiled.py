@@ -1,0 +1,171 @@
+"""Compiled passes over a static KV buffer: a model compiled once at a few fixed widths.
+
+A pass over n new tokens runs at the smallest compiled width >= n, padded (`static.py`), so each
+model compiles a handful of graphs, once, and every speculative method (a chain of gamma drafts,
+a tree, a one-token step) reuses them. The shapes are fixed: one row, `slots` positions of KV
+buffer, `width` new tokens. Passes that fit no graph (the prompt pass, a batch, a buffer grown
+past `slots`) run eager over the same buffer: exact either way.
+
+`compile_model(model)` compiles (a progress bar per width on stderr) and registers the model, so
+that `make_runner` gives it a `StaticRunner`; `compiled_passes(model)` answers what was
+registered. Inductor's caches (its FX graphs, autotuning) live under `SPECDEC_CACHE`
+(`utils.paths.cache_dir() / "inductor"`), so that a later start of the same model on the same
+machine finds its kernels there. A compile that fails (no C++ compiler, a model dynamo cannot
+trace) leaves the model eager, with one warning that says why.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from utils.paths import cache_dir
+from utils.runners.model_info import context_length, shares_passes
+
+__all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "forget", "inductor_cache_dir",
+           "register"]
+
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per pass: a step, short chains, prompt lookup's copies
+DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
+
+_ATTRIBUTE = "_specdec_compiled_passes"  # where a model keeps its passes: they live and die with it
+
+
+def _graph(model: PreTrainedModel) -> Callable:
+    """What a compiled graph computes: the logits of every new token, (rows, width, vocab). The
+    model is the closure's, not an argument, so that its weights are the graph's constants
+    (inductor's freezing packs them for its GEMM kernels) and each model compiles its own graphs."""
+
+    def logits(ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        return model(input_ids=ids, **kwargs).logits
+
+    return logits
+
+
+@dataclass
+class CompiledPasses:
+    """A model's compiled passes: one graph per width, for one row over `slots` KV positions."""
+
+    widths: tuple[int, ...]  # sorted; () = the static buffer without compiling (exact, eager)
+    slots: int
+    options: dict = field(default_factory=dict)  # inductor's options the graphs were compiled with
+    compile_seconds: dict[int, float] = field(default_factory=dict)  # width -> first call (the compile)
+    _graphs: dict[int, Callable] = field(default_factory=dict, repr=False)
+
+    def width_for(self, rows: int, longest: int) -> int | None:
+        """The compiled width a pass of `rows` rows whose longest block has `longest` tokens runs
+        at, None when no graph holds it (it runs eager at its own width)."""
+        if rows != 1:
+            return None
+        return next((width for width in self.widths if width >= longest), None)
+
+    def forward(self, rows: int, width: int) -> Callable | None:
+        """The compiled graph for (rows, width), None where that pass runs eager."""
+        return self._graphs.get(width) if rows == 1 else None
+
+
+def compiled_passes(model: PreTrainedModel) -> CompiledPasses | None:
+    """What `compile_model` registered for `model` (None: its runners are the eager ones)."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def register(model: PreTrainedModel, passes: CompiledPasses) -> None:
+    """Run `model` through `passes` (again, after `forget`: a benchmark compares both ways)."""
+    model.__dict__[_ATTRIBUTE] = passes
+
+
+def forget(model: PreTrainedModel) -> None:
+    """Unregister `model`: its runners are the eager ones again (its graphs are dropped with it)."""
+    model.__dict__.pop(_ATTRIBUTE, None)
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its compiled kernels: under the project's cache folder."""
+    return str(cache_dir() / "inductor")
+
+
+def _use_project_cache() -> None:
+    """Point inductor's caches at the project's folder, unless the user chose another one (inductor
+    writes its default into the environment the first time it looks)."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        default = default_cache_dir()
+    except ImportError:  # another torch release: only an unset variable is ours to set
+        default = None
+    if current is None or os.path.abspath(current) == os.path.abspath(default or current + "/"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+
+
+def _options(model: PreTrainedModel, autotune: bool) -> dict:
+    """Inductor's settings: weights frozen into the graph (constant folding, packed weights for
+    the CPU's GEMM kernels) on CPU; with `autotune`, every GEMM timed against inductor's own C++
+    micro-kernels (AVX-512, AMX), the fastest kept (minutes more per width)."""
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    options = {"freezing": True} if on_cpu else {}
+    if autotune:
+        options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN" if on_cpu else "TRITON,ATEN"}
+    return options
+
+
+def compile_model(
+    model: PreTrainedModel,
+    *,
+    widths: tuple[int, ...] = DEFAULT_WIDTHS,
+    slots: int | None = None,
+    autotune: bool = False,
+    progress: bool = True,
+) -> CompiledPasses | None:
+    """Compile `model`'s passes at `widths` new tokens over a static buffer of `slots` positions
+    (default: `DEFAULT_SLOTS`, at most the model's context) and register them, so that every
+    decoding function runs it through a `StaticRunner`. `widths=()` registers the static buffer
+    without compiling anything. Returns the registered passes, or None (the model stays eager,
+    with one warning) where the model cannot run over a static buffer or the compile fails."""
+    if not isinstance(widths, tuple) or not all(isinstance(w, int) and w >= 1 for w in widths):
+        raise ValueError(f"widths must be a tuple of ints >= 1, got {widths!r}")
+    if not shares_passes(model, use_cache=True):
+        warnings.warn(f"{type(model).__name__} stays eager: a static buffer needs a decoder-only model with one kind "
+                      "of attention layer, eager or SDPA attention", stacklevel=2)
+        return None
+    limit = context_length(model)
+    slots = slots or (DEFAULT_SLOTS if limit is None else min(DEFAULT_SLOTS, limit))
+    passes = CompiledPasses(tuple(sorted(set(widths))), slots, _options(model, autotune))
+    register(model, passes)  # before compiling: the graphs are traced with the model as it will run
+    try:
+        _compile_widths(model, passes, progress)
+    except Exception as error:  # noqa: BLE001 - any compiler failure: eager is the fallback, never a failure
+        forget(model)
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        warnings.warn(f"{type(model).__name__} stays eager: compiling failed ({type(error).__name__}: {first_line})",
+                      stacklevel=2)
+        return None
+    return passes
+
+
+def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bool) -> None:
+    """Compile one graph per width by running it once over a scratch buffer (the compile happens
+    at the first call), each with a bar line saying which width it compiles."""
+    from utils.runners.static import StaticRunner  # static.py uses this module's passes at run time
+
+    if not passes.widths:
+        return
+    _use_project_cache()
+    bar = tqdm(passes.widths, desc="compiling", unit="width", disable=not progress, leave=False)
+    for width in bar:
+        bar.set_postfix_str(f"{width} new token{'s' * (width > 1)}")
+        passes._graphs[width] = torch.compile(_graph(model), dynamic=False)
+        runner = StaticRunner(model, rows=1, slots=passes.slots, compiled=passes)
+        runner.forward_rows([([0], None)], [1])  # the eager prompt pass allocates the buffer
+        start = time.perf_counter()
+        # The settings as inductor's config while it compiles (torch.compile's `options=` does not
+        # reach freezing): the first call compiles this width.
+        with torch._inductor.config.patch(passes.options):
+            runner.forward_rows([([0] * width, None)], [1])
+        passes.compile_seconds[width] = time.perf_counter() - start

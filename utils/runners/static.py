@@ -1,0 +1,192 @@
+"""The static runner: rows of a decoder-only model over one fixed-size KV buffer (`static_kv.py`),
+gpt-fast's way, so that a pass has the same shapes every time and can run compiled.
+
+Row b's tokens occupy its slots 0 .. len(rows[b]) - 1, at positions equal to their slots. A pass
+feeds every row its block (a chain or a tree), right-padded to one width: the smallest compiled
+width that holds the longest block (`compiled.py`), or the block's own width when nothing is
+compiled for it (the prompt pass, a batch). Row b's new token j is written at slot len(rows[b]) + j;
+its query sees the row's slots below len(rows[b]) and its own ancestors in the block (itself
+included), within the model's sliding window: one float 4D mask (rows, 1, width, slots) and
+per-row position ids. Padding queries see only themselves and their logits are dropped.
+
+Rollback is `del rows[b][length:]`: slots past a row's length are never seen, and the next pass
+overwrites them. A tree's accepted path is copied into the slots after its root (`keep_path_row`).
+
+Invariant: row b holds len(rows[b]) <= slots tokens; every pass fits (`fits`).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from utils.cost_model import PassCosts
+from utils.cpu_passes import Shortcuts
+from utils.runners.model_info import context_length, sliding_window
+from utils.runners.passes import ModelPasses, as_float
+from utils.runners.protocol import Blocks
+from utils.runners.static_kv import StaticKV
+
+
+def block_layout(blocks: Blocks, lengths: list[int], width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded blocks -> (ids, depths, ancestry): (rows, width) token ids (0 for padding),
+    (rows, width) depth of each new token in its block (its position is the row's length plus
+    it), and (rows, width, width) whether query i sees new token j (its ancestors and itself)."""
+    rows = len(blocks)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    depths = torch.arange(width).repeat(rows, 1)
+    ancestry = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)
+    for b, (tokens, parents) in enumerate(blocks):
+        n = len(tokens)
+        if n == 0:
+            continue
+        ids[b, :n] = torch.tensor(tokens)
+        if parents is None:  # a chain: each token sees every one before it
+            ancestry[b, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            continue
+        for j, parent in enumerate(parents):
+            if parent >= 0:
+                ancestry[b, j] |= ancestry[b, parent]
+                depths[b, j] = depths[b, parent] + 1
+            else:
+                depths[b, j] = 0
+    return ids, depths, ancestry
+
+
+def static_mask(lengths: Tensor, depths: Tensor, ancestry: Tensor, slots: int, window: int | None,
+                dtype: torch.dtype) -> Tensor:
+    """The float mask (rows, 1, width, slots) of a pass writing each row's block at its length."""
+    rows, width = depths.shape
+    slot = torch.arange(slots)
+    offset = slot[None, :] - lengths[:, None]  # (rows, slots): slot's index in the block, < 0 before it
+    in_block = (offset >= 0) & (offset < width)
+    block_index = offset.clamp(0, width - 1)
+    sees_block = ancestry.gather(2, block_index[:, None, :].expand(rows, width, slots)) & in_block[:, None, :]
+    visible = (offset < 0)[:, None, :] | sees_block
+    if window is not None:  # key position > query position - window, as the model's own mask
+        key_positions = torch.where(in_block, lengths[:, None] + depths.gather(1, block_index), slot[None, :])
+        query_positions = lengths[:, None] + depths
+        visible &= key_positions[:, None, :] > query_positions[:, :, None] - window
+    mask = torch.zeros(rows, 1, width, slots, dtype=dtype)
+    return mask.masked_fill(~visible[:, None], torch.finfo(dtype).min)
+
+
+class StaticRunner(ModelPasses):
+    """`rows` sequences of a decoder-only model (`model_info.shares_passes`) over a KV buffer of
+    `slots` positions per row; passes at the widths `compiled` holds run compiled."""
+
+    def __init__(self, model: PreTrainedModel, *, rows: int, slots: int, costs: PassCosts | None = None,
+                 compiled=None) -> None:
+        super().__init__(model, costs=costs)
+        assert not self.encoder_decoder, "a static runner is decoder-only"
+        self.rows: list[list[int]] = [[] for _ in range(rows)]  # each row's tokens, in its slots
+        self.slots = slots
+        self._cache = StaticKV(rows=rows, slots=slots)
+        self._compiled = compiled  # utils.runners.compiled.CompiledPasses, or None: every pass eager
+        self._window = sliding_window(model)
+        self._max_position = (context_length(model) or slots) - 1
+        self._dtype = model.get_input_embeddings().weight.dtype
+        self._next_forward = None  # the compiled pass `_call` runs next, None: the model's own
+
+    @property
+    def supports_trees(self) -> bool:
+        return True  # the mask is built per node
+
+    def row_length(self, row: int) -> int:
+        return len(self.rows[row])
+
+    def _width(self, longest: int) -> int:
+        """The width of a pass whose longest block has `longest` tokens: a compiled width when one
+        holds it and fits every row's buffer, else the block's own."""
+        if self._compiled is not None and any(self.rows):  # the prompt pass always runs eager
+            width = self._compiled.width_for(len(self.rows), longest)
+            if width is not None and max(map(len, self.rows)) + width <= self.slots:
+                return width
+        return longest
+
+    @torch.no_grad()
+    def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
+        """One pass feeding every row its block, right-padded (`Runner.forward_rows`)."""
+        longest = max(len(tokens) for tokens, _ in blocks)
+        if longest == 0:
+            return [self._no_logits() for _ in blocks]
+        lengths = [len(row) for row in self.rows]
+        width = self._width(longest)
+        assert max(lengths) + width <= self.slots, "the static buffer is full (its size is the caller's)"
+        ids, depths, ancestry = block_layout(blocks, lengths, width)
+        length = torch.tensor(lengths)
+        positions = (length[:, None] + depths).clamp(max=self._max_position)
+        self._cache.set_write_index((length[:, None] + torch.arange(width)).to(self.device))
+        mask = static_mask(length, depths, ancestry, self.slots, self._window, self._dtype)
+        kwargs = {self._cache_kwarg: self._cache, "use_cache": True, "attention_mask": mask.to(self.device),
+                  "position_ids": positions.to(self.device)}
+        first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if tokens)
+        compiled = self._compiled_forward(width)
+        if compiled is None and self._logits_to_keep:
+            kwargs["logits_to_keep"] = width - first  # an eager pass (the prompt's): only the logits asked for
+        else:
+            first = 0
+        logits = as_float(self._pass(ids.to(self.device), kwargs, compiled))
+        for row, (tokens, _) in zip(self.rows, blocks, strict=True):
+            row += tokens
+        return [logits[b, len(tokens) - num - first : len(tokens) - first] if tokens and num else self._no_logits()
+                for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True))]
+
+    def _compiled_forward(self, width: int):
+        """The compiled pass for this batch at `width`, None where it runs eager (the prompt pass)."""
+        if self._compiled is None or not any(self.rows):
+            return None
+        return self._compiled.forward(len(self.rows), width)
+
+    def _pass(self, ids: Tensor, kwargs: dict, compiled) -> Tensor:
+        """The pass's logits (rows, width or fewer, vocab); timed after the prompt pass."""
+        self._next_forward = compiled
+        if not any(self.rows):
+            return self.run(ids, kwargs, timed=False).logits
+        shortcuts = Shortcuts() if compiled is not None else None  # a compiled graph is patched by nothing
+        if len(self.rows) > 1:
+            return self.run_batch(ids, kwargs).logits
+        return self.run(ids, kwargs, timed=True, shortcuts=shortcuts).logits
+
+    def _call(self, ids: Tensor, kwargs: dict):
+        if self._next_forward is None:
+            return self.model(input_ids=ids, **kwargs)
+        return SimpleNamespace(logits=self._next_forward(ids, kwargs))
+
+    def rollback_row(self, row: int, length: int) -> None:
+        assert 0 <= length <= len(self.rows[row])
+        del self.rows[row][length:]  # the forgotten slots are overwritten by the next pass
+
+    def keep_path_row(self, row: int, root_index: int, path: list[int]) -> None:
+        """Copy the path's keys and values into the slots right after the root, then forget the rest."""
+        start = root_index + 1
+        source = [start + node for node in path]
+        if source != list(range(start, start + len(path))):
+            self._cache.move_positions(row, source, start)
+        tokens = self.rows[row]
+        self.rows[row] = tokens[:start] + [tokens[i] for i in source]
+
+    def select_rows(self, keep: list[int]) -> StaticRunner:
+        """Keep the rows `keep` (a gather of the buffer into a smaller batch)."""
+        if keep != list(range(len(self.rows))):
+            self._cache.select_rows(keep)
+            self.rows = [self.rows[row] for row in keep]
+        return self
+
+
+class StaticSequence(StaticRunner):
+    """One row over a static buffer with the one-sequence calls calibration times: `forward(tokens,
+    num_logits=)` and `rollback(length)` (a compiled graph takes no CPU shortcuts: `shortcuts` is
+    for the eager runner's signature)."""
+
+    def __init__(self, model: PreTrainedModel, *, slots: int, compiled=None, costs: PassCosts | None = None) -> None:
+        super().__init__(model, rows=1, slots=slots, costs=costs, compiled=compiled)
+
+    def forward(self, new_tokens: list[int], num_logits: int = 1, *, shortcuts: Shortcuts | None = None) -> Tensor:
+        return self.forward_rows([(new_tokens, None)], [num_logits])[0]
+
+    def rollback(self, length: int) -> None:
+        self.rollback_row(0, length)

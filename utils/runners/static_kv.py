@@ -1,0 +1,81 @@
+"""A fixed-size KV buffer (gpt-fast's `KVCache`): every layer's keys and values in tensors allocated
+once, each pass written at explicit slots, rollback by moving a length.
+
+Shapes: keys and values of layer l, (rows, kv_heads, slots, head_dim). Row b's tokens occupy its
+slots 0 .. length_b - 1, in order (the lengths live in the runner, `utils/runners/static.py`); a
+pass writes its new keys at `write_index` (rows, width), row b's slots length_b, length_b + 1, ...,
+and returns the whole buffer: the runner's 4D mask decides what each query sees, so slots past a
+row's length (rejected drafts, padding, an earlier generation's keys) are never read. That is why
+rollback copies nothing: the next pass overwrites the slots it forgot.
+
+It is a duck-typed transformers cache: a model's attention calls `update(key, value, layer_idx,
+...)` (the argument after `layer_idx` changed name between 4.56 and 5.x; it is not used here) and
+gets back the keys and values to attend to. Nothing else of the `Cache` API is needed: the runner
+gives the model its positions and a 4D mask, so the model never asks the cache for a length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class StaticKV:
+    """Keys and values of `layers` layers for `rows` rows of `slots` positions each."""
+
+    is_compileable = True  # transformers reads it: shapes never change
+    is_sliding = ()
+
+    def __init__(self, *, rows: int, slots: int) -> None:
+        self._shape = (rows, slots)
+        # Allocated by the first pass (the eager prefill), layer by layer, where each layer runs and
+        # in the dtype of its keys: nothing here reads the model's config.
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.write_index = torch.zeros(rows, 1, dtype=torch.long)  # (rows, width): set before each pass
+
+    @property
+    def rows(self) -> int:
+        return self._shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self._shape[1]
+
+    def set_write_index(self, index: Tensor) -> None:
+        """Where the next pass writes: (rows, width) slots, one per new token of each row."""
+        self.write_index = index
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write a pass's new (rows, kv_heads, width, head_dim) keys and values at `write_index`
+        -> the layer's whole buffers, (rows, kv_heads, slots, head_dim)."""
+        if layer_idx == len(self.keys):  # the first pass: this layer's buffers, once
+            shape = (self.rows, key.shape[1], self.slots, key.shape[3])
+            self.keys.append(key.new_zeros(shape))
+            self.values.append(value.new_zeros(shape))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        index = self.write_index.to(keys.device)[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        keys.scatter_(2, index, key.to(keys.dtype))
+        values.scatter_(2, index, value.to(values.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The slots a query may see (a model that builds its own positions would read this; the
+        static runner always gives positions and a mask)."""
+        return self.slots
+
+    def move_positions(self, row: int, source: list[int], start: int) -> None:
+        """Copy row `row`'s keys and values at slots `source` to slots start, start + 1, ... (a
+        tree's accepted path into place)."""
+        index = torch.tensor(source)
+        for keys, values in zip(self.keys, self.values, strict=True):
+            there = index.to(keys.device)
+            keys[row, :, start : start + len(source)] = keys[row].index_select(1, there)
+            values[row, :, start : start + len(source)] = values[row].index_select(1, there)
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep only the rows `keep`, in that order (new tensors: a new batch size)."""
+        index = torch.tensor(keep)
+        self._shape = (len(keep), self.slots)
+        self.keys = [keys.index_select(0, index.to(keys.device)) for keys in self.keys]
+        self.values = [values.index_select(0, index.to(values.device)) for values in self.values]
