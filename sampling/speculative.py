@@ -30,15 +30,24 @@ def check_gamma(gamma: object) -> int:
     return check_int(gamma, "gamma", 1)
 
 
+def check_branching(branching: object) -> int | None:
+    """`branching=`: None (the policy's choice) or an int >= 1 (1: chains)."""
+    return None if branching is None else check_int(branching, "branching", 1)
+
+
 def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len, logits_processor,
                  end_tokens_id, adaptive_gamma, generator, stats, on_step, tokenizer=None, drafter_tokenizer=None,
-                 drafter_invariant=None, ngram=None, cascade=None, pad_token_id=None, habits=Habits()):
+                 drafter_invariant=None, ngram=None, cascade=None, pad_token_id=None, habits=Habits(), branching=1):
     """Check every argument (before any model runs), build the drafter, run the loop."""
     if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
         raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
     if cascade is not None and not isinstance(cascade, bool):
         raise TypeError(f"cascade must be a bool or None, got {cascade!r}")
+    branching = check_branching(branching)
     is_model = isinstance(drafter, torch.nn.Module)
+    if not is_model and branching not in (None, 1):
+        raise ValueError(f"branching={branching} drafts token trees with a drafter model; your own Drafter shapes "
+                         f"its own drafts (DraftTree): pass branching=None")
     if is_model:
         check_model(drafter, "drafter", encoder_decoder)
     else:  # your own drafter: the `Drafter` protocol (docs/drafters.md)
@@ -65,7 +74,8 @@ def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, 
     model_drafter, cost_policy, policy = model_drafting(
         drafter, target, gen, logits_processor=logits_processor, use_cache=use_cache, gamma=gamma,
         adaptive_gamma=adaptive_gamma, drafter_invariant=drafter_invariant, cascade=cascade, universal=universal,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer)
+        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
+        branching=1 if build_pool_rows is not None else branching)  # the hybrid's model drafts chains
     drafter_in_loop = model_drafter
     if build_pool_rows is not None:  # the pool's draft or the model's, per step and row (sampling/hybrid.py)
         drafter_in_loop, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=gamma,
@@ -105,6 +115,7 @@ def speculative_generate(
     stop_strings: str | list[str] | None = None,
     stopping_criteria: Criterion | list[Criterion] | None = None,
     num_return_sequences: int = 1,
+    branching: int | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
     object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
@@ -141,13 +152,20 @@ def speculative_generate(
     (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/stopping.py`);
     `num_return_sequences=n` returns what the batch of n copies of each prompt returns. `stats.logprobs`: each returned token's
     log-softmax of the target's raw logits, from the verification passes.
+    `branching` (token trees from the drafter model, `sampling/model_tree.py`, docs/trees.md): up to this
+    many children per node, the tree verified in one target pass, exact (greedy: the argmax path;
+    sampling: recursive rejection sampling with the drafter's q); `gamma` counts every node. 1: chains.
+    None (the default): with `adaptive_gamma`, a tree (up to 3 children per node) on the steps where
+    the measured costs say it gives more than a chain, else a chain; with a fixed gamma, chains.
+    Chains where a runner cannot verify trees (encoder-decoder models, `use_cache=False`, flash
+    attention), with `ngram=` and with a `drafter_tokenizer`.
     """
     return _speculative(
         inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
-        cascade=cascade, pad_token_id=pad_token_id,
+        cascade=cascade, pad_token_id=pad_token_id, branching=branching,
         habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer),
     )
 
@@ -176,15 +194,17 @@ def speculative_generate_encoder_decoder(
     stop_strings: str | list[str] | None = None,
     stopping_criteria: Criterion | list[Criterion] | None = None,
     num_return_sequences: int = 1,
+    branching: int | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
     form `speculative_generate` takes (each model's encoder runs once); returns the decoder's generated ids without the start token.
-    A `drafter_tokenizer` with another vocabulary is refused (decoder-only models only)."""
+    A `drafter_tokenizer` with another vocabulary is refused (decoder-only models only); `branching` is
+    checked, and the drafts are chains (the encoder-decoder runners verify chains)."""
     return _speculative(
         inputs, drafter, target, encoder_decoder=True, use_cache=use_cache, gamma=gamma,
         max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
         adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
         tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
-        cascade=cascade, pad_token_id=pad_token_id,
+        cascade=cascade, pad_token_id=pad_token_id, branching=branching,
         habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer),
     )

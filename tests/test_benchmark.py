@@ -329,7 +329,7 @@ def test_the_benchmark_tells_a_near_tie_from_a_defect_and_reports_both():
 
 
 BENCHMARK_SCRIPTS = ["spec_bench", "throughput", "evaluate", "coupling_acceptance", "draft_cost", "nasd_tau",
-                     "suffix_compare"]
+                     "suffix_compare", "conversations"]
 
 
 @pytest.mark.parametrize("script", BENCHMARK_SCRIPTS)
@@ -392,3 +392,25 @@ def test_the_goals_follow_the_workload_and_a_best_of_goal_takes_the_best_method(
     assert not any("hf_assisted" in line for line in code)  # a goal whose methods did not run is left out
     assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.2x) NOT met" in summary.goal_lines(result, "greedy",
                                                                                                       verdict)
+
+
+def test_the_conversation_replay_runs_every_method_turn_by_turn_on_even_conversations(tmp_path):
+    """The replay itself (not its timing): each kept user turn of the committed slice, in the chat
+    template, every method once, every output the reference's; only even-index conversations."""
+    from benchmarks import conversations
+
+    chats = conversations.load_conversations(conversations.SLICE, 2, 3)
+    assert len(chats) == 2 and all(index % 2 == 0 and len(turns) == 3 for index, turns in chats)
+    assert conversations.load_conversations(conversations.SLICE, 2, 3, held_out=True) == []  # no odd one is committed
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=1024)
+    result = conversations.main(["--data", str(conversations.SLICE), "--model", str(model), "--conversations", "2",
+                                 "--turns", "3", "--max-new-tokens", "8", "--out", str(tmp_path / "out"), "--quiet"])
+    records = result["records"]
+    assert len(records) == 2 * 3 * len(conversations.METHODS)
+    assert all(r["difference"] is None for r in records)  # every output is plain greedy's
+    prompts = {(r["conversation"], r["turn"]): r["prompt_tokens"] for r in records}
+    assert all(prompts[(c, t)] > prompts[(c, t - 1)] for c, t in prompts if t)  # each turn holds the earlier ones
+    assert all(r["tau"] >= 1.0 for r in records if r["method"] in conversations.SPECULATIVE_OURS)
+    summary = result["summary"]
+    assert set(summary["per_turn"]) == set(conversations.METHODS) and summary["pool_over_fresh"] is not None
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"]["conversations"] == [i for i, _ in chats]

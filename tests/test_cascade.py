@@ -120,8 +120,10 @@ def fixed_costs(monkeypatch):
 def run(rows, drafter, target, cascade, seed=None, **kwargs):
     steps, stats = [], SpeculativeStats()
     generator = None if seed is None else ([seeded(seed + b) for b in range(len(rows))] if len(rows) > 1 else seeded(seed))
+    # Chains (branching=1): the cascade drafts chains; a tree step (the default where the costs say trees
+    # pay, sampling/model_tree.py) does not use the proposer.
     out = speculative_generate(rows if len(rows) > 1 else rows[0], drafter, target, max_gen_len=24, cascade=cascade,
-                               on_step=steps.append, stats=stats, generator=generator, **kwargs)
+                               on_step=steps.append, stats=stats, generator=generator, branching=1, **kwargs)
     return out, steps, stats
 
 

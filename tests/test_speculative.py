@@ -75,16 +75,21 @@ def test_drafter_is_target_accepts_everything(name):
 
 def test_adaptive_gamma_keeps_output_and_counts_statistics(monkeypatch):
     target, drafter = pair("llama")
-    # A drafter that looks nearly free until its drafting steps are timed: the policy drafts.
-    monkeypatch.setitem(calibration._COSTS, drafter, PassCosts(relative={0: 1.0, 31: 2.0}, one_token_seconds=1e-9))
     reference = autoregressive_generate(prompt(3), target, max_gen_len=40)
-    stats = SpeculativeStats()
-    out, alpha = speculative_generate(prompt(3), drafter, target, gamma=2, max_gen_len=40, adaptive_gamma=True,
-                                      stats=stats)
-    assert out == reference
-    assert stats.alpha == alpha
-    assert stats.drafter_forwards > 0 and stats.target_forwards == stats.steps + 1  # + the prefill
-    assert sum(stats.proposed_by_position) == stats.drafts_proposed
+    for branching in (1, None):  # chains; the default: trees on the steps where the costs say they pay
+        # A drafter that looks nearly free until its drafting steps are timed: the policy drafts (each run
+        # from its own untimed costs: the first run's timings would price the second's drafts).
+        monkeypatch.setitem(calibration._COSTS, drafter, PassCosts(relative={0: 1.0, 31: 2.0}, one_token_seconds=1e-9))
+        stats = SpeculativeStats()
+        out, alpha = speculative_generate(prompt(3), drafter, target, gamma=2, max_gen_len=40, adaptive_gamma=True,
+                                          stats=stats, branching=branching)
+        assert out == reference
+        assert stats.alpha == alpha
+        assert stats.drafter_forwards > 0 and stats.target_forwards == stats.steps + 1  # + the prefill
+        if branching == 1:  # a chain's nodes are its positions; a tree's positions are its depths
+            assert sum(stats.proposed_by_position) == stats.drafts_proposed
+        else:
+            assert sum(stats.proposed_by_position) <= stats.drafts_proposed
 
 
 def test_streaming_callback_sees_every_token_in_order():

@@ -1,0 +1,90 @@
+"""Sampling verification of a token tree whose children were sampled from the drafter's q without
+replacement: recursive rejection sampling (Jeon et al. 2024, "Recursive Speculative Decoding";
+Yang et al. 2024, "Multi-candidate speculative decoding").
+
+At a reached node with target distribution p and children c_1, c_2, ... drawn one after the other
+from q without replacement (c_i from q_i = q without c_1..c_{i-1}, renormalised), try them in that
+order: accept c_i with probability min(1, p_i(c_i) / q_i(c_i)); on a rejection
+p_{i+1} = normalize(max(p_i - q_i, 0)) and the next child is tried; when every child is rejected
+the token is drawn from the last residual (a leaf: from p). Each try is Leviathan et al.'s step
+with proposal q_i, and c_i given the earlier children is exactly a draw from q_i, so the emitted
+token follows p (by induction from the last child), whatever the number of children.
+
+Why this rule and not SpecInfer's i.i.d. children (accept x_i with min(1, p/q), residual against
+the same q): drawn i.i.d., two children may be the same token, and the second copy is then
+rejected for sure (its residual mass is 0) while it still costs a node of the verification pass
+and must stay in the tree (dropping it changes the residuals). Without replacement every child is
+a new token, the siblings of `DraftTree` are distinct, and Jeon et al. show it accepts more.
+
+Exactness needs one more thing of the tree's shape: whether child c_i is in the tree must not
+depend on c_i's own value (nor on its later siblings'). `sampling/model_tree.py` ranks children
+by scores known before they are drawn (the i-th largest probability of q); see its docstring.
+
+Random numbers: a tree step starting at generated position t draws every number it needs from a
+generator seeded by a number that position owns (`step_generator`): DRAFT's for the children,
+ACCEPT's for the coins and the residual draws. No other step reads those two numbers of t (a
+chain step reads DRAFT and ACCEPT only at the positions it drafts, which start after the last
+emitted token), so steps never share a random number, and a seed reproduces the output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sampling.drafters import DraftTree
+from sampling.randomness import ACCEPT, PositionUniforms, inverse_cdf
+
+SEED_SCALE = 2**53  # a uniform number in [0, 1) -> a generator seed
+
+
+def step_generator(uniforms: PositionUniforms, position: int, stream: int) -> torch.Generator:
+    """The generator of the tree step whose first draft is generated position `position`, for one
+    use (`stream`: DRAFT for the drafter's children, ACCEPT for the verification)."""
+    return torch.Generator().manual_seed(int(uniforms(position, stream) * SEED_SCALE))
+
+
+def recursive_rejection_walk(p: Tensor, q: Tensor, tree: DraftTree, coins: list[float],
+                             residual_numbers: list[float]) -> tuple[list[int], int]:
+    """Recursive rejection sampling down `tree` -> (accepted nodes root to leaf, the next token).
+
+    p: (1 + n, V) the target's processed distributions (row 0 at the root, 1 + i after node i);
+    q: (n, V), row i the drafter's distribution node i was drawn from (its parent's), so siblings
+    share one row; siblings are tried in node order, their draw order. coins: n numbers in [0, 1),
+    one per node; residual_numbers: one per depth, for the emitted token. Pure.
+    """
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree.parents):
+        children.setdefault(parent, []).append(node)
+    path, node = [], -1
+    while True:
+        p_i = p[node + 1]
+        accepted = None
+        kids = children.get(node, [])
+        q_i = q[kids[0]].to(p.device, p.dtype) if kids else None
+        for child in kids:
+            x = tree.tokens[child]
+            q_i = q_i / q_i.sum()  # q without the children tried before, renormalised
+            p_x, q_x = (float(v) for v in torch.stack([p_i[x], q_i[x]]).tolist())
+            if coins[child] * q_x < p_x:  # accepted with probability min(1, p / q), without dividing
+                accepted = child
+                break
+            residual = (p_i - q_i).clamp(min=0)
+            total = residual.sum()
+            # In exact arithmetic a rejection implies p_i != q_i, so the residual has mass; guard rounding.
+            p_i = residual / total if float(total) > 0 else p_i
+            q_i = q_i.clone()
+            q_i[x] = 0.0  # the next child is drawn without this one
+        if accepted is None:
+            return path, int(inverse_cdf(p_i, residual_numbers[len(path)]))
+        path.append(accepted)
+        node = accepted
+
+
+def tree_speculative_accept(p: Tensor, q: Tensor, tree: DraftTree, uniforms: PositionUniforms,
+                            position: int) -> tuple[list[int], int]:
+    """`recursive_rejection_walk` with the step's own numbers (`step_generator`, ACCEPT) ->
+    (accepted nodes, next token). `position`: the generated position of the root's children."""
+    generator = step_generator(uniforms, position, ACCEPT)
+    numbers = torch.rand(len(tree) + tree.depth() + 1, generator=generator, dtype=torch.float64).tolist()
+    return recursive_rejection_walk(p, q, tree, numbers[: len(tree)], numbers[len(tree) :])
