@@ -153,9 +153,9 @@ def test_compiled_passes_return_the_eager_tokens():
     assert runner._width(3) == 4 and runner._width(5) == 5  # padded to a graph; wider: its own width, eager
 
 
-def test_auto_compiles_where_the_stored_verdict_says_it_pays(monkeypatch):
-    """compile="auto": measured once (here a stand-in measurement), stored, then read: a model that
-    did not pay is left eager and is not compiled again at the next start."""
+def test_auto_compiles_only_where_a_stored_verdict_says_it_pays(monkeypatch):
+    """compile=True compiles and stores a measured verdict (here a stand-in measurement); "auto"
+    compiles nothing without one, and follows it after: a compile its passes do not repay stays off."""
     from utils import compile_policy
 
     monkeypatch.delenv(compile_policy.COMPILE_ENV, raising=False)
@@ -163,16 +163,21 @@ def test_auto_compiles_where_the_stored_verdict_says_it_pays(monkeypatch):
     compiled = []
     monkeypatch.setattr(compile_policy, "compile_model",
                         lambda model, progress: compiled.append(model) or compile_model(model, widths=()))
-    for seconds, pays in ((0.5, True), (1.2, False)):  # one config: one key, so each round starts afresh
-        model = tiny_model("llama")
-        compile_policy._verdict_path(model).unlink(missing_ok=True)
-        monkeypatch.setattr(compile_policy, "measure", lambda model, seconds=seconds: {"eager_seconds": 1.0, "compiled_seconds": seconds})
-        assert compile_policy.apply(model, "auto") is pays
-        assert (compiled_passes(model) is not None) is pays
+    model = tiny_model("llama")
+    compile_policy._verdict_path(model).unlink(missing_ok=True)
+    assert compile_policy.apply(model, "auto") is False and not compiled  # no verdict: nothing compiled unasked
+    # 0.5 s saved a pass over PASSES_PER_START passes repays a compile of seconds; 0.99x is no gain.
+    for compiled_seconds, pays in ((0.5, True), (0.99, False)):
+        monkeypatch.setattr(compile_policy, "measure",
+                            lambda model, s=compiled_seconds: {"eager_seconds": 1.0, "compiled_seconds": s})
+        assert compile_policy.apply(tiny_model("llama"), True) is True  # asked: compiled, the verdict stored
         assert compile_policy._stored_verdict(model)["pays"] is pays
         before = len(compiled)
-        assert compile_policy.apply(tiny_model("llama"), "auto") is pays  # the next start reads the verdict
-        assert len(compiled) == before + pays  # compiled again only where it pays
+        again = tiny_model("llama")
+        assert compile_policy.apply(again, "auto") is pays  # the next start follows the verdict
+        assert (compiled_passes(again) is not None) is pays and len(compiled) == before + pays
+    assert compile_policy.pays({"eager_seconds": 1.0, "compiled_seconds": 0.97, "compile_seconds": 0}) is False
+    assert compile_policy.pays({"eager_seconds": 0.34, "compiled_seconds": 0.27, "compile_seconds": 193}) is False  # 140 s saved
     with pytest.raises(ValueError, match="compile must be"):
         compile_policy.apply(model, "yes")
     monkeypatch.setenv(compile_policy.COMPILE_ENV, "0")

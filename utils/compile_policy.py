@@ -1,15 +1,20 @@
 """Whether compiling pays for a model on this machine: `load_model(compile=...)` asks here.
 
-`compile="auto"` (the default of `load_model`) compiles a decoder-only model of at least
-`AUTO_MIN_PARAMETERS` (where a pass streams hundreds of MB of weights and the kernels, not Python,
-set its time) unless a verdict stored for this model and machine says it does not pay. A first
-verdict is measured right after compiling: the one-token pass compiled against eager, interleaved,
-medians (`measure`); compiled must be at least `PAYS_BELOW` of eager's time, else the model stays
-eager. The verdict is stored under `cache_dir()/compiled/` (keyed like the pass costs,
-`utils.calibration.calibration_key`), so that a later start neither measures nor, where it did
-not pay, compiles. A busy machine's verdict is not stored (`utils.calibration.CoreWatch`).
-`SPECDEC_COMPILE=0` turns "auto" off (the test suite sets it); `compile=True` compiles whatever
-the verdict, `compile=False` never.
+A compiled model's graphs take minutes to build at every start: inductor caches its C++ kernels
+(`SPECDEC_CACHE/inductor`) but not a graph with frozen, packed weights (its FX-graph cache refuses
+oneDNN's packed tensors), so a later start compiles again (measured: `docs/results.md`). Compiling
+pays only where the passes it speeds up repay that, so the verdict weighs both:
+
+- `compile=True` compiles, then measures the one-token pass compiled against eager (interleaved,
+  medians, `measure`) and stores the verdict under `cache_dir()/compiled/` (keyed like the pass
+  costs, `utils.calibration.calibration_key`; a busy machine's verdict is not stored). It pays when
+  the compiled pass takes at most `PAYS_BELOW` of eager's and the time it saves over
+  `PASSES_PER_START` passes exceeds what compiling took.
+- `compile="auto"` (the default) compiles a decoder-only model of at least `AUTO_MIN_PARAMETERS`
+  where a stored verdict says it pays, and never starts minutes of compiling unasked: with no
+  verdict the model stays eager (`compile=True`, or `python -m benchmarks.compiled`, measures one).
+  `SPECDEC_COMPILE=0` turns it off (the test suite sets it).
+- `compile=False` never compiles.
 """
 
 from __future__ import annotations
@@ -27,15 +32,16 @@ from transformers import PreTrainedModel
 from utils.calibration import CoreWatch, calibration_key
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
-from utils.runners.compiled import compile_model, compiled_passes, forget
+from utils.runners.compiled import compile_model, compiled_passes
 from utils.runners.model_info import context_length, is_encoder_decoder
 from utils.runners.static import StaticSequence
 
-__all__ = ["AUTO_MIN_PARAMETERS", "COMPILE_ENV", "PAYS_BELOW", "apply", "measure"]
+__all__ = ["AUTO_MIN_PARAMETERS", "COMPILE_ENV", "PASSES_PER_START", "PAYS_BELOW", "apply", "measure", "pays"]
 
 COMPILE_ENV = "SPECDEC_COMPILE"  # "0": compile="auto" compiles nothing
 AUTO_MIN_PARAMETERS = 300_000_000  # a model's size, not a machine's speed: below it Python's overhead dominates
 PAYS_BELOW = 0.95  # compiled one-token pass / eager one-token pass that counts as paying
+PASSES_PER_START = 2000  # passes a start is expected to run (a session's chat, a benchmark): what repays a compile
 CONTEXT = 256  # tokens in the cache while the verdict is measured
 REPEATS = 5
 
@@ -80,7 +86,14 @@ def _wanted(model: PreTrainedModel, compile: bool | str) -> bool:
     if sum(parameter.numel() for parameter in model.parameters()) < AUTO_MIN_PARAMETERS:
         return False
     verdict = _stored_verdict(model)
-    return verdict is None or bool(verdict["pays"])
+    return verdict is not None and bool(verdict["pays"])
+
+
+def pays(verdict: dict) -> bool:
+    """Whether a measured verdict says compiling pays (`PAYS_BELOW`, `PASSES_PER_START`)."""
+    saved = verdict["eager_seconds"] - verdict["compiled_seconds"]
+    return (verdict["compiled_seconds"] <= PAYS_BELOW * verdict["eager_seconds"]
+            and saved * PASSES_PER_START >= verdict["compile_seconds"])
 
 
 def apply(model: PreTrainedModel, compile: bool | str, *, progress: bool = True) -> bool:
@@ -92,15 +105,12 @@ def apply(model: PreTrainedModel, compile: bool | str, *, progress: bool = True)
     start = time.perf_counter()
     if compile_model(model, progress=progress) is None:
         return False  # it said why, in one warning
-    if compile is True or _stored_verdict(model) is not None:
-        return True
-    watch = CoreWatch()
-    verdict = measure(model) | {"compile_seconds": time.perf_counter() - start}
-    verdict["pays"] = verdict["compiled_seconds"] <= PAYS_BELOW * verdict["eager_seconds"]
-    if not watch.busy():
-        path = _verdict_path(model)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(verdict, indent=1))
-    if not verdict["pays"]:
-        forget(model)
-    return verdict["pays"]
+    if compile is True:  # asked: it stays compiled; the verdict is measured for "auto" to follow
+        watch = CoreWatch()
+        verdict = measure(model) | {"compile_seconds": time.perf_counter() - start}
+        verdict["pays"] = pays(verdict)
+        if not watch.busy():
+            path = _verdict_path(model)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(verdict, indent=1))
+    return True
