@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sampling.acceptance import accept
+from sampling.acceptance import accept_rows
 from sampling.common import Generation, OnStep, Step, check_request, start_generation
 from sampling.drafters import DraftTree
+from sampling.progress import Progress
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import Inputs, transformers_names
 
@@ -15,32 +16,26 @@ NO_DRAFTS = DraftTree.chain([])
 
 
 def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep | None) -> list:
-    """The plain loop over every row of `gen`; rows that finish leave the batch."""
-    sequences = [list(prefix) for prefix in gen.prefixes]  # what the processor sees as history (the decoder's ids)
-    generated: list[list[int]] = [[] for _ in sequences]
-    live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's order
-    runner = gen.runner
-    logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(live))  # prefill
+    """The speculative loop (`sampling.loop.speculative_loop`) without a drafter: each step accepts
+    the target's own token (`accept_rows` with nothing drafted: the argmax, or the inverse CDF at
+    the position's uniform) for every row at once. One difference: the prefill scores the first
+    token (a speculative prefill holds each row's last token back for the drafts' pass)."""
+    rows, runner = Progress(gen), gen.runner
+    logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
     while True:
-        feeds, going_on = [], []  # going_on: positions in `live` of the rows not finished
-        for i, row in enumerate(live):
-            # The target's token: a speculative step with nothing drafted (argmax, or the inverse
-            # CDF of the processed distribution at this position's uniform number).
-            _, token, _ = accept(logits[i], NO_DRAFTS, None, sequences[row], logits_processor, gen.uniforms[row])
-            tokens, finished = gen.trim(row, [token], len(generated[row]))
-            generated[row] += tokens
-            sequences[row] += tokens
+        verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), [None] * len(rows.live), rows.active(),
+                               logits_processor, rows.uniforms())
+        going_on = []  # positions in `live` of the rows not finished
+        for i, (_, token, _) in enumerate(verdicts):
+            row = rows.live[i]
+            tokens, finished = rows.extend(i, [token])
+            going_on += [] if finished else [i]
             if on_step is not None:
                 on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens), row=row))
-            if not finished:
-                going_on.append(i)
-                feeds.append(([token], None))
-        if not going_on:
-            return gen.results(generated)
-        if len(going_on) < len(live):
-            runner = runner.select_rows(going_on)  # finished rows stop costing compute (the runner to use next)
-            live = [live[i] for i in going_on]
-        logits = runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
+        runner, _ = rows.keep(going_on, runner)
+        if not rows.live:
+            return gen.results(rows.generated)
+        logits = runner.forward_rows([([verdicts[i][1]], None) for i in going_on], [1] * len(going_on))  # the cache holds the rest
 
 
 @transformers_names
