@@ -8,8 +8,10 @@ from transformers import PreTrainedModel
 from sampling.acceptance import accept_rows
 from sampling.common import Generation, OnStep, Step, check_request, start_generation
 from sampling.drafters import DraftTree
+from sampling.model_kind import encoder_decoder_twin, of_kind
 from sampling.progress import Progress
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.runners.model_info import is_encoder_decoder
 from utils.validation import Inputs, transformers_names
 
 NO_DRAFTS = DraftTree.chain([])
@@ -39,6 +41,7 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
 
 
 @transformers_names
+@of_kind(False, "model")
 def autoregressive_generate(
     inputs: Inputs,
     model: PreTrainedModel,
@@ -65,33 +68,16 @@ def autoregressive_generate(
     `Step` (streaming; `Step.row` says which row).
     """
     request = check_request(
-        inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
+        inputs, model, encoder_decoder=is_encoder_decoder(model), use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
     )
     return _decode(start_generation(request), logits_processor, on_step)
 
 
-@transformers_names
-def autoregressive_generate_encoder_decoder(
-    inputs: Inputs,
-    model: PreTrainedModel,
-    use_cache: bool = True,
-    max_gen_len: int = 40,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    end_tokens_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-    *,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    on_step: OnStep | None = None,
-) -> list[int] | list[list[int]]:
-    """`autoregressive_generate` for encoder-decoder models (T5, BART, ...).
+autoregressive_generate_encoder_decoder = encoder_decoder_twin(autoregressive_generate, "autoregressive_generate_encoder_decoder", """
+    `autoregressive_generate` for encoder-decoder models (T5, BART, ...).
 
     `inputs` are the encoder's ids, in any form `autoregressive_generate` takes (a batch gives a
     list); the encoder runs once. Returns the decoder's generated ids,
     without the decoder start token.
-    """
-    request = check_request(
-        inputs, model, encoder_decoder=True, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
-    )
-    return _decode(start_generation(request), logits_processor, on_step)
+    """, "model")

@@ -181,6 +181,12 @@ class ModelDrafter:
         if self.cascade is not None:
             self.cascade.start(len(sequences))
 
+    def counters(self) -> dict[str, float]:
+        """Its own counters for `SpeculativeStats`: the cascade's proposals fed and taken."""
+        if self.cascade is None:
+            return {}
+        return {"cascade_proposed": self.cascade.proposed, "cascade_accepted": self.cascade.accepted}
+
     def is_warm(self) -> bool:
         """Whether some row's cache holds tokens: the drafter has drafted in this generation."""
         return any(self.runner.row_length(row) for row in range(len(self.uniforms)))

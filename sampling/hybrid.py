@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from sampling.common import Generation, Request
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, best_draft_length
 from sampling.drafters import Drafter, ModelDrafter
+from sampling.model_drafting import build_model_drafting, check_model_drafter
+from sampling.options import Drafting, SpeculativeOptions
 
 # How each kind of pool builds its drafter over a batch's rows: (ngram, request) -> checked now, a
 # builder of the rows for the generation later. The pool's package registers it (ngram_assisted:
@@ -46,6 +50,27 @@ def pool_rows(ngram: object, request: Request) -> Callable[[Generation], Drafter
             return rows_builder(ngram, request)
     raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram (ngram_assisted), or for a batch one per "
                     f"row, got {type(first).__name__}")
+
+
+class HybridKind:
+    """A drafter model beside an n-gram pool (`speculative_generate(..., ngram=pool)`)."""
+
+    def takes(self, options: SpeculativeOptions) -> bool:
+        return isinstance(options.drafter, torch.nn.Module) and options.ngram is not None
+
+    def check(self, request: Request, options: SpeculativeOptions) -> Callable[[Generation], Drafting]:
+        if check_model_drafter(request, options):
+            raise ValueError("ngram= drafts in the target's vocabulary beside a drafter sharing it; with "
+                             "drafter_tokenizer (another vocabulary) pass ngram=None")
+        build_pool_rows = pool_rows(options.ngram, request)
+
+        def build(gen: Generation) -> Drafting:
+            model_drafter, cost_policy, _ = build_model_drafting(request, gen, options, universal=False)
+            drafter, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=options.gamma,
+                                             adaptive_gamma=options.adaptive_gamma)
+            return Drafting(drafter, policy, model_drafter.counters)
+
+        return build
 
 
 def hybrid_drafter(pool_drafter: Drafter, model: ModelDrafter, policy: CostAwareDraftLength, *, gamma: int,

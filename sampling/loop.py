@@ -52,6 +52,7 @@ class SpeculativeStats:
     - `retokenize_seconds`, `lossy_text_rows`: a drafter with another tokenizer: time spent moving
       text between the tokenizers; rows decoded plainly after a text one of them could not
       encode losslessly (`sampling/universal.py`).
+    - `counters`: name -> value, a drafter kind's own counters that have no field here (`add`).
     - `seconds` (with `timed=True`): phase -> seconds, summed over calls: "prefill", "draft" (the
       drafter's work, its model's passes included), "target" (the verification pass), "accept",
       "rollback" (the target's cache), "update" (the drafter told what was accepted: its cache, a
@@ -74,6 +75,7 @@ class SpeculativeStats:
     retokenize_seconds: float = 0.0  # a drafter with another tokenizer: time spent moving text between tokenizers
     timed: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # a drafter kind's own counters without a field here
 
     @property
     def alpha(self) -> float:
@@ -95,6 +97,15 @@ class SpeculativeStats:
     def acceptance_by_position(self) -> list[float]:
         """P(draft i accepted | draft i proposed), for i = 0, 1, ..."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=False)]
+
+    def add(self, counters: dict[str, float]) -> None:
+        """A drafter kind's own counters (`sampling.options.Drafting.counters`): each added to its
+        field, or to `counters` when it has none."""
+        for name, value in counters.items():
+            if name in self.__dataclass_fields__ and name not in ("timed", "seconds", "counters"):
+                setattr(self, name, getattr(self, name) + value)
+            else:
+                self.counters[name] = self.counters.get(name, 0) + value
 
     def record(self, num_drafts: int, num_accepted: int, depth: int | None = None) -> None:
         """One step: `num_drafts` drafted nodes (of a tree `depth` deep; a chain's depth is its

@@ -327,6 +327,11 @@ class UniversalDrafter(ModelDrafter):
             self.seconds_per_draft += weight * seconds / max(lengths)
         return out
 
+    def counters(self) -> dict[str, float]:
+        """The model drafter's counters and its own: time moving text, rows gone plain."""
+        return {**super().counters(), "retokenize_seconds": self.retokenize_seconds,
+                "lossy_text_rows": self.lossy_text_rows}
+
     def update(self, sequences, paths, target_logits, p) -> None:
         pass  # the next `draft` re-encodes the text and keeps the cache's common prefix
 
