@@ -13,7 +13,7 @@ from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import Generation, Request
 from sampling.hybrid import register_pool
-from utils.caching import vocab_size
+from utils.runners.model_info import vocab_size
 from utils.validation import check_int, check_rows_argument
 
 

@@ -8,8 +8,9 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.common import Generation, check_request, start_generation
-from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
+from utils.runners import BeamRunner
+from utils.runners.model_info import is_encoder_decoder
 from utils.validation import Inputs, check_int, transformers_names
 
 

@@ -9,9 +9,10 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.randomness import PositionUniforms
-from utils.caching import Runner, context_length, make_runner
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
+from utils.runners import Runner, make_runner
+from utils.runners.model_info import context_length
 from utils.validation import (
     Inputs,
     check_batch,

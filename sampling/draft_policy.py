@@ -131,11 +131,6 @@ class CostAwareDraftLength:
         plain = self.target_costs(self._num_rows - 1)  # a batch: its pass as timed, relative to a plain one
         return plain * self.target_costs.batch_ratio(self._num_rows, 1 + k) + k * self.drafter_step_cost()
 
-    @property
-    def gamma(self) -> int:
-        """The draft length for one sequence this step: `budget(1)`."""
-        return self.budget(1)
-
     def budget(self, num_rows: int) -> int:
         """This step's draft length for `num_rows` rows verified together (0: a plain step); `cost`
         then prices that step until the next call."""

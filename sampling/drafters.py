@@ -15,9 +15,10 @@ from transformers import PreTrainedModel
 from sampling.cascade import Cascade
 from sampling.draft_confidence import ConfidenceStop
 from sampling.randomness import DRAFT, TARGET, PositionUniforms
-from utils.caching import make_runner, synchronize
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor, inverse_cdf
+from utils.runners import make_runner
+from utils.runners.passes import synchronize
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Drafter(Protocol):
 
     def draft(self, sequences: list[list[int]], max_drafts: int, max_depths: list[int]) -> list[tuple[DraftTree, Tensor | None]]:
         """For each row, up to `max_drafts` (possibly 0) nodes, no path deeper than `max_depths[b]`
-        (the room left before `max_gen_len`) -> (tree, q) per row.
+        (what fits before `max_gen_len`) -> (tree, q) per row.
 
         q: (len(tree), V) the processed distributions a chain's drafts were sampled from, or None
         when the drafts are deterministic (q one-hot) or the processor is greedy. Only deterministic
@@ -103,8 +104,8 @@ class PerRow:
             drafter.start(sequence)
 
     def draft(self, sequences, max_drafts, max_depths):
-        return [drafter.draft(sequence, max_drafts, depth)
-                for drafter, sequence, depth in zip(self.drafters, sequences, max_depths, strict=True)]
+        return [drafter.draft(sequence, max_drafts, max_depth)
+                for drafter, sequence, max_depth in zip(self.drafters, sequences, max_depths, strict=True)]
 
     def update(self, sequences, paths, target_logits, p) -> None:
         for drafter, *row in zip(self.drafters, sequences, paths, target_logits, p, strict=True):
@@ -210,7 +211,7 @@ class ModelDrafter:
 
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
-        lengths = [max(0, min(max_drafts, depth)) for depth in max_depths]  # a chain: every node is one deeper
+        lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
         synchronize(*self.runner.devices)  # the clock starts once the queued work is done

@@ -94,7 +94,6 @@ class HybridDrafter:
         self.model_rate: float | None = None  # (1 + accepted) / cost of the model's steps, averaged
         self._chose_model: list[bool] = []
         self._model_drafts: list[int] = []
-        self.ngram_steps = self.model_steps = 0  # row-steps drafted by each (for stats and reports)
 
     @property
     def forward_passes(self) -> int:
@@ -124,8 +123,8 @@ class HybridDrafter:
             self._chose_model.append(model_length > 0 and model_rate > pool_rate)
         if not any(self._chose_model):
             return pool_drafts
-        depths = [depth if model else 0 for depth, model in zip(max_depths, self._chose_model, strict=True)]
-        model_drafts = self.model.draft(sequences, min(model_length, max_drafts), depths)
+        model_depths = [depth if model else 0 for depth, model in zip(max_depths, self._chose_model, strict=True)]
+        model_drafts = self.model.draft(sequences, min(model_length, max_drafts), model_depths)
         for b, model in enumerate(self._chose_model):
             if model:
                 self.ngram.drafters[b].keep(0)  # the pool's tree is not verified: it learns from the model's step
@@ -142,9 +141,7 @@ class HybridDrafter:
                           target_logits, p)
         for b, model in enumerate(chose):
             if not model:
-                self.ngram_steps += len(target_logits[b]) > 1
                 continue
-            self.model_steps += 1
             k, n = self._model_drafts[b], len(paths[b])
             self.policy.update(k, n)
             if k:

@@ -148,6 +148,25 @@ def roll_back(target: Runner, sequences: list[list[int]], trees: list[DraftTree]
             target.keep_path_row(i, len(sequence) - 1, path)
 
 
+def advance(rows: Progress, trees: list[DraftTree], paths: list[list[int]], tokens: list[int], policy: DraftPolicy,
+            stats: SpeculativeStats, counts: list[list[int]], on_step: OnStep | None) -> list[int]:
+    """After step 4: each row gains its accepted drafts and the target's token (cut at an end token
+    or its budget); the policy, the stats and the row's counts learn its outcome; `on_step` hears
+    of it -> the positions in `rows.live` of the rows not finished."""
+    going_on = []
+    for i, (tree, path, token) in enumerate(zip(trees, paths, tokens, strict=True)):
+        row = rows.live[i]
+        new_tokens, finished = rows.extend(i, [tree.tokens[node] for node in path] + [token])
+        going_on += [] if finished else [i]
+        policy.update(len(tree), len(path))
+        counts[row][0] += len(tree)
+        counts[row][1] += len(path)
+        stats.record(len(tree), len(path), tree.depth())
+        if on_step is not None:
+            on_step(streamed_step(tree, path, new_tokens, row))
+    return going_on
+
+
 def speculative_loop(
     gen: Generation,
     drafter: Drafter,
@@ -174,12 +193,12 @@ def speculative_loop(
     if any(len(sequence) > 1 for sequence in rows.sequences):  # prefill: all but each row's last token
         target.forward_rows([(s[:-1], None) for s in rows.sequences], [int(len(s) > 1) for s in rows.sequences])
     clock.lap("prefill")
-    proposed, accepted = [0] * len(rows.sequences), [0] * len(rows.sequences)
+    counts = [[0, 0] for _ in rows.sequences]  # per row: drafts proposed, drafts accepted
     while rows.live:
         active = rows.active()
         # 1. Draft (a chain, or a tree from an n-gram pool) for every row: the step's budget of
-        #    nodes at most, no path deeper than the row's room before max_gen_len.
-        drafts = drafter.draft(active, policy.budget(len(rows.live)), rows.room())
+        #    nodes at most, no path deeper than the row's `max_depths` (what fits before max_gen_len).
+        drafts = drafter.draft(active, policy.budget(len(rows.live)), rows.max_depths())
         trees = [tree for tree, _ in drafts]
         clock.lap("draft")
         # 2. Verify: one target pass over each row's last accepted token and every drafted node.
@@ -193,16 +212,7 @@ def speculative_loop(
         # 4. Roll back the target: keep the accepted paths, forget the rest.
         roll_back(target, active, trees, paths)
         clock.lap("rollback")
-        going_on = []  # positions in `live` of the rows not finished
-        for i, (tree, (path, token, _)) in enumerate(zip(trees, verdicts, strict=True)):
-            row = rows.live[i]
-            new_tokens, finished = rows.extend(i, [tree.tokens[node] for node in path] + [token])
-            going_on += [] if finished else [i]
-            policy.update(len(tree), len(path))
-            proposed[row], accepted[row] = proposed[row] + len(tree), accepted[row] + len(path)
-            stats.record(len(tree), len(path), tree.depth())
-            if on_step is not None:
-                on_step(streamed_step(tree, path, new_tokens, row))
+        going_on = advance(rows, trees, paths, [token for _, token, _ in verdicts], policy, stats, counts, on_step)
         clock.lap("rest")
         # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
         drafter.update(active, paths, logits, [p for _, _, p in verdicts])
@@ -214,4 +224,4 @@ def speculative_loop(
     stats.generated_tokens += sum(len(tokens) for tokens in rows.generated)
     stats.target_forwards += target.forward_passes - target_passes
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
-    return gen.results([(tokens, a / p if p else 0.0) for tokens, a, p in zip(rows.generated, accepted, proposed, strict=True)])
+    return gen.results([(tokens, a / p if p else 0.0) for tokens, (p, a) in zip(rows.generated, counts, strict=True)])

@@ -25,9 +25,9 @@ class Progress:
     def uniforms(self) -> list[PositionUniforms]:
         return [self.gen.uniforms[row] for row in self.live]
 
-    def room(self) -> list[int]:
+    def max_depths(self) -> list[int]:
         """Per row still decoding, the deepest draft that still fits before `max_gen_len` once the
-        target's own token is counted (the depth cap `Drafter.draft` is given)."""
+        target's own token is counted (`Drafter.draft`'s `max_depths`)."""
         return [self.gen.max_new_tokens[row] - len(self.generated[row]) - 1 for row in self.live]
 
     def extend(self, i: int, tokens: list[int]) -> tuple[list[int], bool]:

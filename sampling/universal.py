@@ -51,9 +51,9 @@ from sampling.cascade import Cascade, common_prefix
 from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree, ModelDrafter
 from sampling.randomness import PositionUniforms
 from sampling.vocabularies import check_tokenizer, intersection, same_vocabulary
-from utils.caching import vocab_size
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
+from utils.runners.model_info import vocab_size
 
 LOOKBEHIND = 8  # target tokens behind the end re-encoded every step: a word's tokens may still merge
 ANCHOR_SEARCH = 16  # anchor candidates tried per step (the anchor moves forward at most this far)
@@ -241,14 +241,14 @@ class UniversalDrafter(ModelDrafter):
         n = len(row.window)
         return whole[n:] if whole[:n] == row.window else b.encode_target(text)
 
-    def _greedy_tree(self, row: _RowText, drafts: list[int], max_drafts: int, room: int) -> DraftTree:
+    def _greedy_tree(self, row: _RowText, drafts: list[int], max_drafts: int, max_depth: int) -> DraftTree:
         """Both readings of greedy drafts, verified in one pass: the tokens of their text (what a
         target with more merges emits) and, where they diverge, the same tokens one for one (what a
         target that splits text as the drafter does emits). `max_drafts` nodes at most; a target
         that verifies chains only gets the text reading."""
-        by_text = self._greedy_targets(row, drafts)[:room]
+        by_text = self._greedy_targets(row, drafts)[:max_depth]
         same = self._to_target[drafts].tolist()
-        one_for_one = same[: same.index(-1) if -1 in same else len(same)][:room]
+        one_for_one = same[: same.index(-1) if -1 in same else len(same)][:max_depth]
         if not self.trees:
             return DraftTree.chain(by_text[:max_drafts])
         common = common_prefix(by_text, one_for_one)

@@ -49,11 +49,12 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from utils import cost_model, cpu_passes
-from utils.caching import context_length, input_device, is_encoder_decoder, synchronize, vocab_size
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
 from utils.loading import cache_dir
 from utils.runners import SequenceRunner
+from utils.runners.model_info import context_length, input_device, is_encoder_decoder, vocab_size
+from utils.runners.passes import synchronize
 
 __all__ = ["CoreWatch", "MachineBusy", "calibrate", "calibration_key", "is_measured", "machine", "pass_costs", "time_passes"]
 
