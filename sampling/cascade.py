@@ -1,9 +1,9 @@
 """Cascade drafting: the drafter model is drafted for (Chen et al. 2024, "Cascade Speculative
 Drafting", the vertical cascade; Spector & Re 2023, "staged speculative decoding").
 
-A model drafter spends one pass per drafted token, and on a CPU computing in bfloat16 a pass over a
-few tokens costs what a one-token pass costs (Qwen2.5-Coder-0.5B: 1.00 up to 4 tokens, 1.16 at 9):
-13 drafts cost 13 passes where a few would do. So a cheap proposer (`PromptLookup`: the longest
+A model drafter spends one pass per drafted token, and where a pass over a few tokens costs about
+what a one-token pass costs (a CPU computing in bfloat16: docs/results.md, "Figures behind the
+code's rules"), 13 drafts cost 13 passes where a few would do. So a cheap proposer (`PromptLookup`: the longest
 suffix of the text found earlier in it, the latest occurrence, and the tokens that followed) offers
 the drafter m tokens; the drafter scores them in one pass of its own, and takes, position by
 position, its OWN draft from its own q_t as it always does (the argmax, or the inverse CDF of q_t at

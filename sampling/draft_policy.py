@@ -94,9 +94,9 @@ class CostAwareDraftLength:
         self.max_gamma = max_gamma
         self.per_token_stop = per_token_stop
         # One probe before the drafter has drafted in this generation: without it a prior that says
-        # "does not pay" is never tested (Qwen2.5-Coder 0.5B for 1.5B on HumanEval: no draft in 276 of
-        # 302 steps where transformers' fixed schedule made 1.53x). The confidence stop makes it cheap:
-        # a doubtful first draft costs one drafter pass and is not verified.
+        # "does not pay" is never tested, and a drafter that would pay is never found out (measured:
+        # docs/results.md, "Figures behind the code's rules"). The confidence stop makes it cheap: a
+        # doubtful first draft costs one drafter pass and is not verified.
         self.cold_probe = per_token_stop
         self.target_costs = target_costs
         self.drafter_costs = drafter_costs

@@ -6,7 +6,7 @@ from sampling import (
     autoregressive_generate_encoder_decoder,
     beam_search_generate,
 )
-from sampling.beam_search import length_penalty
+from sampling.beam_search import gnmt_penalty
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from utils.logits_processors import NucleusProcessor, TopKProcessor
 from utils.runners import SequenceRunner
@@ -126,7 +126,7 @@ def test_beam_search_with_enough_beams_finds_the_best_sequence():
         with torch.no_grad():
             log_probs = model(torch.tensor([inputs + seq])).logits[0].double().log_softmax(-1)
         total = sum(float(log_probs[len(inputs) - 1 + i, t]) for i, t in enumerate(seq))
-        return total / length_penalty(len(seq), min_length, alpha)
+        return total / gnmt_penalty(len(seq), min_length, alpha)
 
     candidates = []
     for n in range(1, max_len + 1):
