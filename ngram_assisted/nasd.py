@@ -47,7 +47,8 @@ class NgramKind:
         return isinstance(options, NasdOptions)
 
     def check(self, request: Request, options: NasdOptions) -> Callable[[Generation], Drafting]:
-        build_rows = ngram_rows(options.ngram, request, top_k_filler=options.top_k_filler,
+        build_rows = ngram_rows(options.ngram, request, greedy=options.logits_processor.is_greedy,
+                                top_k_filler=options.top_k_filler,
                                 stop_if_unknown=options.stop_if_unknown, draft_cost=options.draft_cost,
                                 branching=options.branching)
         return lambda gen: Drafting(build_rows(gen), DraftLength(options.gamma))

@@ -316,3 +316,18 @@ def test_sampling_stays_exact_when_the_policy_stops_and_resumes_drafting():
     assert drafted > SAMPLES // 4  # the second step drafted often, after a plain first step
     joint = exact_two_token_distribution(target, INPUTS, processor)
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("arguments,needle,error", [
+    ({"pool": {}}, "pool", TypeError),
+    ({"vocab_size": 0}, "vocab_size", ValueError),
+    ({"top_k_filler": 11}, "top_k_filler", ValueError),
+    ({"branching": 0}, "branching", ValueError),
+    ({"stop_if_unknown": 1}, "stop_if_unknown", TypeError),
+    ({"greedy": None}, "greedy", TypeError),
+    ({"draft_cost": 2.0}, "draft_cost", TypeError),
+])
+def test_the_ngram_drafter_checks_its_constructor_arguments(arguments, needle, error):
+    given = {"pool": MultiDynaGram(3), "vocab_size": 10, **arguments}
+    with pytest.raises(error, match=needle):
+        NgramDrafter(given.pop("pool"), **given)
