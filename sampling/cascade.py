@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sampling.draft_policy import best_draft_length
+from sampling.estimators import DecayedRate
 
 MAX_MATCH = 8  # longest suffix looked up (longer matches are as good as 8 for choosing)
 
@@ -99,18 +100,15 @@ class ProposalAcceptance:
     BUCKETS = 4
 
     def __init__(self) -> None:
-        self.accepted = [self.PRIOR * self.PRIOR_WEIGHT] * self.BUCKETS
-        self.judged = [self.PRIOR_WEIGHT] * self.BUCKETS
+        self.buckets = [DecayedRate(self.PRIOR, self.PRIOR_WEIGHT) for _ in range(self.BUCKETS)]
 
     def __call__(self, match: int) -> float:
-        b = min(match, self.BUCKETS) - 1
-        return self.accepted[b] / self.judged[b]
+        return self.buckets[min(match, self.BUCKETS) - 1].rate
 
     def update(self, match: int, num_judged: int, num_accepted: int) -> None:
-        b = min(match, self.BUCKETS) - 1
-        forget = self.FORGET ** num_judged
-        self.accepted[b] = self.accepted[b] * forget + num_accepted
-        self.judged[b] = self.judged[b] * forget + num_judged
+        bucket = self.buckets[min(match, self.BUCKETS) - 1]
+        bucket.decay(self.FORGET ** num_judged)
+        bucket.add(num_accepted, num_judged)
 
 
 class Cascade:

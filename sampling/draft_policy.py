@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from sampling.estimators import DecayedRate
 from utils.cost_model import PassCosts
 
 
@@ -102,7 +103,7 @@ class CostAwareDraftLength:
         self.drafter_costs = drafter_costs
         self.draft_seconds = draft_seconds
         self.warm = warm  # whether the drafter has drafted in this generation (its cache holds the prompt)
-        self.accepted, self.judged = self.PRIOR_RATE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
+        self.acceptance = DecayedRate(self.PRIOR_RATE, self.PRIOR_WEIGHT)
         self.plain_steps = 0
         self.probe_after = self.PROBE_AFTER
         # Rows verified together in the step being drafted (`budget`): its pass covers num_rows x (1 + k) tokens.
@@ -111,7 +112,7 @@ class CostAwareDraftLength:
     @property
     def acceptance_rate(self) -> float:
         """The drafter's tokens accepted / judged, learned online (not the `alpha` a generation returns)."""
-        return self.accepted / self.judged
+        return self.acceptance.rate
 
     def drafter_step_cost(self) -> float:
         """One drafted token in units of one target pass (1.0 until something has been timed)."""
@@ -150,8 +151,8 @@ class CostAwareDraftLength:
     def discard(self) -> None:
         """A chain was drafted and the per-token stop kept none of it: its passes were paid for
         nothing, as for a rejected draft (the step itself is counted by `update` as a plain one)."""
-        self.accepted *= self.FORGET
-        self.judged = self.judged * self.FORGET + 1.0
+        self.acceptance.decay(self.FORGET)
+        self.acceptance.add(0.0, 1.0)
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
@@ -160,7 +161,5 @@ class CostAwareDraftLength:
         self.plain_steps = 0
         judged = min(num_accepted + 1, num_drafts)  # drafts after the first rejection were not judged
         for _ in range(judged):
-            self.accepted *= self.FORGET
-            self.judged *= self.FORGET
-        self.accepted += num_accepted
-        self.judged += judged
+            self.acceptance.decay(self.FORGET)
+        self.acceptance.add(num_accepted, judged)

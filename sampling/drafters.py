@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from sampling.cascade import Cascade
 from sampling.draft_confidence import ConfidenceStop
+from sampling.estimators import RunningAverage
 from sampling.randomness import DRAFT, TARGET, PositionUniforms
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor, inverse_cdf
@@ -170,11 +171,16 @@ class ModelDrafter:
         self.cascade = cascade
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
-        self.seconds_per_draft: float | None = None
+        self.draft_time = RunningAverage(DRAFT_TIME_WEIGHT)
 
     @property
     def forward_passes(self) -> int:
         return self.runner.forward_passes
+
+    @property
+    def seconds_per_draft(self) -> float | None:
+        """What a drafted token costs, in seconds (None before any drafting was timed)."""
+        return self.draft_time.value
 
     def start(self, sequences: list[list[int]]) -> None:
         for row in range(len(sequences)):
@@ -243,9 +249,7 @@ class ModelDrafter:
             for b, chain in enumerate(drafts):
                 self.cascade.finish(b, chain)
         synchronize(*self.runner.devices)
-        seconds = (time.perf_counter() - start) / max(lengths)
-        previous = self.seconds_per_draft
-        self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)
+        self.draft_time.add((time.perf_counter() - start) / max(lengths))
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
             kept = [self.stop.keep(c) for c in confidences]
             for c, k in zip(confidences, kept, strict=True):

@@ -26,6 +26,7 @@ import torch
 from sampling.common import Generation, Request
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, best_draft_length
 from sampling.drafters import Drafter, ModelDrafter
+from sampling.estimators import RunningAverage
 from sampling.model_drafting import build_model_drafting, check_model_drafter
 from sampling.options import Drafting, SpeculativeOptions
 
@@ -102,7 +103,7 @@ class HybridDrafter:
 
     def __init__(self, ngram: PoolDrafter, model: ModelDrafter, policy: CostAwareDraftLength, fixed_gamma: int | None) -> None:
         self.ngram, self.model, self.policy, self.fixed_gamma = ngram, model, policy, fixed_gamma
-        self.model_rate: float | None = None  # (1 + accepted) / cost of the model's steps, averaged
+        self.model_rate = RunningAverage(self.RATE_WEIGHT)  # (1 + accepted) / cost of the model's steps
         self._chose_model: list[bool] = []
         self._model_drafts: list[int] = []
 
@@ -116,8 +117,8 @@ class HybridDrafter:
 
     def _expected_model_rate(self) -> float:
         """What a model step is expected to yield per unit of cost (the prior: the policy's rate)."""
-        if self.model_rate is not None:
-            return self.model_rate
+        if self.model_rate.value is not None:
+            return self.model_rate.value
         rate = self.policy.acceptance_rate
         length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_gamma, self.policy.cost)
         expected = sum(rate ** j for j in range(1, length + 1))
@@ -154,9 +155,7 @@ class HybridDrafter:
             k, n = self._model_drafts[b], len(paths[b])
             self.policy.update(k, n)
             if k:
-                rate = (1.0 + n) / self.policy.cost(k)
-                previous = self.model_rate
-                self.model_rate = rate if previous is None else previous + self.RATE_WEIGHT * (rate - previous)
+                self.model_rate.add((1.0 + n) / self.policy.cost(k))
         self._chose_model = []
 
     def select_rows(self, keep: list[int]) -> None:

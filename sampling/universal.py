@@ -48,7 +48,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sampling.cascade import Cascade, common_prefix
-from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree, ModelDrafter
+from sampling.drafters import DraftTree, ModelDrafter
 from sampling.randomness import PositionUniforms
 from sampling.vocabularies import check_tokenizer, intersection, same_vocabulary
 from utils.cost_model import PassCosts
@@ -308,7 +308,6 @@ class UniversalDrafter(ModelDrafter):
             self._offsets.append(len(sequence) - len(row.tokens))
             lengths.append(k)
         seconds = time.perf_counter() - start
-        previous = self.seconds_per_draft
         drafts = super().draft([row.tokens for row in self._rows], max_drafts, lengths)
         start = time.perf_counter()
         out = []
@@ -323,8 +322,7 @@ class UniversalDrafter(ModelDrafter):
         seconds += time.perf_counter() - start
         self.retokenize_seconds += seconds
         if any(lengths):  # the running average of a drafted token's cost, re-encoding included
-            weight = 1.0 if previous is None else DRAFT_TIME_WEIGHT
-            self.seconds_per_draft += weight * seconds / max(lengths)
+            self.draft_time.amend(seconds / max(lengths))
         return out
 
     def counters(self) -> dict[str, float]:
