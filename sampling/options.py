@@ -50,6 +50,12 @@ class SpeculativeOptions(DecodingOptions):
     ngram: object = None
     cascade: bool | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("drafter_invariant", "cascade"):  # switches every kind reads (a Drafter refuses them)
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got {value!r}")
+
 
 Counters = Callable[[], dict[str, float]]
 

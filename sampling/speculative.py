@@ -33,10 +33,6 @@ def run_drafting(inputs: Inputs, target: PreTrainedModel, options: DecodingOptio
     """The one path of every speculative call: check every argument (before any model runs), build
     the drafter of its kind (`sampling/drafter_kinds.py`; None: the kind the options ask for), run
     the loop, add the kind's counters to the stats."""
-    if isinstance(options, SpeculativeOptions):
-        for name in ("drafter_invariant", "cascade"):
-            if getattr(options, name) is not None and not isinstance(getattr(options, name), bool):
-                raise TypeError(f"{name} must be a bool or None, got {getattr(options, name)!r}")
     kind = kind if kind is not None else drafter_kind(options)
     request = check_request(inputs, target, encoder_decoder=is_encoder_decoder(target), use_cache=options.use_cache,
                             max_gen_len=options.max_gen_len, logits_processor=options.logits_processor,
