@@ -6,7 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.acceptance import accept_rows
-from sampling.common import Generation, OnStep, Step, check_request, start_generation
+from sampling.common import Generation, OnStep, Step, check_request, measured_costs, start_generation
 from sampling.drafters import DraftTree
 from sampling.model_kind import encoder_decoder_twin, of_kind
 from sampling.progress import Progress
@@ -71,7 +71,7 @@ def autoregressive_generate(
         inputs, model, encoder_decoder=is_encoder_decoder(model), use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
     )
-    return _decode(start_generation(request), logits_processor, on_step)
+    return _decode(start_generation(request, measured_costs(model)), logits_processor, on_step)
 
 
 autoregressive_generate_encoder_decoder = encoder_decoder_twin(autoregressive_generate, "autoregressive_generate_encoder_decoder", """

@@ -7,7 +7,7 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from sampling.common import Generation, check_request, start_generation
+from sampling.common import Generation, check_request, measured_costs, start_generation
 from utils.logits_processors import GreedyProcessor
 from utils.runners import BeamRunner
 from utils.runners.model_info import is_encoder_decoder
@@ -57,7 +57,8 @@ def beam_search_generate(
                             logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
                             pad_token_id=pad_token_id)
     # The beams of one row already fill the batch dimension: a batch's rows are searched one by one.
-    results = [_search(start_generation(request.row(i)), model, top_k, num_beams, min_length, length_penalty=alpha,
+    costs = measured_costs(model)  # the first call with a model calibrates it
+    results = [_search(start_generation(request.row(i), costs), model, top_k, num_beams, min_length, length_penalty=alpha,
                        use_cache=use_cache)
                for i in range(request.num_rows)]
     return results if request.batched else results[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sampling.common import OnStep, check_request, start_generation
+from sampling.common import OnStep, check_request, measured_costs, start_generation
 from sampling.drafter_kinds import drafter_kind
 from sampling.drafters import Drafter
 from sampling.hybrid import NgramPool
@@ -40,7 +40,7 @@ def run_drafting(inputs: Inputs, target: PreTrainedModel, options: DecodingOptio
                             pad_token_id=options.pad_token_id)
     check_gamma(options.gamma)
     build = kind.check(request, options)
-    gen = start_generation(request)
+    gen = start_generation(request, measured_costs(target))  # the first call with a model calibrates it
     drafting = build(gen)
     result = speculative_loop(gen, drafting.drafter, logits_processor=options.logits_processor,
                               policy=drafting.policy, stats=options.stats, on_step=options.on_step)
