@@ -89,6 +89,15 @@ class Drafter(Protocol):
         """Only the rows `keep` go on decoding."""
 
 
+class DraftReading(Protocol):
+    """How a `ModelDrafter` reads its pass: logits -> q, q -> the draft (`ModelDrafter`'s own
+    `distribution` and `sample` by default)."""
+
+    def distribution(self, logits: Tensor, history: list[int] | None) -> Tensor: ...
+
+    def sample(self, q: Tensor, row: int, position: int) -> int: ...
+
+
 class PerRow:
     """A batch `Drafter` made of one single-row drafter per row (the n-gram drafters: each row
     drafts from its own pool, or all from one shared pool, and teaches it)."""
@@ -150,6 +159,7 @@ class ModelDrafter:
         costs: PassCosts | None = None,
         stop: ConfidenceStop | None = None,
         cascade: Cascade | None = None,
+        reading: DraftReading | None = None,
     ) -> None:
         rows = len(uniforms)
         # Its costs: its kernels, and its step's cost for adaptive gamma (`utils.calibration.pass_costs`).
@@ -169,6 +179,9 @@ class ModelDrafter:
         # Cascade drafting (`sampling.cascade`): a proposer whose tokens the drafter checks in one
         # pass of its own; None: one pass per drafted token.
         self.cascade = cascade
+        # How a pass's logits become q and a draft (None: in the target's vocabulary, `distribution`
+        # and `sample`); a drafter with another tokenizer reads them its own way (`sampling.universal`).
+        self.reading = reading if reading is not None else self
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
         self.draft_time = RunningAverage(DRAFT_TIME_WEIGHT)
@@ -198,7 +211,7 @@ class ModelDrafter:
         """Whether some row's cache holds tokens: the drafter has drafted in this generation."""
         return any(self.runner.row_length(row) for row in range(len(self.uniforms)))
 
-    def _distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
+    def distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
         """Drafter logits (V_d,) after `history` -> q (V,) in the target's vocabulary, processed as
         the target's p is. Columns the target lacks (padding rows) are dropped; columns the drafter
         lacks get q = 0: still a valid proposal."""
@@ -209,7 +222,9 @@ class ModelDrafter:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-torch.inf)
         return self.processor(logits[None], history)[0]
 
-    def _sample(self, q: Tensor, row: int, position: int) -> int:
+    def sample(self, q: Tensor, row: int, position: int) -> int:
+        """Row `row`'s draft at sequence position `position` from q: its argmax (greedy), else the
+        inverse CDF of q at the position's DRAFT number (TARGET when `coupled`)."""
         if self.processor.is_greedy:
             return int(q.argmax())
         stream = TARGET if self.coupled else DRAFT
@@ -270,8 +285,8 @@ class ModelDrafter:
         for j in range(len(proposals) + 1):
             i = len(drafts[b])
             history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
-            q = self._distribution(logits[j], history)
-            drafts[b].append(self._sample(q, b, len(sequence) + i))
+            q = self.reading.distribution(logits[j], history)
+            drafts[b].append(self.reading.sample(q, b, len(sequence) + i))
             qs[b].append(q)
             if self.stop is not None:
                 confidences[b].append(self._confidence(q, drafts[b][-1]))

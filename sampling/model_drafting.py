@@ -41,7 +41,7 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
                    logits_processor: LogitsProcessor, use_cache: bool,
                    gamma: int, adaptive_gamma: bool, drafter_invariant: bool | None, cascade: bool | None = None,
                    universal: bool = False,
-                   tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter, CostAwareDraftLength, DraftPolicy]:
+                   tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
     """A drafter model over the rows of `gen` (arguments checked; `universal`: it has another
     tokenizer, `sampling.universal.check_tokenizers`) -> (its drafter, the cost-aware policy of its
     chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step). `cascade`
@@ -88,7 +88,7 @@ def check_model_drafter(request: Request, options: SpeculativeOptions) -> bool:
 
 
 def build_model_drafting(request: Request, gen: Generation, options: SpeculativeOptions,
-                         universal: bool) -> tuple[ModelDrafter, CostAwareDraftLength, DraftPolicy]:
+                         universal: bool) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
     """`model_drafting` from a speculative call's options."""
     return model_drafting(options.drafter, request.model, gen, logits_processor=options.logits_processor,
                           use_cache=options.use_cache, gamma=options.gamma, adaptive_gamma=options.adaptive_gamma,
