@@ -30,9 +30,9 @@ import torch
 from benchmarks import cli
 from benchmarks.prompts import encode, load_workload
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from utils.caching import input_device
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import NucleusProcessor
+from utils.runners.model_info import input_device
 
 
 def acceptance_chances(p: torch.Tensor, q: torch.Tensor, gumbel_samples: int, generator: torch.Generator) -> dict[str, float]:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from utils.caching import input_device
+from utils.runners.model_info import input_device
 
 TIE_ULPS = 4  # a few units of the dtype's relative rounding: what a different order of additions moves
 

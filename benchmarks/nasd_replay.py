@@ -38,9 +38,9 @@ from utils.cost_model import PRIOR, _interpolate
 def record(data: Path, per_category: int, offset: int, max_new_tokens: int, out: Path, model_name: str | None,
            device: str | None = None, dtype: str | None = None) -> None:
     from sampling import autoregressive_generate
-    from utils.caching import input_device
     from utils.calibration import pass_costs
     from utils.loading import end_token_ids, load_model
+    from utils.runners.model_info import input_device
 
     model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     end = end_token_ids(model, tokenizer)

@@ -21,11 +21,11 @@ from sampling import (
     speculative_generate,
     speculative_generate_encoder_decoder,
 )
-from utils.caching import is_encoder_decoder
 from utils.calibration import is_measured, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.offline_models import installed_models, offline_model
 from utils.paths import cache_dir
+from utils.runners.model_info import is_encoder_decoder
 
 # A real target and the drafter of its family that shares its tokenizer (`make models` installs both).
 DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}

@@ -15,6 +15,7 @@ from sampling.draft_policy import best_tree_size
 from sampling.drafters import DraftTree, PerRow
 from utils.cost_model import prior_cost
 from utils.logits_processors import supports_float64
+from utils.validation import check_int
 
 # Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4, 5-7, 8-15, 16+
 # tokens: in the pool or, longer, in the text itself), as measured on held-out Spec-Bench prompts
@@ -133,6 +134,23 @@ class AcceptanceModel:
         self.predicted += estimate
 
 
+def check_drafter_arguments(pool: object, *, vocab_size: object, top_k_filler: object, stop_if_unknown: object,
+                            draft_cost: object, branching: object, greedy: object) -> None:
+    """`NgramDrafter`'s constructor arguments, or a TypeError/ValueError naming the wrong one."""
+    if not isinstance(pool, DynaGram):
+        raise TypeError(f"pool must be a SimpleDynaGram or MultiDynaGram, got {type(pool).__name__}")
+    check_int(vocab_size, "vocab_size", 1)
+    check_int(top_k_filler, "top_k_filler", 1)
+    if top_k_filler > vocab_size:
+        raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab_size}, got {top_k_filler}")
+    check_int(branching, "branching", 1)
+    for name, value in (("stop_if_unknown", stop_if_unknown), ("greedy", greedy)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if not callable(draft_cost):
+        raise TypeError(f"draft_cost must be a function of the number of drafts, got {draft_cost!r}")
+
+
 class NgramDrafter:
     """Drafts from a dynagram pool (deterministic drafts: q is one-hot, so `draft` returns q=None).
 
@@ -144,7 +162,8 @@ class NgramDrafter:
     known continuation is drafted, up to gamma nodes (ANPD's behaviour, widened). A miss always
     ends a branch: the pool never invents a token. After each step the pool learns the accepted
     tokens and the target's top-k (with probabilities) after every verified node, rejected ones
-    included (token recycling).
+    included (token recycling). `greedy`: the target decodes greedily (its argmax judges a draft)
+    or samples (p(x) does): each has its own priors.
     """
 
     forward_passes = 0  # an n-gram pool runs no model
@@ -159,7 +178,10 @@ class NgramDrafter:
         source_tokens: Sequence[int] = (),
         draft_cost: Callable[[int], float] = prior_cost,
         branching: int = 1,
+        greedy: bool = True,
     ) -> None:
+        check_drafter_arguments(pool, vocab_size=vocab_size, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
+                                draft_cost=draft_cost, branching=branching, greedy=greedy)
         self.pool = pool
         self.vocab_size = vocab_size
         self.top_k_filler = top_k_filler
@@ -168,6 +190,7 @@ class NgramDrafter:
         self.draft_cost = draft_cost
         self.branching = branching
         self.acceptance = AcceptanceModel()
+        self.acceptance.greedy = greedy  # greedy judges the argmax, sampling p(x): the priors differ
         self.copies = CopyIndex()  # the match length of proposals copied from the text
         self._indexed = 0  # tokens of the sequence in `copies`
         self._base = 0  # len(sequence) when the last draft started
@@ -244,7 +267,6 @@ class NgramDrafter:
         # at every accepted node (the nodes below a rejection were never reached). Greedy: whether
         # it was the target's argmax. Sampling: its chance p(x) of being the emitted token, known
         # now (the multi-candidate rule emits x with probability p(x)): the same mean, less noise.
-        self.acceptance.greedy = p is None  # greedy judges the argmax, sampling p(x): the priors differ
         reached = {-1, *path}
         judged_nodes = [node for node, parent in enumerate(tree.parents) if parent in reached]
         top_k, chances = self._read_scores(tree, judged_nodes, target_logits, p)
@@ -326,6 +348,17 @@ class NgramRows(PerRow):
         super().__init__(drafters)
         self.costs = costs
         self.stop_if_unknown = stop_if_unknown
+
+    def reaches(self) -> list[list[float]]:
+        """Per row, P(node and its whole path accepted) for each node of its last tree (what a
+        hybrid weighs the pool's drafts by)."""
+        return [drafter.reaches for drafter in self.drafters]
+
+    def withdraw(self, rows: list[int]) -> None:
+        """The last trees of `rows` are not verified (a hybrid verifies another draft there): they
+        are forgotten, and those rows' next `update` has an empty path."""
+        for b in rows:
+            self.drafters[b].keep(0)
 
     def draft(self, sequences, max_drafts, max_depths):
         if len(sequences) == 1 or not self.stop_if_unknown or self.costs is None:

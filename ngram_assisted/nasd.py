@@ -11,38 +11,53 @@ ANPD / NAPD (Ou et al. 2024) is reproduced by `SimpleDynaGram`, `top_k_filler=1`
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from ngram_assisted.dynagram import DynaGram
 from ngram_assisted.rows import ngram_rows
-from sampling.common import OnStep, check_request, start_generation
+from sampling.common import Generation, OnStep, Request
 from sampling.draft_policy import DraftLength
 from sampling.habits import Habits
-from sampling.loop import SpeculativeStats, speculative_loop
-from sampling.speculative import check_gamma
+from sampling.loop import SpeculativeStats
+from sampling.model_kind import encoder_decoder_twin, of_kind
+from sampling.options import DecodingOptions, Drafting
+from sampling.speculative import run_drafting
 from sampling.stopping import Criterion
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import MODEL_EOS, Inputs, transformers_names
 
 
-def _nasd(inputs, ngram, target, *, encoder_decoder, gamma, top_k_filler, stop_if_unknown, logits_processor,
-          max_gen_len, end_tokens_id, use_cache, draft_cost, branching, generator, stats, on_step, pad_token_id=None,
-          habits=Habits()):
-    """Check every argument (before any model runs), build the pool's drafter rows, run the loop."""
-    gamma = check_gamma(gamma)
-    request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
-                            logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
-                            model_name="target", pad_token_id=pad_token_id, habits=habits)
-    build_rows = ngram_rows(ngram, request, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
-                            draft_cost=draft_cost, branching=branching)
-    gen = start_generation(request)
-    return speculative_loop(gen, build_rows(gen), logits_processor=logits_processor, policy=DraftLength(gamma),
-                            stats=stats, on_step=on_step)
+@dataclass(frozen=True, kw_only=True)
+class NasdOptions(DecodingOptions):
+    """`ngram_assisted_speculative_generate`'s options: the pool and how it drafts."""
+
+    ngram: object = None
+    top_k_filler: int = 3
+    stop_if_unknown: bool = True
+    draft_cost: Callable[[int], float] | None = None
+    branching: int | None = None
+
+
+class NgramKind:
+    """NASD's drafter kind: the pool's drafter over the rows (`ngram_assisted/rows.py`), `gamma`
+    nodes at most every step (its cost rule sizes each draft within them)."""
+
+    def takes(self, options: DecodingOptions) -> bool:
+        return isinstance(options, NasdOptions)
+
+    def check(self, request: Request, options: NasdOptions) -> Callable[[Generation], Drafting]:
+        build_rows = ngram_rows(options.ngram, request, greedy=options.logits_processor.is_greedy,
+                                top_k_filler=options.top_k_filler,
+                                stop_if_unknown=options.stop_if_unknown, draft_cost=options.draft_cost,
+                                branching=options.branching)
+        return lambda gen: Drafting(build_rows(gen), DraftLength(options.gamma))
 
 
 @transformers_names
+@of_kind(False, "target")
 def ngram_assisted_speculative_generate(
     inputs: Inputs,
     ngram: DynaGram | list[DynaGram],
@@ -89,46 +104,16 @@ def ngram_assisted_speculative_generate(
     each row. `tokenizer`: the target's, for `stop_strings`. `stop_strings`, `stopping_criteria`,
     `num_return_sequences` and `end_tokens_id` left out: as in `autoregressive_generate`.
     """
-    return _nasd(
-        inputs, ngram, target, encoder_decoder=False, gamma=gamma, top_k_filler=top_k_filler,
-        stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
-        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
-        stats=stats, on_step=on_step, pad_token_id=pad_token_id,
+    return run_drafting(inputs, target, NasdOptions(
+        ngram=ngram, gamma=gamma, top_k_filler=top_k_filler, logits_processor=logits_processor, max_gen_len=max_gen_len,
+        end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache, stop_if_unknown=stop_if_unknown,
+        draft_cost=draft_cost, branching=branching, generator=generator, stats=stats, on_step=on_step,
         habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
-    )
+    ), NgramKind())
 
 
-@transformers_names
-def ngram_assisted_speculative_generate_encoder_decoder(
-    inputs: Inputs,
-    ngram: DynaGram | list[DynaGram],
-    target: PreTrainedModel,
-    *,
-    tokenizer=None,
-    gamma: int = 16,
-    top_k_filler: int = 3,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = MODEL_EOS,
-    pad_token_id: int | None = None,
-    use_cache: bool = True,
-    stop_if_unknown: bool = True,
-    draft_cost: Callable[[int], float] | None = None,
-    branching: int | None = None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    stats: SpeculativeStats | None = None,
-    on_step: OnStep | None = None,
-    stop_strings: str | list[str] | None = None,
-    stopping_criteria: Criterion | list[Criterion] | None = None,
-    num_return_sequences: int = 1,
-) -> tuple[list[int], float] | list[tuple[list[int], float]]:
-    """NASD for encoder-decoder models: the pool is also seeded with the encoder's source tokens
+ngram_assisted_speculative_generate_encoder_decoder = encoder_decoder_twin(
+    ngram_assisted_speculative_generate, "ngram_assisted_speculative_generate_encoder_decoder", """
+    NASD for encoder-decoder models: the pool is also seeded with the encoder's source tokens
     (`inputs`, in any form the decoder-only variant takes), where summarisation and translation
-    copy from. Returns the decoder's ids (a list of results for a batch)."""
-    return _nasd(
-        inputs, ngram, target, encoder_decoder=True, gamma=gamma, top_k_filler=top_k_filler,
-        stop_if_unknown=stop_if_unknown, logits_processor=logits_processor, max_gen_len=max_gen_len,
-        end_tokens_id=end_tokens_id, use_cache=use_cache, draft_cost=draft_cost, branching=branching, generator=generator,
-        stats=stats, on_step=on_step, pad_token_id=pad_token_id,
-        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
-    )
+    copy from. Returns the decoder's ids (a list of results for a batch).""", "target")

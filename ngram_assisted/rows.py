@@ -13,7 +13,7 @@ from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import Generation, Request
 from sampling.hybrid import register_pool
-from utils.caching import vocab_size
+from utils.runners.model_info import vocab_size
 from utils.validation import check_int, check_rows_argument
 
 
@@ -31,7 +31,7 @@ def check_pools(ngram: object, request: Request) -> list[DynaGram]:
     return check_rows_argument(list(ngram), "ngram", request.num_rows, DynaGram)
 
 
-def ngram_rows(ngram: object, request: Request, *, top_k_filler: int = 3, stop_if_unknown: bool = True,
+def ngram_rows(ngram: object, request: Request, *, greedy: bool, top_k_filler: int = 3, stop_if_unknown: bool = True,
                draft_cost: Callable[[int], float] | None = None,
                branching: int | None = None) -> Callable[[Generation], NgramRows]:
     """Check NASD's drafting arguments (`ngram_assisted_speculative_generate` says what each means)
@@ -39,7 +39,8 @@ def ngram_rows(ngram: object, request: Request, *, top_k_filler: int = 3, stop_i
 
     Trees where the target verifies them in one pass (else chains, still exact); `branching` None:
     up to AUTO_BRANCHING candidates per node where `stop_if_unknown` cuts them to what pays, a chain
-    otherwise. Unless `draft_cost` is given, drafts are priced by the target's measured costs (one
+    otherwise. `greedy`: the target's processor decodes greedily (else it samples). Unless
+    `draft_cost` is given, drafts are priced by the target's measured costs (one
     row; a batch's rows are cut together by `NgramRows`, from its timed batched passes)."""
     pools = check_pools(ngram, request)
     if not isinstance(stop_if_unknown, bool):
@@ -66,7 +67,7 @@ def ngram_rows(ngram: object, request: Request, *, top_k_filler: int = 3, stop_i
         sources = gen.encoder_input_ids or [()] * len(pools)  # encoder-decoder: the source text, where copying happens
         return NgramRows([
             NgramDrafter(pool, vocab_size=vocab, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
-                         source_tokens=source, draft_cost=cost, branching=width)
+                         source_tokens=source, draft_cost=cost, branching=width, greedy=greedy)
             for pool, source in zip(pools, sources, strict=True)
         ], gen.runner.costs if draft_cost is None else None, stop_if_unknown)
 

@@ -13,6 +13,7 @@ with parents = [-1, 0, 1, ...].
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -58,12 +59,18 @@ def greedy_accept_tree(target_logits: Tensor, tokens: list[int], parents: list[i
     return walk_tree(tokens, parents, lambda row, depth: argmax[row])
 
 
-def coupled_accept_tree(
-    p: Tensor, tokens: list[int], parents: list[int], uniforms: PositionUniforms, position: int
-) -> tuple[list[int], int]:
-    """Sampling verification of a tree of deterministic drafts (`walk_tree`): the target's token at
-    depth d is F^{-1}(u_{position + d}) of its row of p (1 + n, V), as plain sampling would draw it."""
-    return walk_tree(tokens, parents, lambda row, depth: int(inverse_cdf(p[row], uniforms(position + depth))))
+def coupled_choices(p: Tensor, starts: list[int], trees: list[DraftTree], uniforms: list[PositionUniforms],
+                    positions: list[int]) -> Tensor:
+    """The coupled rule's decisions for trees of deterministic drafts, on the device: the target's
+    token at every row of each tree's scores (row 0 at the root, 1 + i after node i), F^{-1}(u) of
+    its row of p (flattened, tree b's rows from `starts[b]`) at the uniform of its generated
+    position `positions[b]` + its depth, as plain sampling would draw it -> (sum of 1 + n_b,)
+    int64. `walk_tree` then follows the nodes that propose them."""
+    depths = [_tree_depths(tree) for tree in trees]
+    rows = torch.tensor([start + i for start, d in zip(starts, depths, strict=True) for i in range(len(d))],
+                        dtype=torch.long, device=p.device)
+    u = torch.cat([u_b.span(t, 1 + max(d), TARGET)[d] for u_b, t, d in zip(uniforms, positions, depths, strict=True)])
+    return inverse_cdf(p[rows], u)
 
 
 def speculative_accept(
@@ -75,24 +82,10 @@ def speculative_accept(
     were sampled from. Draft x_i (at generated position `position` + i) is accepted with probability
     min(1, p_i(x_i) / q_i(x_i)); at the first rejection the next token is drawn from
     normalize(max(0, p_i - q_i)); if all k pass, the bonus token is drawn from p_k. The output then
-    follows p exactly, whatever q is.
-
-    q (from a drafter on another device) is moved to p's. One host sync: n and the token are
-    computed on the device and read together (the bonus case is the residual against q = 0).
+    follows p exactly, whatever q is. One row of `speculative_rows`, read with one host sync.
     """
-    k = len(drafts)
-    q, drafts = q.to(p.device), drafts.to(p.device)
-    rows = torch.arange(k, device=p.device)
-    p_x, q_x = p[rows, drafts], q[rows, drafts]
-    r = uniforms.span(position, k, ACCEPT).to(p.dtype).to(p.device)
-    n = (r * q_x < p_x).long().cumprod(dim=0).sum()  # leading accepted drafts (r < p/q without dividing by q)
-    q_n = q[n.clamp(max=k - 1)] * (n < k)  # q at the first rejection; zero when all k were accepted
-    residual = (p[n] - q_n).clamp(min=0)
-    # In exact arithmetic a rejection implies p_n != q_n, so the residual has mass; guard rounding.
-    residual = torch.where(residual.sum() > 0, residual, p[n])
-    u = uniforms.span(position, k + 1, TARGET)
-    u = u.to(torch.float64 if supports_float64(p.device) else torch.float32).to(p.device)[n]
-    n, token = torch.stack([n, inverse_cdf(residual, u)]).tolist()
+    n, token = speculative_rows(p, [0], [DraftTree.chain(drafts.tolist())], [q], [uniforms], [position])
+    n, token = torch.cat([n, token]).tolist()
     return n, token
 
 
@@ -108,30 +101,100 @@ def row_scores(logits: Tensor, tree: DraftTree, sequence: list[int], processor: 
                       for row in range(len(logits))])
 
 
+def _tree_depths(tree: DraftTree) -> list[int]:
+    """The depth of each row of a verification pass's scores: 0 at the root, then each node's."""
+    depths = [0]
+    for parent in tree.parents:
+        depths.append(1 + depths[parent + 1])
+    return depths
+
+
+def speculative_rows(p: Tensor, starts: list[int], trees: list[DraftTree], qs: list[Tensor],
+                      uniforms: list[PositionUniforms], positions: list[int]) -> tuple[Tensor, Tensor]:
+    """Speculative sampling (`speculative_accept`) for R sampled chains at once, on the device ->
+    (n (R,), next token (R,)), int64.
+
+    p: every row's target distributions, flattened (sum of 1 + k_i, V), chain i's from `starts[i]`;
+    `qs[i]`: (k_i, V), moved to p's device. The drafts are flattened with offsets (vLLM's
+    `cu_num_draft_tokens`), the leading accepted drafts counted per chain; n and the token are
+    computed on the device (the bonus case is the residual against q = 0)."""
+    device, lengths = p.device, [len(tree) for tree in trees]
+    row_of = [i for i, k in enumerate(lengths) for _ in range(k)]
+    column = [j for k in lengths for j in range(k)]
+    p_rows = torch.tensor([starts[i] + j for i, j in zip(row_of, column, strict=True)], device=device)
+    drafts = torch.tensor([token for tree in trees for token in tree.tokens], dtype=torch.long, device=device)
+    q = torch.cat([q_i.to(device) for q_i in qs])
+    p_x, q_x = p[p_rows, drafts], q[torch.arange(len(drafts), device=device), drafts]
+    r = torch.cat([u.span(t, k, ACCEPT) for u, t, k in zip(uniforms, positions, lengths, strict=True)])
+    passed = torch.zeros(len(trees), max(lengths), dtype=torch.long, device=device)
+    passed[row_of, column] = (r.to(p.dtype).to(device) * q_x < p_x).long()  # r < p/q without dividing by q
+    n = passed.cumprod(dim=1).sum(dim=1)  # leading accepted drafts of each row
+    k = torch.tensor(lengths, device=device)
+    q_starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], device=device)
+    q_n = q[q_starts + torch.minimum(n, k - 1)] * (n < k)[:, None]  # q at the first rejection; zero if none
+    p_n = p[torch.tensor(starts, device=device) + n]
+    residual = (p_n - q_n).clamp(min=0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_n)  # guard rounding
+    u = torch.stack([torch.nn.functional.pad(un.span(t, k_i + 1, TARGET), (0, max(lengths) - k_i))
+                     for un, t, k_i in zip(uniforms, positions, lengths, strict=True)])
+    u = u.to(torch.float64 if supports_float64(device) else torch.float32).to(device)
+    return n, inverse_cdf(residual, u[torch.arange(len(trees), device=device), n])
+
+
+def accept_rows(
+    logits: list[Tensor], trees: list[DraftTree], qs: list[Tensor | None], sequences: list[list[int]],
+    processor: LogitsProcessor, uniforms: list[PositionUniforms],
+) -> list[tuple[list[int], int, Tensor | None]]:
+    """Step 3 of the loop for every row of a batch at once, with one host transfer -> per row
+    (accepted nodes root to leaf, the target's next token, p or None).
+
+    logits[b]: (1 + len(trees[b]), V), the target's scores at row b's last accepted token and after
+    every node; `sequences[b]`: its prefix and every token generated so far. Greedy: the argmax
+    path. Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q
+    its distributions) by speculative sampling, a drafter model's tree (q per node) by recursive
+    rejection sampling (`sampling.tree_sampling`, row by row). An empty tree is a plain decoding step.
+    The rows' scores are flattened with offsets and decided on the device; the walks down the trees
+    read the decided tokens on the host.
+    """
+    scores = [row_scores(x, tree, sequence, processor) for x, tree, sequence in zip(logits, trees, sequences, strict=True)]
+    sizes = [len(s) for s in scores]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    flat = torch.cat(scores)
+    if processor.is_greedy:
+        choice = flat.argmax(dim=-1).tolist()
+        return [(*walk_tree(tree.tokens, tree.parents, lambda row, depth, s=start: choice[s + row]), None)
+                for tree, start in zip(trees, starts, strict=True)]
+    p = flat.softmax(dim=-1)
+    positions = [len(sequence) - u.prefix_length for sequence, u in zip(sequences, uniforms, strict=True)]
+    with_q = [b for b, (tree, q) in enumerate(zip(trees, qs, strict=True)) if q is not None and len(tree)]
+    sampled = [b for b in with_q if trees[b].is_chain]
+    model_trees = [b for b in with_q if not trees[b].is_chain]  # children sampled without replacement
+    coupled = [b for b in range(len(trees)) if b not in set(with_q)]
+    decided = []  # on the device: the coupled rows' tokens, then the sampled chains' n and tokens
+    if coupled:
+        decided.append(coupled_choices(p, [starts[b] for b in coupled], [trees[b] for b in coupled],
+                                       [uniforms[b] for b in coupled], [positions[b] for b in coupled]))
+    if sampled:
+        decided += speculative_rows(p, [starts[b] for b in sampled], [trees[b] for b in sampled],
+                                    [qs[b] for b in sampled], [uniforms[b] for b in sampled],
+                                    [positions[b] for b in sampled])
+    values = torch.cat(decided).tolist() if decided else []  # the step's one host transfer
+    ps, results, at = p.split(sizes), [None] * len(trees), 0
+    for b in model_trees:
+        results[b] = (*tree_speculative_accept(ps[b], qs[b], trees[b], uniforms[b], positions[b]), ps[b])
+    for b in coupled:
+        choice = values[at : at + sizes[b]]
+        results[b] = (*walk_tree(trees[b].tokens, trees[b].parents, lambda row, depth, c=choice: c[row]), ps[b])
+        at += sizes[b]
+    for i, b in enumerate(sampled):
+        n, token = values[at + i], values[at + len(sampled) + i]
+        results[b] = (list(range(n)), token, ps[b])
+    return results
+
+
 def accept(
     logits: Tensor, tree: DraftTree, q: Tensor | None, sequence: list[int], processor: LogitsProcessor,
     uniforms: PositionUniforms,
 ) -> tuple[list[int], int, Tensor | None]:
-    """Step 3 of the loop -> (accepted nodes root to leaf, the target's next token, p or None).
-
-    logits: (1 + len(tree), V), the target's scores at the last accepted token and after every
-    node; `sequence`: the prefix and every token generated so far. Greedy: the argmax path.
-    Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q its
-    distributions) by speculative sampling, its tree by recursive rejection sampling
-    (`sampling.tree_sampling`). An empty tree is a plain decoding step.
-    """
-    position = len(sequence) - uniforms.prefix_length  # the generated position of row 0's token
-    scores = row_scores(logits, tree, sequence, processor)
-    if processor.is_greedy:
-        path, token = greedy_accept_tree(scores, tree.tokens, tree.parents)
-        return path, token, None
-    p = scores.softmax(dim=-1)
-    if q is None or not len(tree):
-        path, token = coupled_accept_tree(p, tree.tokens, tree.parents, uniforms, position)
-        return path, token, p
-    if not tree.is_chain:  # a drafter model's tree, its children sampled without replacement
-        path, token = tree_speculative_accept(p, q, tree, uniforms, position)
-        return path, token, p
-    draft_ids = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
-    n, token = speculative_accept(p, q, draft_ids, uniforms, position)
-    return list(range(n)), token, p
+    """`accept_rows` for one row: (accepted nodes root to leaf, the target's next token, p or None)."""
+    return accept_rows([logits], [tree], [q], [sequence], processor, [uniforms])[0]

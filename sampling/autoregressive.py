@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sampling.acceptance import accept
-from sampling.common import Generation, OnStep, Step, check_request, start_generation
+from sampling.acceptance import accept_rows
+from sampling.common import Generation, OnStep, Step, check_request, measured_costs, start_generation
 from sampling.drafters import DraftTree
 from sampling.habits import Habits
-from sampling.logprobs import RowLogprobs
 from sampling.loop import SpeculativeStats
+from sampling.model_kind import encoder_decoder_twin, of_kind
+from sampling.progress import Progress
 from sampling.stopping import Criterion
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.runners.model_info import is_encoder_decoder
 from utils.validation import MODEL_EOS, Inputs, transformers_names
 
 NO_DRAFTS = DraftTree.chain([])
@@ -20,44 +22,38 @@ NO_DRAFTS = DraftTree.chain([])
 
 def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep | None,
             stats: SpeculativeStats | None = None) -> list:
-    """The plain loop over every row of `gen`; rows that finish leave the batch. `stats`: its
-    generated tokens, steps, target passes and each returned token's log-probability."""
-    sequences = [list(prefix) for prefix in gen.prefixes]  # what the processor sees as history (the decoder's ids)
-    generated: list[list[int]] = [[] for _ in sequences]
-    live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's order
-    runner = gen.runner
-    passes, logprobs = runner.forward_passes, RowLogprobs(len(sequences))
-    logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(live))  # prefill
+    """The speculative loop (`sampling.loop.speculative_loop`) without a drafter: each step accepts
+    the target's own token (`accept_rows` with nothing drafted: the argmax, or the inverse CDF at
+    the position's uniform) for every row at once. One difference: the prefill scores the first
+    token (a speculative prefill holds each row's last token back for the drafts' pass). `stats`:
+    its generated tokens, steps, target passes and each returned token's log-probability."""
+    rows, runner = Progress(gen, logprobs=stats is not None), gen.runner
+    passes = runner.forward_passes
+    logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
     while True:
-        feeds, going_on = [], []  # going_on: positions in `live` of the rows not finished
-        for i, row in enumerate(live):
-            # The target's token: a speculative step with nothing drafted (argmax, or the inverse
-            # CDF of the processed distribution at this position's uniform number).
-            _, token, _ = accept(logits[i], NO_DRAFTS, None, sequences[row], logits_processor, gen.uniforms[row])
-            tokens, finished = gen.trim(row, [token], len(generated[row]), sequences[row], logits[i])
+        verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), [None] * len(rows.live), rows.active(),
+                               logits_processor, rows.uniforms())
+        going_on = []  # positions in `live` of the rows not finished
+        for i, (_, token, _) in enumerate(verdicts):
+            row = rows.live[i]
+            tokens, finished = rows.extend(i, [token], logits[i] if rows.needs_logits else None)
+            going_on += [] if finished else [i]
             if stats is not None:
-                logprobs.add(row, logits[i], tokens)
                 stats.record(0, 0)
-            generated[row] += tokens
-            sequences[row] += tokens
             if on_step is not None:
                 on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens), row=row))
-            if not finished:
-                going_on.append(i)
-                feeds.append(([token], None))
-        if not going_on:
+        runner, _ = rows.keep(going_on, runner)
+        if not rows.live:
             if stats is not None:
-                stats.generated_tokens += sum(len(tokens) for tokens in generated)
+                stats.generated_tokens += sum(len(tokens) for tokens in rows.generated)
                 stats.target_forwards += runner.forward_passes - passes
-                stats.logprobs += logprobs.lists()
-            return gen.results(generated)
-        if len(going_on) < len(live):
-            runner = runner.select_rows(going_on)  # finished rows stop costing compute (the runner to use next)
-            live = [live[i] for i in going_on]
-        logits = runner.forward_rows(feeds, [1] * len(feeds))  # the cache holds everything else
+                stats.logprobs += rows.logprobs.lists()
+            return gen.results(rows.generated)
+        logits = runner.forward_rows([([verdicts[i][1]], None) for i in going_on], [1] * len(going_on))  # the cache holds the rest
 
 
 @transformers_names
+@of_kind(False, "model")
 def autoregressive_generate(
     inputs: Inputs,
     model: PreTrainedModel,
@@ -94,40 +90,17 @@ def autoregressive_generate(
     `num_return_sequences=n` returns what the batch of n copies of each prompt returns.
     """
     request = check_request(
-        inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
+        inputs, model, encoder_decoder=is_encoder_decoder(model), use_cache=use_cache, max_gen_len=max_gen_len,
         logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
         habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
     )
-    return _decode(start_generation(request), logits_processor, on_step, stats)
+    return _decode(start_generation(request, measured_costs(model)), logits_processor, on_step, stats)
 
 
-@transformers_names
-def autoregressive_generate_encoder_decoder(
-    inputs: Inputs,
-    model: PreTrainedModel,
-    *,
-    use_cache: bool = True,
-    max_gen_len: int = 40,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    end_tokens_id: int | list[int] | None = MODEL_EOS,
-    pad_token_id: int | None = None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    on_step: OnStep | None = None,
-    stats: SpeculativeStats | None = None,
-    tokenizer=None,
-    stop_strings: str | list[str] | None = None,
-    stopping_criteria: Criterion | list[Criterion] | None = None,
-    num_return_sequences: int = 1,
-) -> list[int] | list[list[int]]:
-    """`autoregressive_generate` for encoder-decoder models (T5, BART, ...).
+autoregressive_generate_encoder_decoder = encoder_decoder_twin(autoregressive_generate, "autoregressive_generate_encoder_decoder", """
+    `autoregressive_generate` for encoder-decoder models (T5, BART, ...).
 
     `inputs` are the encoder's ids, in any form `autoregressive_generate` takes (a batch gives a
     list); the encoder runs once. Returns the decoder's generated ids,
     without the decoder start token.
-    """
-    request = check_request(
-        inputs, model, encoder_decoder=True, use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
-        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
-    )
-    return _decode(start_generation(request), logits_processor, on_step, stats)
+    """, "model")

@@ -7,17 +7,19 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from sampling.common import Generation, check_request, start_generation
+from sampling.common import Generation, check_request, measured_costs, start_generation
 from sampling.habits import Habits
 from sampling.stopping import Criterion
-from utils.caching import BeamRunner, is_encoder_decoder
 from utils.logits_processors import GreedyProcessor
+from utils.runners import BeamRunner
+from utils.runners.model_info import is_encoder_decoder
 from utils.validation import MODEL_EOS, Inputs, check_int, transformers_names
 
 
-def length_penalty(length: int, min_length: int, alpha: float) -> float:
-    """lp(Y) = ((min_length + |Y|) / (min_length + 1)) ** alpha; GNMT uses min_length = 5."""
-    return ((min_length + length) / (min_length + 1)) ** alpha
+def gnmt_penalty(length: int, min_length: int, length_penalty: float) -> float:
+    """lp(Y) = ((min_length + |Y|) / (min_length + 1)) ** length_penalty (the public `alpha`); GNMT
+    uses min_length = 5."""
+    return ((min_length + length) / (min_length + 1)) ** length_penalty
 
 
 @transformers_names
@@ -73,7 +75,9 @@ def beam_search_generate(
                             logits_processor=GreedyProcessor(), end_tokens_id=end_tokens_id,
                             pad_token_id=pad_token_id, habits=Habits(tokenizer, stop_strings, stopping_criteria))
     # The beams of one row already fill the batch dimension: a batch's rows are searched one by one.
-    results = [_search(start_generation(request.row(i)), model, top_k, num_beams, min_length, alpha, use_cache, n)
+    costs = measured_costs(model)  # the first call with a model calibrates it
+    results = [_search(start_generation(request.row(i), costs), model, top_k, num_beams, min_length, length_penalty=alpha,
+                       use_cache=use_cache, n=n)
                for i in range(request.num_rows)]
     if n > 1:
         return [ids for best in results for ids in best]
@@ -81,15 +85,17 @@ def beam_search_generate(
     return results if request.batched else results[0]
 
 
-def _search(gen: Generation, model: PreTrainedModel, top_k: int, num_beams: int, min_length: int, alpha: float,
-            use_cache: bool, n: int = 1) -> list[list[int]]:
-    """Beam search of one sequence (`gen` holds one row) -> the `n` best finished sequences' generated ids."""
+def _search(gen: Generation, model: PreTrainedModel, top_k: int, num_beams: int, min_length: int, *,
+            length_penalty: float, use_cache: bool, n: int = 1) -> list[list[int]]:
+    """Beam search of one sequence (`gen` holds one row) -> the `n` best finished sequences' generated
+    ids. `length_penalty`: the public `alpha`, the exponent of `gnmt_penalty`."""
     max_len = gen.max_new_tokens[0]
     runner = BeamRunner(model, use_cache=use_cache, costs=gen.runner.costs)  # the CPU shortcuts measured fastest here
 
     def best_possible(score: float, length: int) -> float:
         # Log-probabilities only decrease a sum (<= 0); the penalty may still favour either end.
-        return max(score / length_penalty(length, min_length, alpha), score / length_penalty(max_len, min_length, alpha))
+        return max(score / gnmt_penalty(length, min_length, length_penalty),
+                   score / gnmt_penalty(max_len, min_length, length_penalty))
 
     finished: list[tuple[float, list[int]]] = []  # (penalised score, generated ids)
     scores = torch.zeros(1, dtype=torch.float64)  # sum of log-probabilities of each live beam
@@ -105,7 +111,7 @@ def _search(gen: Generation, model: PreTrainedModel, top_k: int, num_beams: int,
         # Candidates share one length, so raw and penalised scores have the same order: once the
         # live beams are full and a candidate cannot enter the kept finished ones, none after can.
         worst_kept = finished[-1][0] if len(finished) >= num_beams else -math.inf
-        penalty = length_penalty(length, min_length, alpha)
+        penalty = gnmt_penalty(length, min_length, length_penalty)
         live_idx, live_tokens, live_scores = [], [], []
         history = runner.sequences[:, len(gen.prefix) :].cpu()
         for c in order.tolist():

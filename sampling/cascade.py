@@ -1,9 +1,9 @@
 """Cascade drafting: the drafter model is drafted for (Chen et al. 2024, "Cascade Speculative
 Drafting", the vertical cascade; Spector & Re 2023, "staged speculative decoding").
 
-A model drafter spends one pass per drafted token, and on a CPU computing in bfloat16 a pass over a
-few tokens costs what a one-token pass costs (Qwen2.5-Coder-0.5B: 1.00 up to 4 tokens, 1.16 at 9):
-13 drafts cost 13 passes where a few would do. So a cheap proposer (`PromptLookup`: the longest
+A model drafter spends one pass per drafted token, and where a pass over a few tokens costs about
+what a one-token pass costs (a CPU computing in bfloat16: docs/results.md, "Figures behind the
+code's rules"), 13 drafts cost 13 passes where a few would do. So a cheap proposer (`PromptLookup`: the longest
 suffix of the text found earlier in it, the latest occurrence, and the tokens that followed) offers
 the drafter m tokens; the drafter scores them in one pass of its own, and takes, position by
 position, its OWN draft from its own q_t as it always does (the argmax, or the inverse CDF of q_t at
@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sampling.draft_policy import best_draft_length
+from sampling.estimators import DecayedRate
 
 MAX_MATCH = 8  # longest suffix looked up (longer matches are as good as 8 for choosing)
 
@@ -99,18 +100,15 @@ class ProposalAcceptance:
     BUCKETS = 4
 
     def __init__(self) -> None:
-        self.accepted = [self.PRIOR * self.PRIOR_WEIGHT] * self.BUCKETS
-        self.judged = [self.PRIOR_WEIGHT] * self.BUCKETS
+        self.buckets = [DecayedRate(self.PRIOR, self.PRIOR_WEIGHT) for _ in range(self.BUCKETS)]
 
     def __call__(self, match: int) -> float:
-        b = min(match, self.BUCKETS) - 1
-        return self.accepted[b] / self.judged[b]
+        return self.buckets[min(match, self.BUCKETS) - 1].rate
 
     def update(self, match: int, num_judged: int, num_accepted: int) -> None:
-        b = min(match, self.BUCKETS) - 1
-        forget = self.FORGET ** num_judged
-        self.accepted[b] = self.accepted[b] * forget + num_accepted
-        self.judged[b] = self.judged[b] * forget + num_judged
+        bucket = self.buckets[min(match, self.BUCKETS) - 1]
+        bucket.decay(self.FORGET ** num_judged)
+        bucket.add(num_accepted, num_judged)
 
 
 class Cascade:

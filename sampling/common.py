@@ -11,9 +11,11 @@ from transformers import PreTrainedModel
 from sampling.habits import Habits, check_gen_len
 from sampling.randomness import PositionUniforms
 from sampling.stopping import StopRules
-from utils.caching import Runner, context_length, make_runner
 from utils.calibration import pass_costs
+from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
+from utils.runners import Runner, make_runner
+from utils.runners.model_info import context_length
 from utils.validation import (
     Inputs,
     check_batch,
@@ -172,10 +174,17 @@ def max_tokens(prefixes: list[list[int]], max_new: list[int]) -> int:
     return max(len(prefix) + new for prefix, new in zip(prefixes, max_new, strict=True))
 
 
-def start_generation(request: Request) -> Generation:
-    """The target's runner over a checked request's rows, each row's prefix, budget and random
-    numbers. Callers check their own arguments first: the runner's pass costs may be calibrated
-    here, running the model."""
+def measured_costs(model: PreTrainedModel) -> PassCosts:
+    """Measurement, in one visible place: what a pass of `model` over 1 + k tokens costs on this
+    machine, with the kernels measured fastest here. The first decoding call with a model
+    calibrates it once per machine (it runs the model, with a progress bar on stderr:
+    `utils.calibration`); later calls read the stored table. Called once every argument is checked."""
+    return pass_costs(model)
+
+
+def start_generation(request: Request, costs: PassCosts) -> Generation:
+    """The target's runner over a checked request's rows, priced by `costs` (`measured_costs`),
+    each row's prefix, budget and random numbers."""
     model, rows = request.model, request.inputs
     if request.encoder_decoder:
         prefixes, encoder_input_ids = [[check_decoder_start(model)] for _ in rows], rows
@@ -185,8 +194,7 @@ def start_generation(request: Request) -> Generation:
     max_gen_len = request.max_gen_len
     max_new = [max_gen_len if limit is None else min(max_gen_len, limit - len(prefix)) for prefix in prefixes]
     uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(request.generators, prefixes, strict=True)]
-    # Its costs: the kernels measured fastest here (calibrated once per machine).
     runner = make_runner(model, rows=len(rows), use_cache=request.use_cache, encoder_input_ids=encoder_input_ids,
-                         costs=pass_costs(model), max_tokens=max_tokens(prefixes, max_new))
+                         costs=costs, max_tokens=max_tokens(prefixes, max_new))
     return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched,
                       request.stopping)

@@ -9,12 +9,17 @@ cuts a tree to its first branch where the target verifies chains only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from sampling.common import Generation
+from sampling.common import Generation, Request
+from sampling.draft_policy import DraftLength
 from sampling.drafters import DraftTree
-from utils.caching import vocab_size
+from sampling.options import Drafting, SpeculativeOptions
+from utils.runners.model_info import vocab_size
 
 DRAFTER_METHODS = ("start", "draft", "update", "select_rows")
 
@@ -145,3 +150,17 @@ class CheckedDrafter:
 
     def select_rows(self, keep: list[int]) -> None:
         self.drafter.select_rows(list(keep))
+
+
+class CustomDrafterKind:
+    """Your own `Drafter` (`speculative_generate(inputs, my_drafter, target)`): `gamma` nodes at
+    most every step (it may propose fewer: it knows best how sure it is)."""
+
+    def takes(self, options: SpeculativeOptions) -> bool:
+        return not isinstance(options.drafter, torch.nn.Module)
+
+    def check(self, request: Request, options: SpeculativeOptions) -> Callable[[Generation], Drafting]:
+        check_drafter_options(options.drafter, adaptive_gamma=options.adaptive_gamma,
+                              drafter_tokenizer=options.drafter_tokenizer, ngram=options.ngram,
+                              drafter_invariant=options.drafter_invariant, cascade=options.cascade)
+        return lambda gen: Drafting(checked_drafter(options.drafter, request.model, gen), DraftLength(options.gamma))

@@ -2,8 +2,8 @@
 
 A fixed draft length (or one chosen from a single acceptance rate) drafts as long after a token the
 drafter is unsure of as after one it is sure of. But the drafter's probability of its own draft,
-c = q(x), says much about whether the target will accept it: on a real pair (Qwen2.5-Coder 0.5B for
-1.5B) code is drafted at c > 0.9 for long stretches and prose at c ~ 0.3-0.6. transformers stops
+c = q(x), says much about whether the target will accept it: on a real pair code is drafted sure
+for long stretches and prose unsure (docs/results.md, "Figures behind the code's rules"). transformers stops
 drafting below a fixed c (`assistant_confidence_threshold`, 0.4); here the threshold follows from
 the measured costs instead:
 
@@ -20,6 +20,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
 from sampling.draft_policy import best_tree_size
+from sampling.estimators import DecayedRate
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # bucket b holds c in [EDGES[b-1], EDGES[b])
 
@@ -32,23 +33,19 @@ class ConfidenceAcceptance:
 
     def __init__(self) -> None:
         lows, highs = (0.0, *EDGES), (*EDGES, 1.0)
-        self.accepted = [self.PRIOR_WEIGHT * (low + high) / 2 for low, high in zip(lows, highs, strict=True)]
-        self.judged = [self.PRIOR_WEIGHT] * len(self.accepted)
+        self.buckets = [DecayedRate((low + high) / 2, self.PRIOR_WEIGHT) for low, high in zip(lows, highs, strict=True)]
 
     def __call__(self, c: float) -> float:
-        b = bisect_right(EDGES, c)
-        return self.accepted[b] / self.judged[b]
+        return self.buckets[bisect_right(EDGES, c)].rate
 
     def update(self, confidences: Sequence[float], num_accepted: int) -> None:
         """A chain whose drafts had these confidences; the first `num_accepted` were accepted, the
         next (if any) rejected, the rest never judged."""
         judged = confidences[: num_accepted + 1]
         for i, c in enumerate(judged):
-            b = bisect_right(EDGES, c)
-            self.accepted = [a * self.FORGET for a in self.accepted]
-            self.judged = [j * self.FORGET for j in self.judged]
-            self.accepted[b] += i < num_accepted
-            self.judged[b] += 1.0
+            for bucket in self.buckets:  # one clock for every bucket: a judged draft ages them all
+                bucket.decay(self.FORGET)
+            self.buckets[bisect_right(EDGES, c)].add(float(i < num_accepted), 1.0)
 
 
 class ConfidenceStop:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from sampling.estimators import DecayedRate
 from utils.cost_model import PassCosts
 
 
@@ -94,15 +95,15 @@ class CostAwareDraftLength:
         self.max_gamma = max_gamma
         self.per_token_stop = per_token_stop
         # One probe before the drafter has drafted in this generation: without it a prior that says
-        # "does not pay" is never tested (Qwen2.5-Coder 0.5B for 1.5B on HumanEval: no draft in 276 of
-        # 302 steps where transformers' fixed schedule made 1.53x). The confidence stop makes it cheap:
-        # a doubtful first draft costs one drafter pass and is not verified.
+        # "does not pay" is never tested, and a drafter that would pay is never found out (measured:
+        # docs/results.md, "Figures behind the code's rules"). The confidence stop makes it cheap: a
+        # doubtful first draft costs one drafter pass and is not verified.
         self.cold_probe = per_token_stop
         self.target_costs = target_costs
         self.drafter_costs = drafter_costs
         self.draft_seconds = draft_seconds
         self.warm = warm  # whether the drafter has drafted in this generation (its cache holds the prompt)
-        self.accepted, self.judged = self.PRIOR_RATE * self.PRIOR_WEIGHT, self.PRIOR_WEIGHT
+        self.acceptance = DecayedRate(self.PRIOR_RATE, self.PRIOR_WEIGHT)
         self.plain_steps = 0
         self.probe_after = self.PROBE_AFTER
         # Rows verified together in the step being drafted (`budget`): its pass covers num_rows x (1 + k) tokens.
@@ -111,7 +112,7 @@ class CostAwareDraftLength:
     @property
     def acceptance_rate(self) -> float:
         """The drafter's tokens accepted / judged, learned online (not the `alpha` a generation returns)."""
-        return self.accepted / self.judged
+        return self.acceptance.rate
 
     def drafter_step_cost(self) -> float:
         """One drafted token in units of one target pass (1.0 until something has been timed)."""
@@ -130,11 +131,6 @@ class CostAwareDraftLength:
             return self.target_costs(k) + k * self.drafter_step_cost()
         plain = self.target_costs(self._num_rows - 1)  # a batch: its pass as timed, relative to a plain one
         return plain * self.target_costs.batch_ratio(self._num_rows, 1 + k) + k * self.drafter_step_cost()
-
-    @property
-    def gamma(self) -> int:
-        """The draft length for one sequence this step: `budget(1)`."""
-        return self.budget(1)
 
     def budget(self, num_rows: int) -> int:
         """This step's draft length for `num_rows` rows verified together (0: a plain step); `cost`
@@ -155,8 +151,8 @@ class CostAwareDraftLength:
     def discard(self) -> None:
         """A chain was drafted and the per-token stop kept none of it: its passes were paid for
         nothing, as for a rejected draft (the step itself is counted by `update` as a plain one)."""
-        self.accepted *= self.FORGET
-        self.judged = self.judged * self.FORGET + 1.0
+        self.acceptance.decay(self.FORGET)
+        self.acceptance.add(0.0, 1.0)
 
     def update(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
@@ -165,7 +161,5 @@ class CostAwareDraftLength:
         self.plain_steps = 0
         judged = min(num_accepted + 1, num_drafts)  # drafts after the first rejection were not judged
         for _ in range(judged):
-            self.accepted *= self.FORGET
-            self.judged *= self.FORGET
-        self.accepted += num_accepted
-        self.judged += judged
+            self.acceptance.decay(self.FORGET)
+        self.acceptance.add(num_accepted, judged)

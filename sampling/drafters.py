@@ -14,10 +14,12 @@ from transformers import PreTrainedModel
 
 from sampling.cascade import Cascade
 from sampling.draft_confidence import ConfidenceStop
+from sampling.estimators import RunningAverage
 from sampling.randomness import DRAFT, TARGET, PositionUniforms
-from utils.caching import make_runner, synchronize
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor, inverse_cdf
+from utils.runners import make_runner
+from utils.runners.passes import synchronize
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class Drafter(Protocol):
 
     def draft(self, sequences: list[list[int]], max_drafts: int, max_depths: list[int]) -> list[tuple[DraftTree, Tensor | None]]:
         """For each row, up to `max_drafts` (possibly 0) nodes, no path deeper than `max_depths[b]`
-        (the room left before `max_gen_len`) -> (tree, q) per row.
+        (what fits before `max_gen_len`) -> (tree, q) per row.
 
         q: (len(tree), V) the processed distributions a chain's drafts were sampled from, or None
         when the drafts are deterministic (q one-hot) or the processor is greedy. Only deterministic
@@ -85,6 +87,15 @@ class Drafter(Protocol):
 
     def select_rows(self, keep: list[int]) -> None:
         """Only the rows `keep` go on decoding."""
+
+
+class DraftReading(Protocol):
+    """How a `ModelDrafter` reads its pass: logits -> q, q -> the draft (`ModelDrafter`'s own
+    `distribution` and `sample` by default)."""
+
+    def distribution(self, logits: Tensor, history: list[int] | None) -> Tensor: ...
+
+    def sample(self, q: Tensor, row: int, position: int) -> int: ...
 
 
 class PerRow:
@@ -103,8 +114,8 @@ class PerRow:
             drafter.start(sequence)
 
     def draft(self, sequences, max_drafts, max_depths):
-        return [drafter.draft(sequence, max_drafts, depth)
-                for drafter, sequence, depth in zip(self.drafters, sequences, max_depths, strict=True)]
+        return [drafter.draft(sequence, max_drafts, max_depth)
+                for drafter, sequence, max_depth in zip(self.drafters, sequences, max_depths, strict=True)]
 
     def update(self, sequences, paths, target_logits, p) -> None:
         for drafter, *row in zip(self.drafters, sequences, paths, target_logits, p, strict=True):
@@ -148,6 +159,7 @@ class ModelDrafter:
         costs: PassCosts | None = None,
         stop: ConfidenceStop | None = None,
         cascade: Cascade | None = None,
+        reading: DraftReading | None = None,
         max_tokens: int | None = None,
     ) -> None:
         rows = len(uniforms)
@@ -168,13 +180,21 @@ class ModelDrafter:
         # Cascade drafting (`sampling.cascade`): a proposer whose tokens the drafter checks in one
         # pass of its own; None: one pass per drafted token.
         self.cascade = cascade
+        # How a pass's logits become q and a draft (None: in the target's vocabulary, `distribution`
+        # and `sample`); a drafter with another tokenizer reads them its own way (`sampling.universal`).
+        self.reading = reading if reading is not None else self
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
-        self.seconds_per_draft: float | None = None
+        self.draft_time = RunningAverage(DRAFT_TIME_WEIGHT)
 
     @property
     def forward_passes(self) -> int:
         return self.runner.forward_passes
+
+    @property
+    def seconds_per_draft(self) -> float | None:
+        """What a drafted token costs, in seconds (None before any drafting was timed)."""
+        return self.draft_time.value
 
     def start(self, sequences: list[list[int]]) -> None:
         for row in range(len(sequences)):
@@ -182,11 +202,17 @@ class ModelDrafter:
         if self.cascade is not None:
             self.cascade.start(len(sequences))
 
+    def counters(self) -> dict[str, float]:
+        """Its own counters for `SpeculativeStats`: the cascade's proposals fed and taken."""
+        if self.cascade is None:
+            return {}
+        return {"cascade_proposed": self.cascade.proposed, "cascade_accepted": self.cascade.accepted}
+
     def is_warm(self) -> bool:
         """Whether some row's cache holds tokens: the drafter has drafted in this generation."""
         return any(self.runner.row_length(row) for row in range(len(self.uniforms)))
 
-    def _distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
+    def distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
         """Drafter logits (V_d,) after `history` -> q (V,) in the target's vocabulary, processed as
         the target's p is. Columns the target lacks (padding rows) are dropped; columns the drafter
         lacks get q = 0: still a valid proposal."""
@@ -197,7 +223,9 @@ class ModelDrafter:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-torch.inf)
         return self.processor(logits[None], history)[0]
 
-    def _sample(self, q: Tensor, row: int, position: int) -> int:
+    def sample(self, q: Tensor, row: int, position: int) -> int:
+        """Row `row`'s draft at sequence position `position` from q: its argmax (greedy), else the
+        inverse CDF of q at the position's DRAFT number (TARGET when `coupled`)."""
         if self.processor.is_greedy:
             return int(q.argmax())
         stream = TARGET if self.coupled else DRAFT
@@ -205,7 +233,7 @@ class ModelDrafter:
 
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
-        lengths = [max(0, min(max_drafts, depth)) for depth in max_depths]  # a chain: every node is one deeper
+        lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
         synchronize(*self.runner.devices)  # the clock starts once the queued work is done
@@ -237,9 +265,7 @@ class ModelDrafter:
             for b, chain in enumerate(drafts):
                 self.cascade.finish(b, chain)
         synchronize(*self.runner.devices)
-        seconds = (time.perf_counter() - start) / max(lengths)
-        previous = self.seconds_per_draft
-        self.seconds_per_draft = seconds if previous is None else previous + DRAFT_TIME_WEIGHT * (seconds - previous)
+        self.draft_time.add((time.perf_counter() - start) / max(lengths))
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
             kept = [self.stop.keep(c) for c in confidences]
             for c, k in zip(confidences, kept, strict=True):
@@ -260,8 +286,8 @@ class ModelDrafter:
         for j in range(len(proposals) + 1):
             i = len(drafts[b])
             history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
-            q = self._distribution(logits[j], history)
-            drafts[b].append(self._sample(q, b, len(sequence) + i))
+            q = self.reading.distribution(logits[j], history)
+            drafts[b].append(self.reading.sample(q, b, len(sequence) + i))
             qs[b].append(q)
             if self.stop is not None:
                 confidences[b].append(self._confidence(q, drafts[b][-1]))

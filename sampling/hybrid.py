@@ -19,17 +19,34 @@ rule, a model's with q by speculative sampling), so the output is exact whicheve
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+import torch
 
 from sampling.common import Generation, Request
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, best_draft_length
 from sampling.drafters import Drafter, ModelDrafter
+from sampling.estimators import RunningAverage
+from sampling.model_drafting import build_model_drafting, check_model_drafter
+from sampling.options import Drafting, SpeculativeOptions
 
 # How each kind of pool builds its drafter over a batch's rows: (ngram, request) -> checked now, a
 # builder of the rows for the generation later. The pool's package registers it (ngram_assisted:
 # `ngram_assisted/rows.py`), so that sampling/, the floor it stands on, never imports it.
 NgramPool = object  # what `ngram=` takes: a pool of a registered kind (ngram_assisted's SimpleDynaGram, MultiDynaGram)
-RowsBuilder = Callable[[object, Request], Callable[[Generation], Drafter]]
+RowsBuilder = Callable[..., Callable[[Generation], "PoolDrafter"]]  # (ngram, request, *, greedy)
 _POOL_ROWS: dict[type, RowsBuilder] = {}
+
+
+class PoolDrafter(Drafter, Protocol):
+    """What the hybrid needs from a pool's drafter over the rows, beyond the `Drafter` protocol."""
+
+    def reaches(self) -> list[list[float]]:
+        """Per row, P(node and its whole path accepted) for each node of its last tree."""
+
+    def withdraw(self, rows: list[int]) -> None:
+        """The last trees of `rows` are not verified: forget them (their next `update` has an empty path)."""
 
 
 def register_pool(kind: type, rows_builder: RowsBuilder) -> None:
@@ -37,18 +54,40 @@ def register_pool(kind: type, rows_builder: RowsBuilder) -> None:
     _POOL_ROWS[kind] = rows_builder
 
 
-def pool_rows(ngram: object, request: Request) -> Callable[[Generation], Drafter]:
+def pool_rows(ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
     """Check `ngram=` (before any model runs) -> the builder of its drafter over the request's rows,
     at the pool's defaults (NASD's: `ngram_assisted.rows.ngram_rows`)."""
     first = ngram[0] if isinstance(ngram, (list, tuple)) and ngram else ngram
     for kind, rows_builder in _POOL_ROWS.items():
         if isinstance(first, kind):
-            return rows_builder(ngram, request)
+            return rows_builder(ngram, request, greedy=greedy)
     raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram (ngram_assisted), or for a batch one per "
                     f"row, got {type(first).__name__}")
 
 
-def hybrid_drafter(pool_drafter: Drafter, model: ModelDrafter, policy: CostAwareDraftLength, *, gamma: int,
+class HybridKind:
+    """A drafter model beside an n-gram pool (`speculative_generate(..., ngram=pool)`)."""
+
+    def takes(self, options: SpeculativeOptions) -> bool:
+        return isinstance(options.drafter, torch.nn.Module) and options.ngram is not None
+
+    def check(self, request: Request, options: SpeculativeOptions) -> Callable[[Generation], Drafting]:
+        if check_model_drafter(request, options):
+            raise ValueError("ngram= drafts in the target's vocabulary beside a drafter sharing it; with "
+                             "drafter_tokenizer (another vocabulary) pass ngram=None")
+        build_pool_rows = pool_rows(options.ngram, request, greedy=options.logits_processor.is_greedy)
+
+        def build(gen: Generation) -> Drafting:
+            # The hybrid's model drafts chains: the pool's trees and its chains share one budget.
+            model_drafter, cost_policy, _ = build_model_drafting(request, gen, replace(options, branching=1), universal=False)
+            drafter, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=options.gamma,
+                                             adaptive_gamma=options.adaptive_gamma)
+            return Drafting(drafter, policy, model_drafter.counters)
+
+        return build
+
+
+def hybrid_drafter(pool_drafter: PoolDrafter, model: ModelDrafter, policy: CostAwareDraftLength, *, gamma: int,
                    adaptive_gamma: bool) -> tuple[HybridDrafter, DraftLength]:
     """The hybrid drafter and the loop's cap for it: the pool's tree or the model's chain, within
     `max(policy.max_gamma, gamma)` nodes (the model's chain by its own rule: `gamma` when fixed)."""
@@ -64,12 +103,11 @@ class HybridDrafter:
 
     RATE_WEIGHT = 0.2  # of one model step in the running average of its rate
 
-    def __init__(self, ngram, model: ModelDrafter, policy: CostAwareDraftLength, fixed_gamma: int | None) -> None:
+    def __init__(self, ngram: PoolDrafter, model: ModelDrafter, policy: CostAwareDraftLength, fixed_gamma: int | None) -> None:
         self.ngram, self.model, self.policy, self.fixed_gamma = ngram, model, policy, fixed_gamma
-        self.model_rate: float | None = None  # (1 + accepted) / cost of the model's steps, averaged
+        self.model_rate = RunningAverage(self.RATE_WEIGHT)  # (1 + accepted) / cost of the model's steps
         self._chose_model: list[bool] = []
         self._model_drafts: list[int] = []
-        self.ngram_steps = self.model_steps = 0  # row-steps drafted by each (for stats and reports)
 
     @property
     def forward_passes(self) -> int:
@@ -81,8 +119,8 @@ class HybridDrafter:
 
     def _expected_model_rate(self) -> float:
         """What a model step is expected to yield per unit of cost (the prior: the policy's rate)."""
-        if self.model_rate is not None:
-            return self.model_rate
+        if self.model_rate.value is not None:
+            return self.model_rate.value
         rate = self.policy.acceptance_rate
         length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_gamma, self.policy.cost)
         expected = sum(rate ** j for j in range(1, length + 1))
@@ -94,16 +132,14 @@ class HybridDrafter:
         model_length = self.fixed_gamma or adaptive  # the model's chain this step; 0: it cannot pay now
         model_rate = self._expected_model_rate() if model_length else 0.0
         self._chose_model = []
-        for drafter, (tree, _) in zip(self.ngram.drafters, pool_drafts, strict=True):
-            pool_rate = (1.0 + sum(drafter.reaches[: len(tree)])) / self.policy.verify_cost(len(tree))
+        for reaches, (tree, _) in zip(self.ngram.reaches(), pool_drafts, strict=True):
+            pool_rate = (1.0 + sum(reaches[: len(tree)])) / self.policy.verify_cost(len(tree))
             self._chose_model.append(model_length > 0 and model_rate > pool_rate)
         if not any(self._chose_model):
             return pool_drafts
-        depths = [depth if model else 0 for depth, model in zip(max_depths, self._chose_model, strict=True)]
-        model_drafts = self.model.draft(sequences, min(model_length, max_drafts), depths)
-        for b, model in enumerate(self._chose_model):
-            if model:
-                self.ngram.drafters[b].keep(0)  # the pool's tree is not verified: it learns from the model's step
+        model_depths = [depth if model else 0 for depth, model in zip(max_depths, self._chose_model, strict=True)]
+        model_drafts = self.model.draft(sequences, min(model_length, max_drafts), model_depths)
+        self.ngram.withdraw([b for b, model in enumerate(self._chose_model) if model])  # it learns from the model's step
         self._model_drafts = [len(tree) if model else 0 for (tree, _), model in zip(model_drafts, self._chose_model, strict=True)]
         return [model_draft if model else pool_draft
                 for model_draft, pool_draft, model in zip(model_drafts, pool_drafts, self._chose_model, strict=True)]
@@ -117,15 +153,11 @@ class HybridDrafter:
                           target_logits, p)
         for b, model in enumerate(chose):
             if not model:
-                self.ngram_steps += len(target_logits[b]) > 1
                 continue
-            self.model_steps += 1
             k, n = self._model_drafts[b], len(paths[b])
             self.policy.update(k, n)
             if k:
-                rate = (1.0 + n) / self.policy.cost(k)
-                previous = self.model_rate
-                self.model_rate = rate if previous is None else previous + self.RATE_WEIGHT * (rate - previous)
+                self.model_rate.add((1.0 + n) / self.policy.cost(k))
         self._chose_model = []
 
     def select_rows(self, keep: list[int]) -> None:

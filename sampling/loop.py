@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sampling.acceptance import accept
+from torch import Tensor
+
+from sampling.acceptance import accept_rows
 from sampling.common import Generation, OnStep, Step
 from sampling.draft_policy import DraftPolicy
 from sampling.drafters import Drafter, DraftTree
-from sampling.logprobs import RowLogprobs, step_logits
+from sampling.logprobs import step_logits
+from sampling.progress import Progress
 from sampling.step_clock import StepClock
-from utils.caching import model_devices
 from utils.logits_processors import LogitsProcessor
+from utils.runners.model_info import model_devices
+from utils.runners.protocol import Runner
 
 
 @dataclass
@@ -51,6 +55,7 @@ class SpeculativeStats:
     - `retokenize_seconds`, `lossy_text_rows`: a drafter with another tokenizer: time spent moving
       text between the tokenizers; rows decoded plainly after a text one of them could not
       encode losslessly (`sampling/universal.py`).
+    - `counters`: name -> value, a drafter kind's own counters that have no field here (`add`).
     - `seconds` (with `timed=True`): phase -> seconds, summed over calls: "prefill", "draft" (the
       drafter's work, its model's passes included), "target" (the verification pass), "accept",
       "rollback" (the target's cache), "update" (the drafter told what was accepted: its cache, a
@@ -77,6 +82,7 @@ class SpeculativeStats:
     timed: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
     logprobs: list[list[float]] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # a drafter kind's own counters without a field here
 
     @property
     def alpha(self) -> float:
@@ -98,6 +104,15 @@ class SpeculativeStats:
     def acceptance_by_position(self) -> list[float]:
         """P(draft i accepted | draft i proposed), for i = 0, 1, ..."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=False)]
+
+    def add(self, counters: dict[str, float]) -> None:
+        """A drafter kind's own counters (`sampling.options.Drafting.counters`): each added to its
+        field, or to `counters` when it has none."""
+        for name, value in counters.items():
+            if name in self.__dataclass_fields__ and name not in ("timed", "seconds", "counters"):
+                setattr(self, name, getattr(self, name) + value)
+            else:
+                self.counters[name] = self.counters.get(name, 0) + value
 
     def record(self, num_drafts: int, num_accepted: int, depth: int | None = None) -> None:
         """One step: `num_drafts` drafted nodes (of a tree `depth` deep; a chain's depth is its
@@ -130,6 +145,36 @@ def streamed_step(tree: DraftTree, path: list[int], new_tokens: list[int], row: 
     return Step(drafts=tuple(accepted + rejected), accepted=len(path), tokens=tuple(new_tokens), row=row)
 
 
+def roll_back(target: Runner, sequences: list[list[int]], trees: list[DraftTree], paths: list[list[int]]) -> None:
+    """Step 4: each row's target cache keeps its accepted path (a chain: its leading drafts) and
+    forgets the other drafts; the root of a tree is the row's last accepted token."""
+    for i, (sequence, tree, path) in enumerate(zip(sequences, trees, paths, strict=True)):
+        if tree.is_chain:
+            target.rollback_row(i, len(sequence) + len(path))
+        else:
+            target.keep_path_row(i, len(sequence) - 1, path)
+
+
+def advance(rows: Progress, trees: list[DraftTree], paths: list[list[int]], tokens: list[int], logits: list[Tensor],
+            policy: DraftPolicy, stats: SpeculativeStats, counts: list[list[int]], on_step: OnStep | None) -> list[int]:
+    """After step 4: each row gains its accepted drafts and the target's token (cut at an end token,
+    its budget or a stopping rule); the policy, the stats and the row's counts learn its outcome;
+    `on_step` hears of it -> the positions in `rows.live` of the rows not finished."""
+    going_on = []
+    for i, (tree, path, token) in enumerate(zip(trees, paths, tokens, strict=True)):
+        row = rows.live[i]
+        block_logits = step_logits(logits[i], path) if rows.needs_logits else None  # what predicted its tokens
+        new_tokens, finished = rows.extend(i, [tree.tokens[node] for node in path] + [token], block_logits)
+        going_on += [] if finished else [i]
+        policy.update(len(tree), len(path))
+        counts[row][0] += len(tree)
+        counts[row][1] += len(path)
+        stats.record(len(tree), len(path), tree.depth())
+        if on_step is not None:
+            on_step(streamed_step(tree, path, new_tokens, row))
+    return going_on
+
+
 def speculative_loop(
     gen: Generation,
     drafter: Drafter,
@@ -148,78 +193,45 @@ def speculative_loop(
     batch. Random numbers come from each row's `gen.uniforms` (`sampling.randomness`). `policy`
     gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome.
     """
-    logprobs = RowLogprobs(len(gen.prefixes)) if stats is not None else None
+    target, rows = gen.runner, Progress(gen, logprobs=stats is not None)
     stats = stats if stats is not None else SpeculativeStats()
-    target = gen.runner
-    sequences = [list(prefix) for prefix in gen.prefixes]
-    live = list(range(len(sequences)))  # indices of the rows still decoding, in the runner's (and drafter's) order
     clock = StepClock(stats.seconds if stats.timed else None, model_devices(target.model))
-    drafter.start(sequences)
+    drafter.start(rows.sequences)
     drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
-    if any(len(sequence) > 1 for sequence in sequences):  # prefill
-        target.forward_rows([(sequence[:-1], None) for sequence in sequences], [int(len(s) > 1) for s in sequences])
+    if any(len(sequence) > 1 for sequence in rows.sequences):  # prefill: all but each row's last token
+        target.forward_rows([(s[:-1], None) for s in rows.sequences], [int(len(s) > 1) for s in rows.sequences])
     clock.lap("prefill")
-    generated: list[list[int]] = [[] for _ in sequences]
-    proposed, accepted = [0] * len(sequences), [0] * len(sequences)
-    while live:
-        active = [sequences[row] for row in live]
-        # 1. Draft (a chain, or a tree from an n-gram pool) for every row: the step's budget of nodes at
-        #    most, and no path longer than the room left before max_gen_len once the target's token is counted.
-        max_drafts = policy.budget(len(live))
-        rooms = [gen.max_new_tokens[row] - len(generated[row]) - 1 for row in live]
-        drafts = drafter.draft(active, max_drafts, rooms)
+    counts = [[0, 0] for _ in rows.sequences]  # per row: drafts proposed, drafts accepted
+    while rows.live:
+        active = rows.active()
+        # 1. Draft (a chain, or a tree from an n-gram pool) for every row: the step's budget of
+        #    nodes at most, no path deeper than the row's `max_depths` (what fits before max_gen_len).
+        drafts = drafter.draft(active, policy.budget(len(rows.live)), rows.max_depths())
+        trees = [tree for tree, _ in drafts]
         clock.lap("draft")
-
         # 2. Verify: one target pass over each row's last accepted token and every drafted node.
-        blocks = verification_blocks(active, [tree for tree, _ in drafts])
+        blocks = verification_blocks(active, trees)
         logits = target.forward_rows(blocks, [len(tokens) for tokens, _ in blocks])
         clock.lap("target")
-
-        paths, ps, going_on = [], [], []  # going_on: positions in `live` of the rows not finished
-        for i, row in enumerate(live):
-            (tree, q), sequence = drafts[i], sequences[row]
-            # 3. Accept a path of drafts, then take one token from the target.
-            path, token, p = accept(logits[i], tree, q, sequence, logits_processor, gen.uniforms[row])
-            n = len(path)
-            clock.lap("accept")
-
-            # 4. Roll back the target: keep the accepted path, forget the rest.
-            if tree.is_chain:
-                target.rollback_row(i, len(sequence) + n)
-            else:
-                target.keep_path_row(i, len(sequence) - 1, path)  # the root is the last accepted token
-            clock.lap("rollback")
-            accepted_tokens = [tree.tokens[node] for node in path]
-            block_logits = None if logprobs is None and gen.stopping is None else step_logits(logits[i], path)
-            new_tokens, finished = gen.trim(row, accepted_tokens + [token], len(generated[row]), sequence, block_logits)
-            if logprobs is not None:
-                logprobs.add(row, block_logits, new_tokens)
-            sequence += new_tokens
-            generated[row] += new_tokens
-            paths.append(path)
-            ps.append(p)
-            if not finished:
-                going_on.append(i)
-
-            policy.update(len(tree), n)
-            proposed[row], accepted[row] = proposed[row] + len(tree), accepted[row] + n
-            stats.record(len(tree), n, tree.depth())
-            if on_step is not None:
-                on_step(streamed_step(tree, path, new_tokens, row))
-            clock.lap("rest")
-
-        # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
-        drafter.update(active, paths, logits, ps)
-        clock.lap("update")
-        if 0 < len(going_on) < len(live):  # finished rows stop costing compute
-            target = target.select_rows(going_on)  # the runner to use from now on
-            drafter.select_rows(going_on)
-        live = [live[i] for i in going_on]
+        # 3. Accept, every row at once: a path of drafts, then one token from the target.
+        verdicts = accept_rows(logits, trees, [q for _, q in drafts], active, logits_processor, rows.uniforms())
+        paths = [path for path, _, _ in verdicts]
+        clock.lap("accept")
+        # 4. Roll back the target: keep the accepted paths, forget the rest.
+        roll_back(target, active, trees, paths)
+        clock.lap("rollback")
+        going_on = advance(rows, trees, paths, [token for _, token, _ in verdicts], logits, policy, stats, counts, on_step)
         clock.lap("rest")
-
-    stats.generated_tokens += sum(len(tokens) for tokens in generated)
+        # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
+        drafter.update(active, paths, logits, [p for _, _, p in verdicts])
+        clock.lap("update")
+        target, changed = rows.keep(going_on, target)  # the runner to use from now on
+        if changed:
+            drafter.select_rows(going_on)
+        clock.lap("rest")
+    stats.generated_tokens += sum(len(tokens) for tokens in rows.generated)
     stats.target_forwards += target.forward_passes - target_passes
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
-    if logprobs is not None:
-        stats.logprobs += logprobs.lists()
-    return gen.results([(tokens, a / p if p else 0.0) for tokens, a, p in zip(generated, accepted, proposed, strict=True)])
+    if rows.logprobs is not None:
+        stats.logprobs += rows.logprobs.lists()
+    return gen.results([(tokens, a / p if p else 0.0) for tokens, (p, a) in zip(rows.generated, counts, strict=True)])

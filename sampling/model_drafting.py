@@ -1,21 +1,27 @@
-"""The factory of a drafter model's drafting: the `ModelDrafter` (or, another tokenizer, the
+"""The drafter kind of a drafter model: the `ModelDrafter` (or, another tokenizer, the
 `UniversalDrafter`), built whole with its coupling and stop rules, and the cost-aware policy that
-sizes its drafts (`sampling/draft_policy.py`) or, in a hybrid, prices them."""
+sizes its drafts (`sampling/draft_policy.py`) or, in a hybrid, prices them. Cascade drafting is an
+option of this kind (`sampling/cascade.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from transformers import PreTrainedModel
 
 from sampling.cascade import Cascade
-from sampling.common import Generation, max_tokens
+from sampling.common import Generation, Request, max_tokens
 from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.drafters import ModelDrafter
 from sampling.model_tree import ModelTreeDrafter, TreeAcceptance, TreePlanner, tree_branching
-from sampling.universal import UniversalDrafter
-from utils.caching import vocab_size
+from sampling.options import Drafting, SpeculativeOptions
+from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
+from utils.runners.model_info import vocab_size
+from utils.validation import check_model
 
 MAX_ADAPTIVE_GAMMA = 16  # with adaptive_gamma, each step drafts 0 .. max(gamma, this) tokens
 
@@ -36,7 +42,7 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
                    logits_processor: LogitsProcessor, use_cache: bool,
                    gamma: int, adaptive_gamma: bool, drafter_invariant: bool | None, cascade: bool | None = None,
                    universal: bool = False, branching: int | None = 1,
-                   tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter, CostAwareDraftLength, DraftPolicy]:
+                   tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
     """A drafter model over the rows of `gen` (arguments checked; `universal`: it has another
     tokenizer, `sampling.universal.check_tokenizers`) -> (its drafter, the cost-aware policy of its
     chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step). `cascade`
@@ -74,3 +80,42 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
             tree_drafter = ModelTreeDrafter(model_drafter, width, planner, acceptance)
             return tree_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
     return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
+
+
+def check_model_drafter(request: Request, options: SpeculativeOptions) -> bool:
+    """A drafter model's own options, checked before any model runs -> whether it drafts with
+    another tokenizer (`sampling.universal.check_tokenizers`)."""
+    check_model(options.drafter, "drafter", request.encoder_decoder)
+    if not isinstance(options.adaptive_gamma, bool):
+        raise TypeError(f"adaptive_gamma must be a bool, got {options.adaptive_gamma!r}")
+    universal = check_tokenizers(options.tokenizer, options.drafter_tokenizer, options.drafter, request.model,
+                                 encoder_decoder=request.encoder_decoder)
+    if not universal:
+        check_same_vocabulary(options.drafter, request.model)
+    return universal
+
+
+def build_model_drafting(request: Request, gen: Generation, options: SpeculativeOptions,
+                         universal: bool) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
+    """`model_drafting` from a speculative call's options."""
+    return model_drafting(options.drafter, request.model, gen, logits_processor=options.logits_processor,
+                          use_cache=options.use_cache, gamma=options.gamma, adaptive_gamma=options.adaptive_gamma,
+                          drafter_invariant=options.drafter_invariant, cascade=options.cascade, universal=universal,
+                          branching=options.branching, tokenizer=options.tokenizer,
+                          drafter_tokenizer=options.drafter_tokenizer)
+
+
+class ModelDrafterKind:
+    """A drafter model alone (`speculative_generate(inputs, drafter_model, target)`)."""
+
+    def takes(self, options: SpeculativeOptions) -> bool:
+        return isinstance(options.drafter, torch.nn.Module) and options.ngram is None
+
+    def check(self, request: Request, options: SpeculativeOptions) -> Callable[[Generation], Drafting]:
+        universal = check_model_drafter(request, options)
+
+        def build(gen: Generation) -> Drafting:
+            drafter, _, policy = build_model_drafting(request, gen, options, universal)
+            return Drafting(drafter, policy, drafter.counters)
+
+        return build

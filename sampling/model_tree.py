@@ -227,6 +227,10 @@ class ModelTreeDrafter:
     def cascade(self):
         return self.chain.cascade
 
+    def counters(self) -> dict[str, float]:
+        """The chain drafter's counters (its cascade's, the other tokenizer's): `Drafting.counters`."""
+        return self.chain.counters()
+
     def start(self, sequences: list[list[int]]) -> None:
         self.chain.start(sequences)
         self._trees = []
@@ -292,9 +296,9 @@ class ModelTreeDrafter:
             q = chain.processor.scores(logits[None, : chain.vocab_size], history)[0].softmax(dim=-1)
             tokens, factors = self._top(q, self.branching)
         else:
-            q = chain._distribution(logits, history)
+            q = chain.distribution(logits, history)
             if generator is None:  # coupled: the chain's own draft first, then the next most likely
-                first = chain._sample(q, b, len(tree.sequence) + depth - 1)
+                first = chain.sample(q, b, len(tree.sequence) + depth - 1)
                 tokens, factors = self._top(q.index_fill(0, torch.tensor([first], device=q.device), 0.0),
                                             self.branching - 1)
                 tokens, factors = [first, *tokens], [float(q[first]), *factors]

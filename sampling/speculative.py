@@ -1,7 +1,7 @@
 """Speculative decoding (Leviathan et al. 2023) and speculative sampling (Chen et al. 2023): the
-public functions. Each checks its arguments once, builds its drafter in the factory of its kind
-(a drafter model: `sampling/model_drafting.py`; your own `Drafter`: `sampling/custom_drafters.py`;
-a model beside an n-gram pool: `sampling/hybrid.py`) and runs the one loop (`sampling/loop.py`).
+public functions, and `run_drafting`, the one path of every speculative call: its arguments
+checked once, its drafter built by the kind its options ask for (`sampling/drafter_kinds.py`: a
+drafter model, your own `Drafter`, a model beside an n-gram pool), the one loop (`sampling/loop.py`).
 """
 
 from __future__ import annotations
@@ -9,20 +9,21 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sampling.common import OnStep, check_request, start_generation
-from sampling.custom_drafters import check_drafter_options, checked_drafter
-from sampling.draft_policy import DraftLength
+from sampling.common import OnStep, check_request, measured_costs, start_generation
+from sampling.drafter_kinds import drafter_kind
 from sampling.drafters import Drafter
 from sampling.habits import Habits
-from sampling.hybrid import NgramPool, hybrid_drafter, pool_rows
+from sampling.hybrid import NgramPool
 from sampling.loop import SpeculativeStats, speculative_loop
-from sampling.model_drafting import check_same_vocabulary, model_drafting
+from sampling.model_kind import encoder_decoder_twin, of_kind
+from sampling.options import DecodingOptions, DrafterKind, SpeculativeOptions
 from sampling.stopping import Criterion
-from sampling.universal import check_tokenizers
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import MODEL_EOS, Inputs, check_int, check_model, transformers_names
+from utils.runners.model_info import is_encoder_decoder
+from utils.validation import MODEL_EOS, Inputs, check_int, transformers_names
 
-__all__ = ["SpeculativeStats", "check_gamma", "speculative_generate", "speculative_generate_encoder_decoder",
+__all__ = ["SpeculativeOptions", "SpeculativeStats", "check_gamma", "run_drafting",
+           "speculative_generate", "speculative_generate_encoder_decoder",
            "speculative_loop"]
 
 
@@ -30,68 +31,28 @@ def check_gamma(gamma: object) -> int:
     return check_int(gamma, "gamma", 1)
 
 
-def check_branching(branching: object) -> int | None:
-    """`branching=`: None (the policy's choice) or an int >= 1 (1: chains)."""
-    return None if branching is None else check_int(branching, "branching", 1)
-
-
-def _speculative(inputs, drafter, target, *, encoder_decoder, use_cache, gamma, max_gen_len, logits_processor,
-                 end_tokens_id, adaptive_gamma, generator, stats, on_step, tokenizer=None, drafter_tokenizer=None,
-                 drafter_invariant=None, ngram=None, cascade=None, pad_token_id=None, habits=Habits(), branching=1):
-    """Check every argument (before any model runs), build the drafter, run the loop."""
-    if drafter_invariant is not None and not isinstance(drafter_invariant, bool):
-        raise TypeError(f"drafter_invariant must be a bool or None, got {drafter_invariant!r}")
-    if cascade is not None and not isinstance(cascade, bool):
-        raise TypeError(f"cascade must be a bool or None, got {cascade!r}")
-    branching = check_branching(branching)
-    is_model = isinstance(drafter, torch.nn.Module)
-    if not is_model and branching not in (None, 1):
-        raise ValueError(f"branching={branching} drafts token trees with a drafter model; your own Drafter shapes "
-                         f"its own drafts (DraftTree): pass branching=None")
-    if is_model:
-        check_model(drafter, "drafter", encoder_decoder)
-    else:  # your own drafter: the `Drafter` protocol (docs/drafters.md)
-        check_drafter_options(drafter, adaptive_gamma=adaptive_gamma, drafter_tokenizer=drafter_tokenizer, ngram=ngram,
-                              drafter_invariant=drafter_invariant, cascade=cascade)
-    request = check_request(inputs, target, encoder_decoder=encoder_decoder, use_cache=use_cache, max_gen_len=max_gen_len,
-                            logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator,
-                            model_name="target", pad_token_id=pad_token_id, habits=habits)
-    gamma = check_gamma(gamma)
-    if not isinstance(adaptive_gamma, bool):
-        raise TypeError(f"adaptive_gamma must be a bool, got {adaptive_gamma!r}")
-    if not is_model:  # `gamma` nodes at most every step (it may propose fewer: it knows best how sure it is)
-        gen = start_generation(request)
-        return speculative_loop(gen, checked_drafter(drafter, target, gen), logits_processor=logits_processor,
-                                policy=DraftLength(gamma), stats=stats, on_step=on_step)
-    universal = check_tokenizers(tokenizer, drafter_tokenizer, drafter, target, encoder_decoder=encoder_decoder)
-    if not universal:
-        check_same_vocabulary(drafter, target)
-    elif ngram is not None:
-        raise ValueError("ngram= drafts in the target's vocabulary beside a drafter sharing it; with "
-                         "drafter_tokenizer (another vocabulary) pass ngram=None")
-    build_pool_rows = pool_rows(ngram, request) if ngram is not None else None
-    gen = start_generation(request)
-    model_drafter, cost_policy, policy = model_drafting(
-        drafter, target, gen, logits_processor=logits_processor, use_cache=use_cache, gamma=gamma,
-        adaptive_gamma=adaptive_gamma, drafter_invariant=drafter_invariant, cascade=cascade, universal=universal,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
-        branching=1 if build_pool_rows is not None else branching)  # the hybrid's model drafts chains
-    drafter_in_loop = model_drafter
-    if build_pool_rows is not None:  # the pool's draft or the model's, per step and row (sampling/hybrid.py)
-        drafter_in_loop, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=gamma,
-                                                 adaptive_gamma=adaptive_gamma)
-    result = speculative_loop(gen, drafter_in_loop, logits_processor=logits_processor, policy=policy, stats=stats,
-                              on_step=on_step)
-    if universal and stats is not None:
-        stats.retokenize_seconds += model_drafter.retokenize_seconds
-        stats.lossy_text_rows += model_drafter.lossy_text_rows
-    if model_drafter.cascade is not None and stats is not None:
-        stats.cascade_proposed += model_drafter.cascade.proposed
-        stats.cascade_accepted += model_drafter.cascade.accepted
+def run_drafting(inputs: Inputs, target: PreTrainedModel, options: DecodingOptions, kind: DrafterKind | None = None):
+    """The one path of every speculative call: check every argument (before any model runs), build
+    the drafter of its kind (`sampling/drafter_kinds.py`; None: the kind the options ask for), run
+    the loop, add the kind's counters to the stats."""
+    kind = kind if kind is not None else drafter_kind(options)
+    request = check_request(inputs, target, encoder_decoder=is_encoder_decoder(target), use_cache=options.use_cache,
+                            max_gen_len=options.max_gen_len, logits_processor=options.logits_processor,
+                            end_tokens_id=options.end_tokens_id, generator=options.generator, model_name="target",
+                            pad_token_id=options.pad_token_id, habits=options.habits)
+    check_gamma(options.gamma)
+    build = kind.check(request, options)
+    gen = start_generation(request, measured_costs(target))  # the first call with a model calibrates it
+    drafting = build(gen)
+    result = speculative_loop(gen, drafting.drafter, logits_processor=options.logits_processor,
+                              policy=drafting.policy, stats=options.stats, on_step=options.on_step)
+    if options.stats is not None:
+        options.stats.add(drafting.counters())
     return result
 
 
 @transformers_names
+@of_kind(False, "target")
 def speculative_generate(
     inputs: Inputs,
     drafter: PreTrainedModel | Drafter,
@@ -160,51 +121,17 @@ def speculative_generate(
     Chains where a runner cannot verify trees (encoder-decoder models, `use_cache=False`, flash
     attention), with `ngram=` and with a `drafter_tokenizer`.
     """
-    return _speculative(
-        inputs, drafter, target, encoder_decoder=False, use_cache=use_cache, gamma=gamma,
-        max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
-        adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
-        cascade=cascade, pad_token_id=pad_token_id, branching=branching,
+    return run_drafting(inputs, target, SpeculativeOptions(
+        drafter=drafter, tokenizer=tokenizer, gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
+        end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache, adaptive_gamma=adaptive_gamma,
+        generator=generator, stats=stats, on_step=on_step, drafter_tokenizer=drafter_tokenizer,
+        drafter_invariant=drafter_invariant, ngram=ngram, cascade=cascade, branching=branching,
         habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer),
-    )
+    ))
 
 
-@transformers_names
-def speculative_generate_encoder_decoder(
-    inputs: Inputs,
-    drafter: PreTrainedModel | Drafter,
-    target: PreTrainedModel,
-    *,
-    tokenizer=None,
-    gamma: int = 5,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = MODEL_EOS,
-    pad_token_id: int | None = None,
-    use_cache: bool = True,
-    adaptive_gamma: bool = False,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    stats: SpeculativeStats | None = None,
-    on_step: OnStep | None = None,
-    drafter_tokenizer=None,
-    drafter_invariant: bool | None = None,
-    ngram: NgramPool | list[NgramPool] | None = None,
-    cascade: bool | None = None,
-    stop_strings: str | list[str] | None = None,
-    stopping_criteria: Criterion | list[Criterion] | None = None,
-    num_return_sequences: int = 1,
-    branching: int | None = None,
-) -> tuple[list[int], float] | list[tuple[list[int], float]]:
-    """`speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
+speculative_generate_encoder_decoder = encoder_decoder_twin(speculative_generate, "speculative_generate_encoder_decoder", """
+    `speculative_generate` for encoder-decoder models: `inputs` are the encoder's ids, in any
     form `speculative_generate` takes (each model's encoder runs once); returns the decoder's generated ids without the start token.
     A `drafter_tokenizer` with another vocabulary is refused (decoder-only models only); `branching` is
-    checked, and the drafts are chains (the encoder-decoder runners verify chains)."""
-    return _speculative(
-        inputs, drafter, target, encoder_decoder=True, use_cache=use_cache, gamma=gamma,
-        max_gen_len=max_gen_len, logits_processor=logits_processor, end_tokens_id=end_tokens_id,
-        adaptive_gamma=adaptive_gamma, generator=generator, stats=stats, on_step=on_step,
-        tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer, drafter_invariant=drafter_invariant, ngram=ngram,
-        cascade=cascade, pad_token_id=pad_token_id, branching=branching,
-        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer),
-    )
+    checked, and the drafts are chains (the encoder-decoder runners verify chains).""", "target")

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from utils.caching import synchronize
+from utils.runners.passes import synchronize
 
 
 class StepClock:

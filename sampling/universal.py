@@ -48,12 +48,12 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sampling.cascade import Cascade, common_prefix
-from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree, ModelDrafter
+from sampling.drafters import DraftTree, ModelDrafter
 from sampling.randomness import PositionUniforms
 from sampling.vocabularies import check_tokenizer, intersection, same_vocabulary
-from utils.caching import vocab_size
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
+from utils.runners.model_info import vocab_size
 
 LOOKBEHIND = 8  # target tokens behind the end re-encoded every step: a word's tokens may still merge
 ANCHOR_SEARCH = 16  # anchor candidates tried per step (the anchor moves forward at most this far)
@@ -150,9 +150,11 @@ class _RowText:
     lossy: bool = False  # a text of this row did not round-trip through both tokenizers: no more drafts
 
 
-class UniversalDrafter(ModelDrafter):
-    """A `ModelDrafter` whose model has another tokenizer (module docstring): it drafts in its own
-    vocabulary from its own tokenization of the text and returns target tokens.
+class UniversalDrafter:
+    """A tokenizer bridge around a chain drafter: a `ModelDrafter` (`chain`) whose model has
+    another tokenizer (module docstring) drafts in its own vocabulary from the bridge's
+    tokenization of the text, reading its passes through the bridge (`distribution`, `sample`: q
+    in the target's vocabulary), and the bridge returns target tokens.
 
     `retokenize_seconds`: the time spent moving text between the tokenizers (re-encoding the
     window, mapping drafts), also counted in `seconds_per_draft` for `adaptive_gamma`.
@@ -166,8 +168,10 @@ class UniversalDrafter(ModelDrafter):
                  coupled: bool = False, costs: PassCosts | None = None, cascade: Cascade | None = None) -> None:
         # No confidence stop (`sampling.draft_confidence`): it reads q at the drafter's token id, and q
         # here lives in the target's vocabulary (or, greedy, is raw scores); `adaptive_gamma` still sizes the drafts.
-        super().__init__(model, processor, vocab_size=target_vocab_size, uniforms=uniforms, use_cache=use_cache,
-                         coupled=coupled, stop=None, costs=costs, cascade=cascade)
+        self.chain = ModelDrafter(model, processor, vocab_size=target_vocab_size, uniforms=uniforms,
+                                  use_cache=use_cache, coupled=coupled, stop=None, costs=costs, cascade=cascade,
+                                  reading=self)
+        self.processor, self.vocab_size = processor, target_vocab_size
         self.drafter_tokens = min(len(drafter_tokenizer), vocab_size(model))  # ids past it are padding rows
         self.bridge = bridge(tokenizer, drafter_tokenizer, target_vocab_size, vocab_size(model))
         if not processor.is_greedy and len(self.bridge.drafter_ids) == 0:
@@ -184,8 +188,20 @@ class UniversalDrafter(ModelDrafter):
         self._sequences: list[list[int]] = []  # the target sequences of the running draft step
         self._offsets: list[int] = []  # target position - drafter position of each row's first draft
 
+    @property
+    def forward_passes(self) -> int:
+        return self.chain.forward_passes
+
+    @property
+    def seconds_per_draft(self) -> float | None:
+        """What a drafted token costs, in seconds, moving text between the tokenizers included."""
+        return self.chain.seconds_per_draft
+
+    def is_warm(self) -> bool:
+        return self.chain.is_warm()
+
     def start(self, sequences: list[list[int]]) -> None:
-        super().start(sequences)
+        self.chain.start(sequences)
         prefix = self.bridge.drafter_prefix
         self._rows = [_RowText(tokens=list(prefix), drafter_anchor=len(prefix)) for _ in sequences]
 
@@ -241,14 +257,14 @@ class UniversalDrafter(ModelDrafter):
         n = len(row.window)
         return whole[n:] if whole[:n] == row.window else b.encode_target(text)
 
-    def _greedy_tree(self, row: _RowText, drafts: list[int], max_drafts: int, room: int) -> DraftTree:
+    def _greedy_tree(self, row: _RowText, drafts: list[int], max_drafts: int, max_depth: int) -> DraftTree:
         """Both readings of greedy drafts, verified in one pass: the tokens of their text (what a
         target with more merges emits) and, where they diverge, the same tokens one for one (what a
         target that splits text as the drafter does emits). `max_drafts` nodes at most; a target
         that verifies chains only gets the text reading."""
-        by_text = self._greedy_targets(row, drafts)[:room]
+        by_text = self._greedy_targets(row, drafts)[:max_depth]
         same = self._to_target[drafts].tolist()
-        one_for_one = same[: same.index(-1) if -1 in same else len(same)][:room]
+        one_for_one = same[: same.index(-1) if -1 in same else len(same)][:max_depth]
         if not self.trees:
             return DraftTree.chain(by_text[:max_drafts])
         common = common_prefix(by_text, one_for_one)
@@ -264,7 +280,7 @@ class UniversalDrafter(ModelDrafter):
             parents += [common - 1] + list(range(common + len(a), common + len(a) + len(b) - 1))
         return DraftTree(tokens, parents)
 
-    def _distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
+    def distribution(self, logits: Tensor, history: list[int] | None) -> Tensor:
         """Greedy: the drafter's raw scores over its tokens (its argmax drafts). Sampling: q (V,) in
         the target's vocabulary, the drafter's scores on the intersection processed as p is."""
         if self.processor.is_greedy:
@@ -283,11 +299,11 @@ class UniversalDrafter(ModelDrafter):
                 return sequence + self._to_target[history[n:]].tolist()
         raise AssertionError("a drafter history that no row has")
 
-    def _sample(self, q: Tensor, row: int, position: int) -> int:
+    def sample(self, q: Tensor, row: int, position: int) -> int:
         if self.processor.is_greedy:
             return int(q.argmax())
         # Sampled in the target's vocabulary with the random numbers of the target position.
-        return int(self._to_drafter[super()._sample(q, row, position + self._offsets[row])])
+        return int(self._to_drafter[self.chain.sample(q, row, position + self._offsets[row])])
 
     def draft(self, sequences, max_drafts, max_depths):
         start = time.perf_counter()
@@ -303,19 +319,18 @@ class UniversalDrafter(ModelDrafter):
                 keep = min(common_prefix(row.cached, row.tokens), len(row.tokens) - 1)
                 k = k if keep >= 0 else 0  # no text yet: nothing to draft from
                 keep = max(keep, 0)
-                self.runner.rollback_row(b, keep)
+                self.chain.runner.rollback_row(b, keep)
                 row.cached = row.tokens[:keep]
             self._offsets.append(len(sequence) - len(row.tokens))
             lengths.append(k)
         seconds = time.perf_counter() - start
-        previous = self.seconds_per_draft
-        drafts = super().draft([row.tokens for row in self._rows], max_drafts, lengths)
+        drafts = self.chain.draft([row.tokens for row in self._rows], max_drafts, lengths)
         start = time.perf_counter()
         out = []
         for b, ((tree, q), k) in enumerate(zip(drafts, lengths, strict=True)):
             row = self._rows[b]
             if tree.tokens:
-                row.cached = (row.tokens + tree.tokens)[: self.runner.row_length(b)]  # the last draft unless a cascade fed it
+                row.cached = (row.tokens + tree.tokens)[: self.chain.runner.row_length(b)]  # the last draft unless a cascade fed it
             if not self.processor.is_greedy and tree.tokens:  # sampling: one target token per draft, all in the intersection
                 out.append((DraftTree.chain(self._to_target[tree.tokens].tolist()), q))
             else:
@@ -323,13 +338,18 @@ class UniversalDrafter(ModelDrafter):
         seconds += time.perf_counter() - start
         self.retokenize_seconds += seconds
         if any(lengths):  # the running average of a drafted token's cost, re-encoding included
-            weight = 1.0 if previous is None else DRAFT_TIME_WEIGHT
-            self.seconds_per_draft += weight * seconds / max(lengths)
+            self.chain.draft_time.amend(seconds / max(lengths))
         return out
 
+    def counters(self) -> dict[str, float]:
+        """The model drafter's counters and its own: time moving text, rows gone plain."""
+        return {**self.chain.counters(), "retokenize_seconds": self.retokenize_seconds,
+                "lossy_text_rows": self.lossy_text_rows}
+
     def update(self, sequences, paths, target_logits, p) -> None:
-        pass  # the next `draft` re-encodes the text and keeps the cache's common prefix
+        """Nothing to tell the chain: the next `draft` re-encodes the text and keeps its cache's
+        common prefix with it (the chain's own update reads target positions)."""
 
     def select_rows(self, keep: list[int]) -> None:
-        super().select_rows(keep)
+        self.chain.select_rows(keep)
         self._rows = [self._rows[b] for b in keep]

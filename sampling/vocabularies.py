@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from utils.caching import vocab_size
+from utils.runners.model_info import vocab_size
 
 PADDING_ROWS = 128  # embedding rows a model may have past its tokenizer (padding), beyond 1%
 

@@ -6,10 +6,10 @@ from sampling import (
     autoregressive_generate_encoder_decoder,
     beam_search_generate,
 )
-from sampling.beam_search import length_penalty
+from sampling.beam_search import gnmt_penalty
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
-from utils.caching import ModelRunner
 from utils.logits_processors import NucleusProcessor, TopKProcessor
+from utils.runners import SequenceRunner
 
 FAMILIES = DECODER_ONLY + ENCODER_DECODER
 
@@ -83,13 +83,13 @@ def test_generation_stops_when_the_context_is_full():
 def test_runner_rollback_matches_a_fresh_pass(name):
     model = tiny_model(name)
     tokens = prompt(4, length=30)
-    runner = ModelRunner(model)
+    runner = SequenceRunner(model)
     runner.forward(tokens[:20])
     runner.forward(tokens[20:26], num_logits=6)
     runner.rollback(22)  # forget four positions, as after a rejected draft
     assert len(runner) == 22
     resumed = runner.forward(tokens[22:], num_logits=8)
-    fresh = ModelRunner(model, use_cache=False).forward(tokens, num_logits=8)
+    fresh = SequenceRunner(model, use_cache=False).forward(tokens, num_logits=8)
     torch.testing.assert_close(resumed, fresh)
 
 
@@ -126,7 +126,7 @@ def test_beam_search_with_enough_beams_finds_the_best_sequence():
         with torch.no_grad():
             log_probs = model(torch.tensor([inputs + seq])).logits[0].double().log_softmax(-1)
         total = sum(float(log_probs[len(inputs) - 1 + i, t]) for i, t in enumerate(seq))
-        return total / length_penalty(len(seq), min_length, alpha)
+        return total / gnmt_penalty(len(seq), min_length, alpha)
 
     candidates = []
     for n in range(1, max_len + 1):

@@ -137,22 +137,22 @@ def test_a_model_drafter_that_cannot_pay_stops_drafting_and_probes_later():
     for policy in (as_slow, middling, cheap):
         for _ in range(20):
             policy.update(4, 0)  # the drafts were all wrong
-    assert as_slow.gamma == 0 and middling.gamma == 0 and cheap.gamma == 0
+    assert as_slow.budget(1) == 0 and middling.budget(1) == 0 and cheap.budget(1) == 0
     for policy in (as_slow, middling):
         for _ in range(policy.PROBE_AFTER):
             policy.update(0, 0)
-    assert as_slow.gamma == 0  # as dear as the target: it could not pay even if always right, never probed
-    assert middling.gamma == 1  # could pay if right: one probe after a run of plain steps
+    assert as_slow.budget(1) == 0  # as dear as the target: it could not pay even if always right, never probed
+    assert middling.budget(1) == 1  # could pay if right: one probe after a run of plain steps
     middling.update(1, 0)
     for _ in range(middling.PROBE_AFTER):
         middling.update(0, 0)
-    assert middling.gamma == 0  # a probe that found nothing: the next one waits twice as long
+    assert middling.budget(1) == 0  # a probe that found nothing: the next one waits twice as long
     for _ in range(middling.PROBE_AFTER):
         middling.update(0, 0)
-    assert middling.gamma == 1
+    assert middling.budget(1) == 1
     for _ in range(50):
-        cheap.update(max(cheap.gamma, 4), 4)  # the cheap drafter matches again: it drafts
-    assert cheap.gamma > 2
+        cheap.update(max(cheap.budget(1), 4), 4)  # the cheap drafter matches again: it drafts
+    assert cheap.budget(1) > 2
 
 
 def test_batched_passes_are_judged_by_their_own_timings():

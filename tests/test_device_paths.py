@@ -15,8 +15,10 @@ import utils.runners.passes
 from sampling.acceptance import speculative_accept
 from sampling.randomness import ACCEPT, TARGET, PositionUniforms
 from tests.models import prompt, tiny_model
-from utils.caching import ModelRunner, make_runner, model_devices, synchronize
 from utils.logits_processors import NucleusProcessor, inverse_cdf, supports_float64
+from utils.runners import SequenceRunner, make_runner
+from utils.runners.model_info import model_devices
+from utils.runners.passes import synchronize
 
 
 def test_mps_is_the_device_without_float64():
@@ -123,7 +125,7 @@ def test_a_timed_pass_starts_the_clock_after_the_queued_work(monkeypatch):
     from utils.calibration import pass_costs
 
     model = tiny_model("llama")
-    runner = ModelRunner(model, costs=pass_costs(model))
+    runner = SequenceRunner(model, costs=pass_costs(model))
     runner.forward(prompt(0, length=8))  # the prefill is not timed
     events = []
 
@@ -151,7 +153,7 @@ def test_every_cache_layer_is_indexed_on_its_own_device(monkeypatch):
         return original(index, device, copies)
 
     monkeypatch.setattr(utils.runners.compat, "_index_on", recording)
-    runner = ModelRunner(model)
+    runner = SequenceRunner(model)
     runner.forward(prompt(1, length=6))
     runner.forward_tree(7, [8, 9, 10], [-1, -1, 1])  # root, two children, a grandchild under the second
     runner.keep_path(6, [1, 2])  # not contiguous: the path's keys and values move

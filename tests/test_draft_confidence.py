@@ -67,12 +67,12 @@ def test_one_cold_probe_per_generation_breaks_a_prior_that_says_no():
                                   per_token_stop=True)
     gammas = []
     for _ in range(3 * CostAwareDraftLength.PROBE_AFTER):
-        gammas.append(policy.gamma)
+        gammas.append(policy.budget(1))
         policy.update(gammas[-1], 0)
     assert gammas.count(1) == 1 and set(gammas) == {0, 1}
     whole_chain = CostAwareDraftLength(16, FlatCosts(), FlatCosts(), draft_seconds=lambda: 0.8, warm=lambda: False)
     gammas = []
     for _ in range(3 * CostAwareDraftLength.PROBE_AFTER):  # without the per-token stop: no cold probe
-        gammas.append(whole_chain.gamma)
+        gammas.append(whole_chain.budget(1))
         whole_chain.update(gammas[-1], 0)
     assert set(gammas) == {0}

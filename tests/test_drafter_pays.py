@@ -94,12 +94,12 @@ def test_a_chain_the_stop_drops_whole_counts_against_drafting():
                                   PassCosts(relative=dict(AVX2_FP32), one_token_seconds=0.1),
                                   draft_seconds=lambda: 0.02, per_token_stop=True)
     stop = ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma, on_discard=policy.discard)
-    assert policy.gamma > 0
+    assert policy.budget(1) > 0
     alpha = policy.acceptance_rate
     for _ in range(10):  # drafted, none kept: passes paid for nothing
         stop.on_discard()
         policy.update(0, 0)
-    assert policy.acceptance_rate < alpha / 3 and policy.gamma == 0
+    assert policy.acceptance_rate < alpha / 3 and policy.budget(1) == 0
 
 
 @pytest.fixture

@@ -270,13 +270,17 @@ def test_nasd_sampling_follows_the_target_distribution(processor):
 def test_the_statistical_test_catches_the_original_rule(monkeypatch):
     """The original drew a fresh sample from p after a rejected n-gram draft: it over-produces the draft."""
 
-    def original_rule(p, tokens, parents, uniforms, position):  # a chain: n-gram drafts
-        for i, x in enumerate(tokens):
-            if uniforms(position + i, ACCEPT) >= float(p[i, x]):
-                return list(range(i)), int(inverse_cdf(p[i], uniforms(position + i, TARGET)))
-        return list(range(len(tokens))), int(inverse_cdf(p[len(tokens)], uniforms(position + len(tokens), TARGET)))
+    def original_rule(p, starts, trees, uniforms, positions):  # per row: its first child's draft x
+        choices = []
+        for start, tree, u, t in zip(starts, trees, uniforms, positions, strict=True):
+            for row in range(1 + len(tree)):
+                depth = len(tree.path_to(row - 1))
+                x = next((tree.tokens[node] for node, parent in enumerate(tree.parents) if parent == row - 1), None)
+                kept = x is not None and u(t + depth, ACCEPT) < float(p[start + row, x])
+                choices.append(x if kept else int(inverse_cdf(p[start + row], u(t + depth, TARGET))))
+        return torch.tensor(choices)
 
-    monkeypatch.setattr(sampling.acceptance, "coupled_accept_tree", original_rule)
+    monkeypatch.setattr(sampling.acceptance, "coupled_choices", original_rule)
     target = tiny_model("llama", vocab=8)
     processor = MultinomialProcessor(temperature=2.0)
     joint = exact_two_token_distribution(target, INPUTS, processor)
@@ -312,3 +316,18 @@ def test_sampling_stays_exact_when_the_policy_stops_and_resumes_drafting():
     assert drafted > SAMPLES // 4  # the second step drafted often, after a plain first step
     joint = exact_two_token_distribution(target, INPUTS, processor)
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("arguments,needle,error", [
+    ({"pool": {}}, "pool", TypeError),
+    ({"vocab_size": 0}, "vocab_size", ValueError),
+    ({"top_k_filler": 11}, "top_k_filler", ValueError),
+    ({"branching": 0}, "branching", ValueError),
+    ({"stop_if_unknown": 1}, "stop_if_unknown", TypeError),
+    ({"greedy": None}, "greedy", TypeError),
+    ({"draft_cost": 2.0}, "draft_cost", TypeError),
+])
+def test_the_ngram_drafter_checks_its_constructor_arguments(arguments, needle, error):
+    given = {"pool": MultiDynaGram(3), "vocab_size": 10, **arguments}
+    with pytest.raises(error, match=needle):
+        NgramDrafter(given.pop("pool"), **given)

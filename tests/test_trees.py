@@ -16,8 +16,8 @@ from sampling import SpeculativeStats, autoregressive_generate, autoregressive_g
 from sampling.acceptance import greedy_accept_tree
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
-from utils.caching import ModelRunner
 from utils.logits_processors import GreedyProcessor, MultinomialProcessor
+from utils.runners import SequenceRunner
 
 TOKENS = [10, 11, 12, 13, 14, 15]
 PARENTS = [-1, -1, 0, 0, 2, 1]  # two children at the root, two under node 0, chains below
@@ -35,7 +35,7 @@ def path_tokens(node: int) -> list[int]:
 def test_one_tree_pass_scores_each_node_as_its_own_path(name):
     model = tiny_model(name)
     context = prompt(0, length=20)  # longer than the Mistral-style window (8): it must be folded in
-    runner = ModelRunner(model)
+    runner = SequenceRunner(model)
     runner.forward(context[:-1])
     assert runner.supports_trees
     logits = runner.forward_tree(context[-1], TOKENS, PARENTS)
@@ -51,13 +51,13 @@ def test_one_tree_pass_scores_each_node_as_its_own_path(name):
 def test_the_cache_after_a_tree_step_is_the_cache_of_the_accepted_tokens(name):
     model = tiny_model(name)
     context = prompt(1, length=14)
-    runner = ModelRunner(model)
+    runner = SequenceRunner(model)
     runner.forward(context[:-1])
     runner.forward_tree(context[-1], TOKENS, PARENTS)
     runner.keep_path(len(context) - 1, [0, 2, 4])
     accepted = context + path_tokens(4)
     assert runner.tokens == accepted
-    reference = ModelRunner(model)
+    reference = SequenceRunner(model)
     for token in accepted:  # fed one by one
         reference.forward([token])
     for mine, theirs in zip(runner._cache.layers, reference._cache.layers, strict=True):

@@ -10,8 +10,8 @@
    count, CPU, torch and transformers versions, attention implementation and the kernels' source.
    The one wait a user sees: a progress bar on stderr says so (`SPECDEC_PROGRESS=0` hides it).
 3. A busy machine's table is never stored. Other work on the cores does not slow every pass alike
-   (a two-core CPU shared with one other job measured a pass over 32 tokens at 1.05x a one-token
-   pass, 2.52x quiet), so such a table is wrong, not just slow. `CoreWatch` asks the kernel how
+   (a wide pass can look as cheap as a one-token pass: docs/results.md, "Figures behind the code's
+   rules"), so such a table is wrong, not just slow. `CoreWatch` asks the kernel how
    long this process's threads were runnable but waiting for a core (Linux's per-thread
    `schedstat`): waiting more than `BUSY_WAIT` of the time they were ready to run means the cores
    were not ours. Why that signal: it is direct (CPU time against wall time cannot tell a
@@ -49,12 +49,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from utils import cost_model, cpu_passes
-from utils.caching import context_length, input_device, is_encoder_decoder, synchronize, vocab_size
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
 from utils.runners.compiled import compiled_passes
+from utils.runners.model_info import context_length, input_device, is_encoder_decoder, vocab_size
+from utils.runners.passes import synchronize
 from utils.runners.static import StaticSequence
 
 __all__ = ["CoreWatch", "MachineBusy", "calibrate", "calibration_key", "is_measured", "machine", "pass_costs", "time_passes"]

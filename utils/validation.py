@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from utils.caching import context_length, is_encoder_decoder, vocab_size
 from utils.logits_processors import LogitsProcessor
+from utils.runners.model_info import context_length, is_encoder_decoder, vocab_size
 
 # transformers' `generate` arguments a user types by habit -> what this library calls them.
 TRANSFORMERS_NAMES = {

@@ -36,7 +36,9 @@ class SequenceRunner(ModelPasses):
         use_cache: bool = True,
         encoder_input_ids: list[int] | None = None,
         costs: PassCosts | None = None,
+        adopted: tuple[object, list[int]] | None = None,
     ) -> None:
+        """`adopted`: (a one-row cache, exactly the tokens it holds) to go on from (decoder-only)."""
         super().__init__(model, costs=costs)
         self.use_cache = use_cache
         self.tokens: list[int] = []  # the tokens the cache holds
@@ -47,15 +49,17 @@ class SequenceRunner(ModelPasses):
                 ids = torch.tensor([encoder_input_ids], device=self.device)
                 self._encoder_outputs = model.get_encoder()(input_ids=ids, return_dict=True)
         self._cache = compat.new_cache(self.encoder_decoder) if use_cache else None
+        if adopted is not None:
+            self._cache, self.tokens = adopted[0], list(adopted[1])
+            assert self._cached_positions() == len(self.tokens), "an adopted cache out of step with its tokens"
 
     @classmethod
     def adopting(cls, model: PreTrainedModel, cache, tokens: list[int], *, costs: PassCosts | None,
                  forward_passes: int) -> SequenceRunner:
         """A runner that goes on from a one-row `cache` holding exactly `tokens` (decoder-only), its
         pass counter starting at `forward_passes`: a batch down to its last row."""
-        runner = cls(model, costs=costs)
-        runner._cache, runner.tokens, runner.forward_passes = cache, tokens, forward_passes
-        assert runner._cached_positions() == len(tokens), "an adopted cache out of step with its tokens"
+        runner = cls(model, costs=costs, adopted=(cache, tokens))
+        runner.forward_passes = forward_passes  # the batch's passes so far: the count goes on
         return runner
 
     def __len__(self) -> int:
