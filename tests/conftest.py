@@ -13,6 +13,7 @@ from pathlib import Path
 # say which thread count they run with (`torch_threads`).
 os.environ["OMP_NUM_THREADS"] = "1"
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -37,3 +38,18 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (make test): one worker per core this process may run on, each on one torch thread
+    (above); pytest-xdist's own count would be the physical cores, one on a 2-vCPU machine."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The terminal tests (marked `subprocess`) and the ones that time the machine (marked `serial`) run one
+    after another on one worker under `--dist loadgroup` (`make test`): a console waiting on its prompt or a
+    calibration filling every core is not the place for a second one beside it. Without xdist: no effect."""
+    for item in items:
+        if item.get_closest_marker("subprocess") or item.get_closest_marker("serial"):
+            item.add_marker(pytest.mark.xdist_group("serial"))
