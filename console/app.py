@@ -127,8 +127,8 @@ class ChatConsole:
                              "/clear forgets the conversation")
         if self.settings.max_gen_len <= room:
             return self.settings, None
-        return (replace(self.settings, max_gen_len=room),
-                f"max_gen_len {self.settings.max_gen_len} capped at {room}: the prompt takes {len(inputs)} of the model's {limit} positions")
+        note = f"max_gen_len {self.settings.max_gen_len} capped at {room}: the prompt takes {len(inputs)} of the model's {limit} positions"
+        return replace(self.settings, max_gen_len=room), note
 
     def answer(self, user_text: str) -> None:
         """Answer with every method that is on, one after the other, then compare them."""
