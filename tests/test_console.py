@@ -1,6 +1,7 @@
 """Drive the real console through a pseudo-terminal, as a user would."""
 
 import io
+import shutil
 import signal
 import sys
 import time
@@ -146,6 +147,22 @@ def test_ctrl_c_stops_a_generation_and_returns_to_the_prompt(model_dir):
 def test_ctrl_c_at_an_idle_prompt_exits_with_status_0(model_dir):
     child = start(model_dir)
     child.sendintr()  # the terminal's Ctrl-C
+    child.expect_exact("bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and child.signalstatus is None
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed here")
+def test_ctrl_c_at_the_prompt_of_make_chat_ends_make_with_status_0(model_dir, tmp_path):
+    """GNU make gets the terminal's SIGINT too, waits for the console, then kills itself with it (signal 2)
+    unless the console took the terminal for its own process group (console/terminal.py: own_ctrl_c)."""
+    (tmp_path / "Makefile").write_text(f"chat:\n\t{sys.executable} {ROOT / 'infer.py'} --target {model_dir}\n")
+    child = pexpect.spawn("make", ["-s", "-C", str(tmp_path), "chat"], cwd=str(ROOT), encoding="utf-8", timeout=120,
+                          dimensions=(50, 200))
+    child.expect_exact("/help for the commands")
+    child.expect_exact(PROMPT)
+    child.sendintr()
     child.expect_exact("bye")
     child.expect(pexpect.EOF)
     child.close()

@@ -15,6 +15,7 @@ from console.app import ChatConsole
 from console.models import load
 from console.settings import parse_processor
 from console.terminal import REPLACEMENT, TextStream, keys_ignored
+from sampling import Step
 from tests.saved_model import save_tiny_chat_model
 
 TEXT = "héllo 🙂 世界, naïve café"
@@ -147,3 +148,41 @@ def test_a_prompt_that_fills_the_context_is_refused_before_any_model_runs(app, m
     monkeypatch.setattr("console.app.run_method", lambda *a, **k: pytest.fail("a model ran"))
     with pytest.raises(ValueError, match="fills the model's context of 64 tokens: /clear"):
         app.answer(" ".join(["w5"] * 80))
+
+
+def test_the_prompt_pass_shows_a_spinner_until_the_first_step(app, monkeypatch):
+    events = []
+
+    class Recorded:
+        def __init__(self, console, message):
+            self.message, self.running = message, False
+
+        def __enter__(self):
+            events.append(("spinner", self.message))
+            self.running = True
+            return self
+
+        def __exit__(self, *exc):
+            self.stop()
+
+        def stop(self):
+            was, self.running = self.running, False
+            if was:
+                events.append(("stopped", self.message))
+            return was
+
+    def run_method(method, inputs, settings, *, on_step, **models):
+        events.append(("prompt pass", method))
+        for token in inputs[:2]:
+            on_step(Step(drafts=(), accepted=0, tokens=(token,)))
+        return list(inputs[:2]), None
+
+    monkeypatch.setattr("console.app.Status", Recorded)
+    monkeypatch.setattr("console.app.run_method", run_method)
+    monkeypatch.setattr(app, "report", lambda results: None)
+    app.settings.methods.update(target=True, ngram=False)
+    app.answer("w5 w6 w7")
+    (spinner, message), pass_, stopped = events
+    assert spinner == "spinner" and message.startswith("[target] reading the prompt (") and "tokens)" in message
+    assert pass_ == ("prompt pass", "target") and stopped == ("stopped", message)  # at the first step, once
+    assert "[target] " in output(app)
