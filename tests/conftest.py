@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.get_closest_marker("subprocess") or item.get_closest_marker("serial"):
             item.add_marker(pytest.mark.xdist_group("serial"))
         group = item.get_closest_marker("xdist_group")
-        if group is not None and config.getvalue("loadgroup"):
+        if group is not None and getattr(config.option, "loadgroup", False):  # set on xdist's workers only
             _join_group(item, group.args[0])
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects alike, so every worker sorts alike
         items.sort(key=_longest_first)

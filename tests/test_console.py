@@ -172,7 +172,7 @@ def test_ctrl_c_at_the_prompt_of_make_chat_ends_make_with_status_0(model_dir, tm
 def test_keys_typed_during_a_generation_are_neither_shown_nor_kept(model_dir):
     child = start(model_dir)
     child.logfile_read = seen = io.StringIO()  # everything the console shows from here on
-    send(child, "/length 4000")
+    send(child, "/length 200")
     send(child, "/beam")  # target, ngram, then beam search: a second or so after the first tokens
     child.sendline("w5 w6 w7")
     child.expect_exact("[target]")
