@@ -35,11 +35,11 @@ chat: setup
 chat-coder: models  # the console on a real pair: Qwen2.5-Coder-1.5B drafted for by its 0.5B (first start assembles them)
 	$(PY) infer.py --target qwen2.5-coder-1.5b-instruct --drafter qwen2.5-coder-0.5b-instruct
 
-test: setup
-	$(PY) -m pytest
+test: setup  # on every core: one pytest-xdist worker per core, one torch thread each (tests/conftest.py)
+	$(PY) -m pytest -n auto --dist loadgroup
 
 test-fast: setup  # the edit-test loop: the suite less its statistical, notebook and subprocess tests
-	$(PY) -m pytest -m "not slow and not subprocess and not real_models"
+	$(PY) -m pytest -n auto --dist loadgroup -m "not slow and not subprocess and not real_models"
 
 bench: setup  # a few minutes: one prompt per task, greedy; see the README for the full runs
 	$(PY) -m benchmarks.spec_bench --per-category 1 --repeats 2 --methods hf_plain,hf_control,ours_ar,hf_prompt_lookup,ours_nasd

@@ -22,6 +22,11 @@ def _show_start(started: threading.Event) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Import the console (seconds: PyTorch and transformers) behind a line of dots, then run it."""
+    from utils.threads import settle_openmp  # no torch: OpenMP reads its settings once, when torch starts
+
+    note = settle_openmp()  # beside other busy processes: fewer threads, idle ones asleep (one line says so)
+    if note:
+        print(note, flush=True)
     started = threading.Event()
     dots = threading.Thread(target=_show_start, args=(started,), daemon=True)
     dots.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from rich.console import Console
 from rich.text import Text
@@ -11,8 +12,10 @@ from console.commands import QUIT, dispatch
 from console.models import Model, check_pair, drafter_hint, run_method, same_tokenizer
 from console.render import Result, legend, render_step, results_table, same_tokens_line
 from console.settings import Settings
+from console.terminal import Status, TextStream, keys_ignored
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from sampling import Step
+from utils.caching import context_length
 from utils.calibration import pass_costs
 
 
@@ -93,21 +96,39 @@ class ChatConsole:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return tokenizer(user_text)["input_ids"]
 
-    def streamer(self, method: str, tokenizer):
-        """An on_step callback that prints the new text (coloured by origin in debug mode)."""
-        generated: list[int] = []
-        printed = [""]
+    def streamer(self, method: str, stream: TextStream, prompt_pass: Status):
+        """An on_step callback that ends the prompt pass's spinner at the first step, then prints the
+        new text, whole characters only (coloured by origin in debug mode)."""
 
         def on_step(step: Step) -> None:
+            if prompt_pass.stop():
+                self.console.print(Text(f"[{method}] ", style="bold cyan"), end="")
             if self.settings.debug and method in ("speculative", "ngram"):
-                self.console.print(render_step(step, tokenizer), end="")
+                stream.skip(step.tokens)
+                self.console.print(render_step(step, stream.tokenizer), end="")
                 return
-            generated.extend(step.tokens)
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            self.console.print(text[len(printed[0]) :], end="", markup=False, highlight=False)
-            printed[0] = text
+            self.console.print(stream.push(step.tokens), end="", markup=False, highlight=False)
 
         return on_step
+
+    def within_context(self, method: str, inputs: list[int]) -> tuple[Settings, str | None]:
+        """The settings for `method` on `inputs`: `max_gen_len` capped at what the models' context leaves
+        after the prompt, and the line that says so (or None); a prompt that fills it raises a one-line ValueError."""
+        models = [self.drafter if method == "drafter" else self.target]
+        if method == "speculative" and self.drafter is not None:
+            models.append(self.drafter)
+        limits = [limit for limit in (context_length(m.model) for m in models) if limit is not None]
+        if not limits:
+            return self.settings, None
+        limit = min(limits)
+        room = limit - len(inputs)
+        if room < 1:
+            raise ValueError(f"the prompt ({len(inputs)} tokens) fills the model's context of {limit} tokens: "
+                             "/clear forgets the conversation")
+        if self.settings.max_gen_len <= room:
+            return self.settings, None
+        note = f"max_gen_len {self.settings.max_gen_len} capped at {room}: the prompt takes {len(inputs)} of the model's {limit} positions"
+        return replace(self.settings, max_gen_len=room), note
 
     def answer(self, user_text: str) -> None:
         """Answer with every method that is on, one after the other, then compare them."""
@@ -117,22 +138,32 @@ class ChatConsole:
             return
         if self.settings.debug and {"speculative", "ngram"} & set(methods):
             self.say(legend())
-        results = []
+        results, notes = [], set()
         for method in methods:
-            self.console.print(Text(f"[{method}] ", style="bold cyan"), end="")
             if method == "ngram" and self.settings.reset_in_between:
                 self.pool.reset()
             tokenizer = self.tokenizer_of(method)
             inputs = self.encode(user_text, tokenizer)
+            settings, note = self.within_context(method, inputs)
+            if note is not None and note not in notes:  # one line, not one per method
+                notes.add(note)
+                self.say(Text(note, style="yellow"))
+            stream = TextStream(tokenizer)
+            # The prompt pass (seconds for a long conversation) under a spinner, until the first step.
+            prompt_pass = Status(self.console, f"[{method}] " + ("searching 4 beams" if method == "beam" else
+                                                                 f"reading the prompt ({len(inputs)} tokens)"))
             start = time.perf_counter()
-            ids, stats = run_method(method, inputs, self.settings, target=self.target, drafter=self.drafter,
-                                    pool=self.pool, on_step=None if method == "beam" else self.streamer(method, tokenizer))
+            with keys_ignored(), prompt_pass:
+                ids, stats = run_method(method, inputs, settings, target=self.target, drafter=self.drafter, pool=self.pool,
+                                        on_step=None if method == "beam" else self.streamer(method, stream, prompt_pass))
             seconds = time.perf_counter() - start
             text = tokenizer.decode(ids, skip_special_tokens=True)
+            if method == "beam" or not stream.ids:  # no step streamed: the label was not shown yet
+                self.console.print(Text(f"[{method}] ", style="bold cyan"), end="")
             if method == "beam":
                 self.say(text)
             else:
-                self.console.print()
+                self.console.print(stream.finish(), markup=False, highlight=False)
             results.append(Result(method, ids, seconds, stats, text, prior_costs=self.prior_costs(method)))
         self.report(results)
         if self.settings.chat:
@@ -164,11 +195,9 @@ class ChatConsole:
         while True:
             try:
                 line = self.console.input("[bold]> [/bold]").strip()
-            except EOFError:
-                break
-            except KeyboardInterrupt:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: exit, status 0
                 self.console.print()
-                continue
+                break
             if not line:
                 continue
             if line.startswith("/"):

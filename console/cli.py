@@ -10,6 +10,7 @@ from rich.text import Text
 
 from console.app import ChatConsole
 from console.models import STAND_IN, check_pair, drafter_hint, load, measure_pass_costs, stand_in
+from console.terminal import own_ctrl_c
 
 USAGE = """\
 Interactive console: chat with a model and compare decoding methods side by side.
@@ -79,5 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C stops a generation even when the console was started with SIGINT ignored (a shell
     # script's background job inherits that, and Python then never raises KeyboardInterrupt).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    own_ctrl_c()  # under `make chat`: Ctrl-C reaches the console only, and make ends with its status
     app.run()
     return 0

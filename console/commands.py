@@ -25,12 +25,17 @@ from console.models import (
 )
 from console.render import legend, status_table
 from console.settings import METHODS, parse_count, parse_processor, parse_seed, parse_switch
+from utils.caching import context_length
+from utils.cost_model import DRAFT_SIZES
 
 # The console a handler works on (`console.app.ChatConsole`, which imports this module: named here
 # without an import, so that the two modules form no circle).
 ChatConsole = Any
 
 QUIT = object()  # a handler's answer that ends the console
+# Bounds of the console's counts, against typos (`/gamma 1000`); the library takes any positive value.
+MAX_BRANCHING = 8  # n-gram candidates per node (the default trees use up to 3 where they pay: docs/nasd.md)
+MAX_NGRAM = 32  # the n of a new pool
 
 
 @dataclass(frozen=True)
@@ -168,9 +173,18 @@ COUNTS = {  # command -> (setting, help)
 }
 
 
+def count_bounds(app, name: str) -> tuple[int | None, str]:
+    """The largest value of a count command and what bounds it."""
+    if name == "length":
+        return context_length(app.target.model), "the model's context"
+    if name == "gamma":
+        return max(DRAFT_SIZES), "the draft lengths whose passes the cost model measures"
+    return None, ""
+
+
 def _count(name: str, attribute: str):
     def run(app, args):
-        value = parse_count(args, name)
+        value = parse_count(args, name, 1, *count_bounds(app, name))
         if name == "top_k_filler" and value > len(app.target.tokenizer):
             raise ValueError(f"top_k_filler must be at most the vocabulary size {len(app.target.tokenizer)}, got {value}")
         setattr(app.settings, attribute, value)
@@ -201,16 +215,18 @@ command("/processor key=value ...", "transformers' processors, e.g. repetition_p
 
 @command("/branching <n|auto>", "n-gram candidates per node (token trees; 1: chains; auto: where they pay)")
 def _branching(app, args):
-    if len(args) != 1 or not (args[0] == "auto" or (args[0].isdigit() and int(args[0]) >= 1)):
-        raise ValueError(f"usage: /branching <n|auto>, n an integer >= 1 (1: chains), got {' '.join(args) or 'nothing'!r}")
+    if len(args) != 1 or not (args[0] == "auto" or (args[0].isdigit() and 1 <= int(args[0]) <= MAX_BRANCHING)):
+        raise ValueError(f"usage: /branching <n|auto>, n an integer from 1 (chains) to {MAX_BRANCHING}, "
+                         f"got {' '.join(args) or 'nothing'!r}")
     app.settings.branching = None if args[0] == "auto" else int(args[0])
     return f"branching: {args[0]}"
 
 
 @command("/set_ngram <simple|multi> <n>", "a new n-gram pool")
 def _set_ngram(app, args):
-    if len(args) != 2 or args[0] not in ("simple", "multi") or not args[1].isdigit() or int(args[1]) < 2:
-        raise ValueError(f"usage: /set_ngram <simple|multi> <n>, n an integer >= 2, got {' '.join(args) or 'nothing'!r}")
+    if len(args) != 2 or args[0] not in ("simple", "multi") or not args[1].isdigit() or not 2 <= int(args[1]) <= MAX_NGRAM:
+        raise ValueError(f"usage: /set_ngram <simple|multi> <n>, n an integer from 2 to {MAX_NGRAM}, "
+                         f"got {' '.join(args) or 'nothing'!r}")
     app.settings.ngram_kind, app.settings.ngram_n = args[0], int(args[1])
     app.pool = app.new_pool()
     return f"n-gram pool: {app.pool}"

@@ -72,20 +72,40 @@ def parse_switch(current: bool, args: list[str], name: str) -> bool:
     raise ValueError(f"usage: /{name} [on|off], got {' '.join(args)!r}")
 
 
-def parse_count(args: list[str], name: str, minimum: int = 1) -> int:
-    """`/length 16` -> 16: one integer >= `minimum`."""
-    if len(args) != 1 or not args[0].isdigit() or int(args[0]) < minimum:
-        raise ValueError(f"usage: /{name} <n>, n an integer >= {minimum}, got {' '.join(args) or 'nothing'!r}")
+def parse_count(args: list[str], name: str, minimum: int = 1, maximum: int | None = None, why: str = "") -> int:
+    """`/length 16` -> 16: one integer from `minimum` to `maximum` (`why`: what bounds it, for the message)."""
+    if len(args) != 1 or not args[0].isdigit() or not minimum <= int(args[0]) <= (maximum or int(args[0])):
+        bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}{f' ({why})' if why else ''}"
+        raise ValueError(f"usage: /{name} <n>, n an integer {bounds}, got {' '.join(args) or 'nothing'!r}")
     return int(args[0])
+
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest
 
 
 def parse_seed(args: list[str]) -> int | None:
     """`/seed 7` -> 7; `/seed off` (or `none`) -> None: unseeded sampling."""
     if len(args) == 1 and args[0].lower() in ("off", "none"):
         return None
-    if len(args) != 1 or not args[0].isdigit():
-        raise ValueError(f"usage: /seed <n> or /seed off, n an integer >= 0, got {' '.join(args) or 'nothing'!r}")
+    if len(args) != 1 or not args[0].isdigit() or int(args[0]) > MAX_SEED:
+        raise ValueError(f"usage: /seed <n> or /seed off, n an integer from 0 to 2**64 - 1, got {' '.join(args) or 'nothing'!r}")
     return int(args[0])
+
+
+# `/processor key=value`: each transformers key's range, in the console's words (transformers' own
+# messages name its processors' parameters, e.g. `penalty` for repetition_penalty).
+GENERATE_RANGES = {
+    "repetition_penalty": (lambda v: v > 0, "> 0 (1: off)"),
+    "no_repeat_ngram_size": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "min_length": (lambda v: v >= 0, ">= 0"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "typical_p": (lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
+    "epsilon_cutoff": (lambda v: 0 <= v < 1, "in [0, 1) (0: off)"),
+    "eta_cutoff": (lambda v: 0 <= v < 1, "in [0, 1) (0: off)"),
+}
 
 
 def _number(key: str, value: str) -> int | float:
@@ -109,6 +129,9 @@ def generate_settings(args: list[str]) -> dict:
             settings[key] = value.lower() == "true"
         else:
             settings[key] = _number(key, value)
+            valid, expected = GENERATE_RANGES[key]
+            if not valid(settings[key]):
+                raise ValueError(f"{key} must be {expected}, got {value}")
     settings.setdefault("do_sample", bool(SAMPLING_KEYS & set(settings)))
     return settings
 
@@ -130,7 +153,10 @@ def parse_processor(args: list[str]) -> tuple[str, dict]:
         raise ValueError(f"name a processor: {', '.join(PROCESSORS)}, or transformers' key=value (/help)")
     if "=" in args[0]:
         settings = generate_settings(args)
-        generate_processor(settings)  # validates
+        try:
+            generate_processor(settings)  # validates what the ranges above do not (combinations)
+        except ValueError as error:
+            raise ValueError(f"transformers refuses {' '.join(args)}: {error}") from None
         return "generate", settings
     name, values = args[0], args[1:]
     if name not in PROCESSORS:

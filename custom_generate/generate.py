@@ -10,7 +10,8 @@ returns: the prompt and the new tokens, (batch, length) LongTensor, finished row
 `sequences` under `return_dict_in_generate=True`). Greedy output is `generate`'s own, token for
 token; sampled output follows the same distribution (seeded through torch's global generator
 unless `generator=` is given). Extra keyword arguments: `gamma`, `ngram` (a dynagram kept across
-calls), `top_k_filler`, `branching`, `stats` (a `SpeculativeStats`), `generator`.
+calls), `top_k_filler`, `branching`, `stats` (a `SpeculativeStats`), `generator`. Every other
+argument is refused with a ValueError naming it, never ignored (`HONOURED`, `NEUTRAL`).
 
 transformers (4.57 and 5.x) copies this file into its modules cache and imports it from there, so
 the library is found through the installed package (`pip install -e .`) or, failing that, the
@@ -34,6 +35,51 @@ UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None,
                "begin_suppress_tokens": None, "sequence_bias": None, "min_new_tokens": None, "stop_strings": None,
                "max_time": None, "output_scores": False, "output_logits": False, "output_attentions": False,
                "output_hidden_states": False, "guidance_scale": None, "watermarking_config": None}
+
+
+# The GenerationConfig fields this method honours, or that ask nothing of it (the token ids generate needs only
+# without inputs, the version stamps); any other field given a value of its own is refused (`_not_honoured`).
+HONOURED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p",
+            "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length",
+            "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache",
+            "return_dict_in_generate", "transformers_version", "_from_model_config",
+            "disable_compile"}  # nothing here is compiled: True and False alike
+# Values of the other fields that ask for nothing (transformers 5 leaves them None until generate resolves them).
+NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "num_beam_groups": 1, "output_scores": False, "output_logits": False,
+           "output_attentions": False, "output_hidden_states": False, "renormalize_logits": False,
+           "remove_invalid_values": False, "low_memory": False, "early_stopping": False, "length_penalty": 1.0,
+           "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "diversity_penalty": 0.0,
+           "guidance_scale": 1.0, "is_assistant": False, "token_healing": False}
+# What to use instead, for the fields a speculative-decoding user is most likely to pass.
+INSTEAD = {"prompt_lookup_num_tokens": "this method drafts from an n-gram pool already: gamma= sets its draft length",
+           "max_matching_ngram_size": "the pool's n: ngram=MultiDynaGram(n)",
+           "num_assistant_tokens": "gamma=", "num_assistant_tokens_schedule": "gamma= (the draft length adapts to costs)",
+           "assistant_confidence_threshold": "gamma= (the draft length adapts to costs)"}
+
+
+def _given(kwargs: dict, generation_config, model) -> dict:
+    """The GenerationConfig fields the caller set -> their values: keyword arguments, and a config's
+    fields that differ from the model's."""
+    given = {}
+    if generation_config is not None:
+        own = model.generation_config.to_dict()
+        given = {name: value for name, value in generation_config.to_dict().items() if own.get(name) != value}
+    given.update({name: value for name, value in kwargs.items() if hasattr(model.generation_config, name)})
+    return given
+
+
+def _not_honoured(given: dict) -> tuple[str, object] | None:
+    """The first given field outside `HONOURED` that asks for something (not None, empty, neutral or the default)."""
+    from transformers import GenerationConfig
+
+    defaults = GenerationConfig().to_dict()
+    for name in sorted(set(given) - HONOURED):
+        value = given[name]
+        empty = isinstance(value, (list, tuple, dict)) and not value
+        if value is None or empty or value == defaults.get(name) or (name in NEUTRAL and value == NEUTRAL[name]):
+            continue
+        return name, value
+    return None
 
 
 def _repository_root() -> Path | None:
@@ -99,15 +145,22 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
              negative_prompt_ids=None, negative_prompt_attention_mask=None, **kwargs):
     """`generate` by NASD (or speculative decoding with `assistant_model`) -> (batch, length) LongTensor."""
     sampling, ngram_assisted, lp = _import_library()
-    kwargs.pop("use_model_defaults", None)
+    if kwargs.pop("use_model_defaults", None) is False:  # this method starts from the model's generation_config
+        raise ValueError("custom_generate (NASD) cannot honour use_model_defaults=False: pass a generation_config instead")
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     attention_mask = kwargs.pop("attention_mask", None)
     options = {name: kwargs.pop(name) for name in NASD_OPTIONS if name in kwargs}
+    # 1. Refuse what this method cannot do, before any model runs: every argument is honoured or refused.
+    refused = _not_honoured(_given(kwargs, generation_config, model))  # before the config's own checks: ours name it
+    if refused is not None:
+        name, value = refused
+        instead = f" ({INSTEAD[name]})" if name in INSTEAD else ": use plain generate for it"
+        raise ValueError(f"custom_generate (NASD) cannot honour {name}={value!r}{instead}")
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     unused = config.update(**kwargs)
-    # 1. Refuse what this method cannot do, before any model runs.
     for name, value in (("stopping_criteria", stopping_criteria), ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
-                        ("negative_prompt_ids", negative_prompt_ids), ("logits_processor", logits_processor)):
+                        ("negative_prompt_ids", negative_prompt_ids), ("logits_processor", logits_processor),
+                        ("negative_prompt_attention_mask", negative_prompt_attention_mask), ("synced_gpus", synced_gpus or None)):
         if value is not None and not (name in ("stopping_criteria", "logits_processor") and len(value) == 0):
             hint = "; set the processing through the GenerationConfig's fields" if name == "logits_processor" else ""
             raise ValueError(f"custom_generate (NASD) does not take {name}{hint}")
@@ -116,7 +169,7 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
                          f"generate's GenerationConfig fields and {', '.join(NASD_OPTIONS)}")
     for name, default in UNSUPPORTED.items():
         value = getattr(config, name, default)
-        if value not in (default, None) and not (isinstance(value, (list, tuple)) and not value):
+        if value not in (default, None, NEUTRAL.get(name)) and not (isinstance(value, (list, tuple)) and not value):
             raise ValueError(f"custom_generate (NASD) cannot honour {name}={value!r}: use plain generate for it")
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise TypeError(f"inputs must be a (batch, length) LongTensor of token ids, got {type(input_ids).__name__}")

@@ -14,6 +14,7 @@ from pathlib import Path
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["SPECDEC_COMPILE"] = "0"  # load_model(compile="auto") compiles nothing here: the tests that compile say so
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -38,3 +39,45 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (make test): one worker per core this process may run on, each on one torch thread
+    (above); pytest-xdist's own count would be the physical cores, one on a 2-vCPU machine."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group markers
+def pytest_collection_modifyitems(config, items) -> None:
+    """The terminal tests (marked `subprocess`) and the ones that time the machine (marked `serial`) run one
+    after another on one worker under `--dist loadgroup` (`make test`): a console waiting on its prompt or a
+    calibration filling every core is not the place for a second one beside it. Without xdist: no effect."""
+    for item in items:
+        if item.get_closest_marker("subprocess") or item.get_closest_marker("serial"):
+            item.add_marker(pytest.mark.xdist_group("serial"))
+        group = item.get_closest_marker("xdist_group")
+        if group is not None and getattr(config.option, "loadgroup", False):  # set on xdist's workers only
+            _join_group(item, group.args[0])
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects alike, so every worker sorts alike
+        items.sort(key=_longest_first)
+
+
+def _join_group(item, group: str) -> None:
+    """Give `item` the id `--dist loadgroup` schedules by ("<id>@<group>"). pytest-xdist 3.8 writes it to
+    `item._nodeid`, which pytest 9.2 no longer reads (its id lives in `item._id`): without this, every group
+    is silently split over the workers."""
+    nodeid = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):
+        item._id = type(item._id).parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
+def _longest_first(item) -> int:
+    """Under xdist, the long units start first (longest-processing-time first: no long test left for the end
+    while the other worker idles): the built-in model's group (the notebook tour, the README snippet), the
+    serial group, the slow tests, then the rest in their order."""
+    group = item.get_closest_marker("xdist_group")
+    if group is not None:
+        return 0 if group.args[0] == "built-in model" else 1
+    return 2 if item.get_closest_marker("slow") else 3

@@ -41,6 +41,7 @@ def _spin() -> None:
         pass
 
 
+@pytest.mark.serial  # fills every core with busy loops: nothing else beside it (tests/conftest.py)
 @pytest.mark.skipif(calibration._scheduler_times() is None, reason="the kernel does not count run-queue waits here")
 def test_a_calibration_under_load_is_not_cached_and_returns_within_a_minute(fresh_process, capsys):
     cores = max(2, len(os.sched_getaffinity(0)))
@@ -168,3 +169,57 @@ def test_the_tolerance_is_the_tables_own_spread():
         prior.observe(0, 1.0)
         prior.observe(8, 1.0)
     assert not prior.stale  # a prior is no measurement to contradict
+
+
+def busy_start(monkeypatch):
+    """A calibration that meets a busy machine at once."""
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (time.perf_counter(),) * 2)
+    monkeypatch.setattr(calibration, "BUSY_AFTER", 0.0)
+
+
+def next_start(monkeypatch):
+    """A new process: nothing given up in memory, nothing said yet."""
+    monkeypatch.setattr(calibration, "_busy_seen", False)
+    monkeypatch.setattr(calibration, "_told", False)
+    calibration._COSTS.clear()
+
+
+def test_a_busy_start_is_not_retried_at_every_start_and_says_so_once(fresh_process, monkeypatch, capsys):
+    busy_start(monkeypatch)
+    model = copy.deepcopy(tiny_model("llama"))
+    assert not pass_costs(model).measured
+    (note,) = fresh_process.rglob("*.busy")  # the attempt and its time, not a table
+    assert not list(fresh_process.rglob("*.json"))
+    assert "busy" in told(capsys)[0]
+    for _ in range(2):  # later starts within BACK_OFF: the prior at once, one line each
+        next_start(monkeypatch)
+        monkeypatch.setattr(calibration, "time_passes", no_timing)
+        assert is_measured(model) and not pass_costs(model).measured
+        lines = told(capsys)
+        assert len(lines) == 1 and "min ago" in lines[0] and "SPECDEC_CALIBRATE=1" in lines[0]
+    next_start(monkeypatch)
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k: 1.0 + k / 10))
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (0.0, 0.0))  # quiet now
+    monkeypatch.setattr(calibration, "BACK_OFF", 0.0)  # ... and the back-off is over
+    assert not is_measured(model) and pass_costs(model).measured
+    assert len(list(fresh_process.rglob("*.json"))) == 1 and not note.exists()
+
+
+def test_a_forced_calibration_measures_through_the_back_off(fresh_process, monkeypatch):
+    busy_start(monkeypatch)
+    model = copy.deepcopy(tiny_model("gpt2"))
+    pass_costs(model)
+    next_start(monkeypatch)
+    monkeypatch.setattr(calibration, "_scheduler_times", lambda: (0.0, 0.0))
+    monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k: 1.0))
+    monkeypatch.setenv(calibration.CALIBRATE_ENV, "1")
+    assert pass_costs(model).measured
+
+
+def test_the_busy_line_says_what_to_set_when_the_threads_do_not_fit(fresh_process, monkeypatch, capsys):
+    busy_start(monkeypatch)
+    monkeypatch.setattr(calibration.threads, "measure", lambda: calibration.threads.Fit(cores=2, busy=1.0, threads=1))
+    with torch_threads(2):
+        pass_costs(copy.deepcopy(tiny_model("llama")))
+    (line,) = told(capsys)
+    assert "torch.set_num_threads(1)" in line and "OMP_WAIT_POLICY=PASSIVE" in line

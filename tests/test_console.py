@@ -1,5 +1,7 @@
 """Drive the real console through a pseudo-terminal, as a user would."""
 
+import io
+import shutil
 import signal
 import sys
 import time
@@ -58,6 +60,8 @@ def test_commands_and_bad_values(model_dir):
     send(child, "/length abc", "usage: /length <n>")
     send(child, "/gamma 0", "usage: /gamma <n>")
     send(child, "/gamma 3", "gamma: 3")
+    send(child, "/gamma 1000", "usage: /gamma <n>, n an integer from 1 to 31")
+    send(child, "/length 5000", "from 1 to 4096 (the model's context)")
     send(child, "/seed 7", "seed: 7")
     send(child, "/seed off", "seed: off")
     send(child, "/status", "seed              off")
@@ -78,6 +82,7 @@ def test_commands_and_bad_values(model_dir):
          "TransformersProcessor([", "do_sample=True)")  # 4.57's config adds top_k=50, as its generate does
     send(child, "/processor colour=blue", "unknown setting")
     send(child, "/processor repetition_penalty=much", "repetition_penalty must be a number")
+    send(child, "/processor repetition_penalty=-1", "repetition_penalty must be > 0 (1: off), got -1")
     send(child, "/branching 2", "branching: 2")
     send(child, "/branching 0", "usage: /branching")
     send(child, "/branching auto", "branching: auto")
@@ -137,6 +142,47 @@ def test_ctrl_c_stops_a_generation_and_returns_to_the_prompt(model_dir):
     send(child, "/status", "length")
     child.sendline("/quit")
     child.expect(pexpect.EOF)
+
+
+def test_ctrl_c_at_an_idle_prompt_exits_with_status_0(model_dir):
+    child = start(model_dir)
+    child.sendintr()  # the terminal's Ctrl-C
+    child.expect_exact("bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and child.signalstatus is None
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed here")
+def test_ctrl_c_at_the_prompt_of_make_chat_ends_make_with_status_0(model_dir, tmp_path):
+    """GNU make gets the terminal's SIGINT too, waits for the console, then kills itself with it (signal 2)
+    unless the console took the terminal for its own process group (console/terminal.py: own_ctrl_c)."""
+    (tmp_path / "Makefile").write_text(f"chat:\n\t{sys.executable} {ROOT / 'infer.py'} --target {model_dir}\n")
+    child = pexpect.spawn("make", ["-s", "-C", str(tmp_path), "chat"], cwd=str(ROOT), encoding="utf-8", timeout=120,
+                          dimensions=(50, 200))
+    child.expect_exact("/help for the commands")
+    child.expect_exact(PROMPT)
+    child.sendintr()
+    child.expect_exact("bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and child.signalstatus is None
+
+
+def test_keys_typed_during_a_generation_are_neither_shown_nor_kept(model_dir):
+    child = start(model_dir)
+    child.logfile_read = seen = io.StringIO()  # everything the console shows from here on
+    send(child, "/length 200")
+    send(child, "/beam")  # target, ngram, then beam search: a second or so after the first tokens
+    child.sendline("w5 w6 w7")
+    child.expect_exact("[target]")
+    child.send("zzz typed meanwhile\r")
+    child.expect_exact("tokens/s")  # the report: every method has finished
+    child.expect_exact(PROMPT)
+    send(child, "/status", "turns in history  1")  # the typed line did not become a prompt
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    assert "zzz" not in seen.getvalue()
 
 
 def test_a_wrong_model_path_gives_one_clear_line(tmp_path):

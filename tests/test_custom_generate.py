@@ -118,3 +118,34 @@ def test_what_nasd_cannot_honour_is_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             custom(model, ids, max_new_tokens=None if "max_length" in kwargs else 8, **kwargs)
+
+
+def generation_fields() -> list[str]:
+    return sorted(GenerationConfig().to_dict())
+
+
+def test_every_generate_argument_is_honoured_or_refused_never_ignored():
+    """Each GenerationConfig field of this transformers: outside HONOURED, a value that asks for something
+    (2: never a neutral value) is refused with the field's name, before any model runs; a neutral one is not."""
+    from custom_generate.generate import HONOURED, NEUTRAL
+
+    model = tiny_model("llama")
+    ids = repeating(9)
+    refused = [name for name in generation_fields() if name not in HONOURED]
+    assert "prompt_lookup_num_tokens" in refused and "num_beams" in refused and "max_new_tokens" not in refused
+    for name in refused:
+        with pytest.raises(ValueError, match=f"cannot honour {name}=2"):
+            custom(model, ids, max_new_tokens=4, **{name: 2})
+    neutral = {name: value for name, value in NEUTRAL.items() if name in refused}
+    assert torch.equal(custom(model, ids, max_new_tokens=4, do_sample=False, **neutral),
+                       model.generate(ids, max_new_tokens=4, do_sample=False))
+    config = GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=10)  # given in a config: the same answer
+    with pytest.raises(ValueError, match="cannot honour prompt_lookup_num_tokens=10 .*gamma="):
+        custom(model, ids, generation_config=config)
+
+
+@pytest.mark.parametrize("argument", [dict(synced_gpus=True), dict(negative_prompt_attention_mask=torch.ones(1, 3)),
+                                      dict(use_model_defaults=False)])
+def test_generates_own_parameters_are_refused_too(argument):
+    with pytest.raises(ValueError, match=f"{next(iter(argument))}"):
+        custom(tiny_model("llama"), repeating(9), max_new_tokens=4, **argument)

@@ -6,7 +6,9 @@ Threads: one, as the rest of the suite (tests/conftest.py; the notebook's kernel
 OMP_NUM_THREADS=1). They check that every cell and line runs and what comes out, not speed; one thread
 keeps them as fast beside another busy process as on a quiet machine. The pass costs they measure are
 cached under the thread count, so a user's own table (`make chat`, on every core) is neither read nor
-replaced."""
+replaced. Under pytest-xdist (`make test`) both run on one worker, one after the other: the second reads
+the pass costs the first measured (one calibration of the built-in model and its bfloat16 copy, not two
+at once)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def user_cache(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("built-in model")
 def test_the_tour_notebook_runs_every_cell(user_cache):
     notebook = nbformat.read(ROOT / "examples" / "tour.ipynb", as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
@@ -43,6 +46,7 @@ def test_the_tour_notebook_runs_every_cell(user_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("built-in model")
 def test_the_readme_snippet_runs(user_cache, capsys):
     readme = (ROOT / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)

@@ -21,8 +21,10 @@
    does not say (macOS, Windows), a load average above the core count before starting stands in.
    On a busy machine the calibration stops as soon as the signal is clear (`BUSY_AFTER` seconds
    in), the run uses the prior, one line on stderr says so, and nothing is cached: the next start
-   measures again. A process that met a busy machine (or dropped a noisy table) does not try
-   again: the first call never waits minutes.
+   does not measure for `BACK_OFF` seconds (a `.busy` note beside the table's file, with the time;
+   `SPECDEC_CALIBRATE=1` measures anyway), and the line names what to set (`utils/threads.py`).
+   A process that met a busy machine (or dropped a noisy table) does not try again: the first call
+   never waits minutes.
 4. A stored table is checked against the passes generation times anyway (`PassCosts.observe`):
    when they disagree by more than the table's own spread (and `cost_model.STALE_MIN`), its file
    is deleted, and the next start measures again.
@@ -48,7 +50,7 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from utils import cost_model, cpu_passes
+from utils import cost_model, cpu_passes, threads
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
 from utils.paths import cache_dir
@@ -63,7 +65,8 @@ __all__ = ["CoreWatch", "MachineBusy", "calibrate", "calibration_key", "is_measu
 CONTEXT = 256  # tokens already in the cache when a calibration pass runs
 REPEATS = 3
 MAX_SPREAD = 0.25  # (max - min) / median of the one-token pass's repeats above this: a busy machine
-CALIBRATE_ENV = "SPECDEC_CALIBRATE"  # "0": use PRIOR, measure nothing up front
+CALIBRATE_ENV = "SPECDEC_CALIBRATE"  # "0": use PRIOR, measure nothing up front; "1": measure even when backed off
+BACK_OFF = 3600.0  # seconds after a busy machine stopped a calibration in which later starts do not try again
 PROGRESS_ENV = "SPECDEC_PROGRESS"  # "0": no progress bar while calibrating
 # Share of the time our threads were ready to run that they spent waiting for a core, above which
 # the cores were not ours. A 2-core CPU with light background work measured 0.05-0.13; one thread
@@ -334,10 +337,10 @@ def is_measured(model: PreTrainedModel) -> bool:
     if model in _COSTS or os.environ.get(CALIBRATE_ENV) == "0" or _busy_seen:
         return True
     path = _cache_path(model)[1]
-    return path in _DROPPED or _load(path) is not None
+    return path in _DROPPED or _load(path) is not None or _busy_before(path) is not None
 
 
-def _tell(message: str) -> None:
+def _tell(message: str, again: str = "measured again at the next start") -> None:
     """Say once per process, in one line on stderr, that this run uses the prior costs (the issue
     is the machine's, and a user who hid progress bars still wants to know why drafting is off)."""
     global _told
@@ -345,7 +348,33 @@ def _tell(message: str) -> None:
         _told = True
         # stderr, as the progress bars: stdout is the caller's (a notebook's cell, the console's answer)
         sys.stderr.write(f"specdec: {message}; using the prior pass costs for this run, nothing cached "
-                         f"(measured again at the next start; {CALIBRATE_ENV}=0 skips measuring)\n")
+                         f"({again}; {CALIBRATE_ENV}=0 skips measuring)\n")
+
+
+def _busy_note(path: Path) -> Path:
+    return path.with_suffix(".busy")
+
+
+def _busy_before(path: Path) -> float | None:
+    """Seconds since a busy machine stopped this table's calibration, if under `BACK_OFF` (and not forced)."""
+    if os.environ.get(CALIBRATE_ENV) == "1":
+        return None
+    try:
+        ago = time.time() - float(json.loads(_busy_note(path).read_text())["busy_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ago if 0 <= ago < BACK_OFF else None
+
+
+def _back_off(path: Path, reason: str) -> None:
+    """Remember the busy attempt, with its time: later starts use the prior until `BACK_OFF` has passed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _busy_note(path).write_text(json.dumps({"busy_at": time.time(), "reason": reason}))
+
+
+def _busy_line(reason: str) -> str:
+    advice = threads.advice(torch.get_num_threads(), threads.measure())
+    return f"the machine was busy while measuring pass costs ({reason}{'; ' + advice if advice else ''})"
 
 
 def _store(key: dict, path: Path, costs: PassCosts, spread: float) -> None:
@@ -369,6 +398,11 @@ def _cached_or_calibrated(model: PreTrainedModel) -> PassCosts:
         return _checked_online(costs, path)
     if _busy_seen or path in _DROPPED:
         return prior_costs()  # given up in this process already: no second wait
+    ago = _busy_before(path)
+    if ago is not None:  # a busy machine stopped the last try: not every start pays for one
+        _tell(f"the machine was busy when these pass costs were measured {ago / 60:.0f} min ago",
+              f"tried again {BACK_OFF / 3600:.0f} h after that, or with {CALIBRATE_ENV}=1")
+        return prior_costs()
     for _ in range(2):  # repeats that disagree on a quiet machine (a burst): measure once more
         watch = CoreWatch()
         try:
@@ -379,9 +413,11 @@ def _cached_or_calibrated(model: PreTrainedModel) -> PassCosts:
                 raise MachineBusy(watch.reason())
         except MachineBusy as busy:
             _busy_seen = True
-            _tell(f"the machine was busy while measuring pass costs ({busy})")
+            _back_off(path, str(busy))
+            _tell(_busy_line(str(busy)), f"not measured for {BACK_OFF / 3600:.0f} h, or with {CALIBRATE_ENV}=1")
             return prior_costs()
         if spread <= MAX_SPREAD:
+            _busy_note(path).unlink(missing_ok=True)
             _store(key, path, costs, spread)
             return _checked_online(costs, path)
     # Too noisy to trust, and not cached: online observations take over.

@@ -1,0 +1,63 @@
+"""utils/threads.py: the thread count and OpenMP wait policy follow what the other processes hold."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest import torch_threads
+from utils import threads
+from utils.threads import Fit
+
+
+def test_the_cores_are_the_affinitys_and_the_other_load_is_a_share_of_them():
+    assert 1 <= threads.available_cores() <= (os.cpu_count() or 1)
+    busy = threads.other_load(0.05)
+    if busy is not None:  # Linux: measured; elsewhere the load average or nothing
+        assert 0.0 <= busy <= threads.available_cores() + 1e-9
+
+
+def test_the_fit_leaves_the_others_their_cores_and_keeps_one():
+    crowded = [Fit(cores=2, busy=1.0, threads=1), Fit(cores=4, busy=2.6, threads=1)]
+    assert all(fit.crowded for fit in crowded) and not Fit(cores=2, busy=0.2, threads=2).crowded
+    assert threads.advice(2, crowded[0]) is not None and "set_num_threads(1)" in threads.advice(2, crowded[0])
+    assert threads.advice(1, crowded[0]) is None  # one thread fits already
+    assert threads.advice(2, None) is None and threads.advice(2, Fit(2, 0.1, 2)) is None
+
+
+def test_measure_rounds_the_free_cores(monkeypatch):
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    for busy, expected in [(0.0, 2), (0.4, 2), (0.9, 1), (1.6, 1), (5.0, 1)]:
+        monkeypatch.setattr(threads, "other_load", lambda seconds=0, busy=busy: busy)
+        assert threads.measure().threads == expected
+    monkeypatch.setattr(threads, "other_load", lambda seconds=0: None)
+    assert threads.measure() is None
+
+
+@pytest.mark.parametrize("user", [{}, {"OMP_NUM_THREADS": "2"}, {"OMP_WAIT_POLICY": "ACTIVE"}])
+def test_a_crowded_start_sets_what_the_user_left_unset_and_says_so_in_one_line(monkeypatch, user):
+    monkeypatch.setattr(threads, "measure", lambda seconds=0: Fit(cores=2, busy=1.0, threads=1))
+    environ = dict(user)
+    line = threads.settle_openmp(environ)
+    assert environ["OMP_NUM_THREADS"] == user.get("OMP_NUM_THREADS", "1")
+    assert environ["OMP_WAIT_POLICY"] == user.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert "\n" not in line and "1.0 of 2 cores" in line and "OMP_NUM_THREADS" in line
+
+
+def test_a_quiet_start_or_a_users_choice_changes_nothing(monkeypatch):
+    monkeypatch.setattr(threads, "measure", lambda seconds=0: Fit(cores=2, busy=0.1, threads=2))
+    environ: dict = {}
+    assert threads.settle_openmp(environ) is None and environ == {}
+    monkeypatch.setattr(threads, "measure", lambda seconds=0: pytest.fail("measured though the user chose"))
+    chosen = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}
+    assert threads.settle_openmp(chosen) is None and chosen == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_fit_threads_only_lowers_torchs_threads():
+    with torch_threads(2):
+        line = threads.fit_threads(Fit(cores=2, busy=1.0, threads=1))
+        assert torch.get_num_threads() == 1 and "instead of 2" in line
+    assert threads.fit_threads(Fit(cores=2, busy=1.0, threads=1)) is None  # one already
+    assert threads.fit_threads(Fit(cores=2, busy=0.0, threads=2)) is None and torch.get_num_threads() == 1

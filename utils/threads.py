@@ -1,0 +1,144 @@
+"""How many threads torch should run on here, from what the other processes are doing now.
+
+Why: beside another CPU-bound job, torch's one-thread-per-core default makes every parallel region
+wait for the slowest thread, the one sharing a core, and OpenMP's idle threads spin on the cores the
+other job needs. On a 2-core AMD EPYC Zen 3 beside one busy process the console decoded 0.6-4 tokens/s
+on 2 threads and 11.7 tokens/s on 1 (docs/cost_model.md, "A busy machine").
+
+What is measured: the CPU time the cores this process may run on (`os.sched_getaffinity`) spent busy
+over a short window (`/proc/stat`, Linux), less this process's own (`/proc/self/stat`): the other
+processes' load, in cores. The load average stands in elsewhere (it lags a minute and counts our own
+threads). Imports nothing heavy: `infer.py` asks before torch starts, so that OpenMP starts right.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+__all__ = ["Fit", "advice", "available_cores", "fit_threads", "measure", "other_load", "settle_openmp"]
+
+SAMPLE_SECONDS = 0.2  # the window `other_load` watches: long enough for a few scheduler ticks
+BUSY_CORE = 0.5  # cores' worth of other work from which a core counts as taken
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
+    """(busy ticks, all ticks) of `cpus` since boot (Linux /proc/stat), None where unknown."""
+    try:
+        with open("/proc/stat") as stat:
+            lines = stat.read().splitlines()
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(field) for field in fields[:8]]  # user nice system idle iowait irq softirq steal
+        busy, total = busy + sum(ticks) - ticks[3] - ticks[4], total + sum(ticks)
+    return (busy, total) if total else None
+
+
+def _own_ticks() -> int | None:
+    """This process's user + system ticks (/proc/self/stat, fields 14 and 15)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def other_load(seconds: float = SAMPLE_SECONDS) -> float | None:
+    """Cores' worth of CPU time that other processes used on our cores over the next `seconds`
+    (sleeps that long), None where the kernel does not say; the load average elsewhere."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:
+        cpus = None
+    before, own_before = (_cpu_ticks(cpus), _own_ticks()) if cpus else (None, None)
+    if before is None or own_before is None:
+        try:
+            return max(0.0, os.getloadavg()[0] - 1.0)  # ours is one runnable thread at most, here
+        except (AttributeError, OSError):
+            return None
+    time.sleep(seconds)
+    after, own_after = _cpu_ticks(cpus), _own_ticks()
+    if after is None or own_after is None or after[1] == before[1]:
+        return None
+    share = (after[0] - before[0] - (own_after - own_before)) / (after[1] - before[1])
+    return max(0.0, share * len(cpus))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What was measured and the thread count that fits it."""
+
+    cores: int  # the cores this process may run on
+    busy: float  # cores' worth of other processes' work on them
+    threads: int  # the threads that fit: one per core the others leave free, one at least
+
+    @property
+    def crowded(self) -> bool:
+        return self.busy >= BUSY_CORE
+
+
+def measure(seconds: float = SAMPLE_SECONDS) -> Fit | None:
+    """The machine now (sleeps `seconds`), None where unknown."""
+    busy = other_load(seconds)
+    if busy is None:
+        return None
+    cores = available_cores()
+    return Fit(cores, busy, max(1, min(cores, round(cores - busy))))
+
+
+def settle_openmp(environ: dict | None = None) -> str | None:
+    """Before torch is imported (a program's start, e.g. `infer.py`): on a crowded machine, set
+    `OMP_NUM_THREADS` to the free cores and `OMP_WAIT_POLICY=PASSIVE` (idle threads sleep instead of
+    spinning on the others' cores), each unless the user set it. Returns the one line to show, or None."""
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ and "OMP_WAIT_POLICY" in environ:
+        return None  # the user chose both
+    fit = measure()
+    if fit is None or not fit.crowded:
+        return None
+    chosen = []
+    if "OMP_NUM_THREADS" not in environ:
+        environ["OMP_NUM_THREADS"] = str(fit.threads)
+        chosen.append(f"{fit.threads} thread{'s' * (fit.threads > 1)}")
+    if "OMP_WAIT_POLICY" not in environ:
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        chosen.append("idle threads sleep")
+    return (f"Other processes keep {fit.busy:.1f} of {fit.cores} cores busy: {', '.join(chosen)} "
+            "(set OMP_NUM_THREADS and OMP_WAIT_POLICY to choose)")
+
+
+def fit_threads(fit: Fit | None = None) -> str | None:
+    """After torch started: fewer torch threads where other processes hold cores (never more than
+    torch has). Returns the one line saying so, or None when nothing changed."""
+    import torch  # here: this module is imported before torch by `infer.py`
+
+    fit = measure() if fit is None else fit
+    now = torch.get_num_threads()
+    if fit is None or not fit.crowded or fit.threads >= now:
+        return None
+    torch.set_num_threads(fit.threads)
+    return (f"Other processes keep {fit.busy:.1f} of {fit.cores} cores busy: torch on {fit.threads} "
+            f"thread{'s' * (fit.threads > 1)} instead of {now} (torch.set_num_threads chooses)")
+
+
+def advice(threads: int, fit: Fit | None) -> str | None:
+    """What a library user should set, in a few words, when torch's `threads` do not fit `fit`."""
+    if fit is None or not fit.crowded or fit.threads >= threads:
+        return None
+    return (f"other processes keep {fit.busy:.1f} of {fit.cores} cores busy: torch.set_num_threads({fit.threads}) "
+            "and OMP_WAIT_POLICY=PASSIVE (set before torch starts) run faster beside them")
