@@ -15,8 +15,8 @@ from console.settings import Settings
 from console.terminal import Status, TextStream, keys_ignored
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from sampling import Step
-from utils.caching import context_length
 from utils.calibration import pass_costs
+from utils.runners.model_info import context_length
 
 
 class ChatConsole:

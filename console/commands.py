@@ -25,8 +25,8 @@ from console.models import (
 )
 from console.render import legend, status_table
 from console.settings import METHODS, parse_count, parse_processor, parse_seed, parse_switch
-from utils.caching import context_length
 from utils.cost_model import DRAFT_SIZES
+from utils.runners.model_info import context_length
 
 # The console a handler works on (`console.app.ChatConsole`, which imports this module: named here
 # without an import, so that the two modules form no circle).
