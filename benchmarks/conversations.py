@@ -120,7 +120,8 @@ class Replay:
                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                                    max_new_tokens=self.n, do_sample=False, eos_token_id=self.end,
                                    pad_token_id=self.end[0] if self.end else None, **kwargs)
-        return out[0, len(ids):].tolist()
+        # transformers 4.57's prompt lookup can return one token past max_new_tokens: what was asked for
+        return out[0, len(ids):].tolist()[: self.n]
 
     def run(self, method: str, ids: list[int], pools: dict) -> tuple[list[int], SpeculativeStats | None]:
         """`pools`: the conversation's NASD pools, kept from turn to turn."""

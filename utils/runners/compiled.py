@@ -140,6 +140,10 @@ def compile_model(
         return None
     limit = context_length(model)
     slots = slots or (DEFAULT_SLOTS if limit is None else min(DEFAULT_SLOTS, limit))
+    why = _static_buffer_differs(model, slots)
+    if why is not None:
+        warnings.warn(f"{type(model).__name__} stays eager: {why}", stacklevel=2)
+        return None
     widths = tuple(sorted(set(widths)))
     passes = CompiledPasses(widths, slots, {width: _options(model, width in autotune) for width in widths})
     register(model, passes)  # before compiling: the graphs are traced with the model as it will run
@@ -152,6 +156,28 @@ def compile_model(
                       stacklevel=2)
         return None
     return passes
+
+
+def _static_buffer_differs(model: PreTrainedModel, slots: int) -> str | None:
+    """Why the static buffer would not give this model's logits (None: it does). A probe, not a
+    list of model classes: a prefix, then a chain of three tokens, through the static buffer (eager)
+    and the growing cache. A model whose attention applies a causal mask of its own, which assumes
+    that the new tokens are the cache's last positions (GPT-2 on transformers 4.x), fails it."""
+    from utils.runners.sequence import SequenceRunner
+    from utils.runners.static import StaticRunner
+
+    prefix, chain = list(range(3, 11)), [11, 12, 13]
+    try:
+        static, growing = StaticRunner(model, rows=1, slots=slots), SequenceRunner(model)
+        for runner in (static, growing):
+            runner.forward_rows([(prefix, None)], [1])
+        got = static.forward_rows([(chain, None)], [len(chain)])[0]
+        want = growing.forward_rows([(chain, None)], [len(chain)])[0]
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        return f"its attention does not take a static buffer ({type(error).__name__}: {str(error)[:120]})"
+    if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+        return "its attention does not take a static buffer's mask exactly (a causal mask of its own)"
+    return None
 
 
 def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bool) -> None:

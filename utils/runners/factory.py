@@ -6,7 +6,7 @@ from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
 from utils.runners.compiled import compiled_passes
-from utils.runners.model_info import shares_passes
+from utils.runners.model_info import context_length, shares_passes
 from utils.runners.per_row import PerRowRunner
 from utils.runners.protocol import Runner
 from utils.runners.sequence import SequenceRunner
@@ -40,8 +40,9 @@ def make_runner(
         needed = max_tokens + DRAFT_ROOM
         if needed <= compiled.slots:
             return StaticRunner(model, rows=rows, slots=compiled.slots, costs=costs, compiled=compiled)
-        slots = -(-needed // SLOTS_STEP) * SLOTS_STEP  # a longer request: the same buffer, eager passes
-        return StaticRunner(model, rows=rows, slots=slots, costs=costs)
+        slots = -(-needed // SLOTS_STEP) * SLOTS_STEP  # a longer request: a larger buffer, eager passes
+        limit = context_length(model)  # never past the model's positions (a row never grows past them)
+        return StaticRunner(model, rows=rows, slots=slots if limit is None else min(slots, limit), costs=costs)
     if rows == 1:
         ids = None if encoder_input_ids is None else encoder_input_ids[0]
         return SequenceRunner(model, use_cache=use_cache, encoder_input_ids=ids, costs=costs)
