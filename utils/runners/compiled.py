@@ -36,7 +36,8 @@ DEFAULT_WIDTHS = (1, 4, 16)  # new tokens per pass: a step, a short chain, a lon
 # Graphs whose GEMMs are autotuned: the one-token pass, what plain decoding and a drafter model run
 # most; wider passes are frozen and fused, with the default kernels (autotuning each costs minutes).
 AUTOTUNE_WIDTHS = (1,)
-DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
+DEFAULT_SLOTS = 2048
+PROBE_TOLERANCE = 0.1  # mean |static - growing| over mean |growing| logit that the probe lets pass  # KV positions per row; a longer request runs eager (no new graph)
 
 _ATTRIBUTE = "_specdec_compiled_passes"  # where a model keeps its passes: they live and die with it
 
@@ -175,7 +176,9 @@ def _static_buffer_differs(model: PreTrainedModel, slots: int) -> str | None:
         want = growing.forward_rows([(chain, None)], [len(chain)])[0]
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         return f"its attention does not take a static buffer ({type(error).__name__}: {str(error)[:120]})"
-    if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+    # Rounding moves bfloat16 logits by ~2% on average (the 0.5B: 1.9%); a mask applied at the wrong
+    # place changes what each query attends to, and the logits with it.
+    if float((got - want).abs().mean()) > PROBE_TOLERANCE * float(want.abs().mean()):
         return "its attention does not take a static buffer's mask exactly (a causal mask of its own)"
     return None
 

@@ -31,7 +31,7 @@ from utils.runners.protocol import Blocks
 from utils.runners.static_kv import StaticKV
 
 
-def block_layout(blocks: Blocks, lengths: list[int], width: int) -> tuple[Tensor, Tensor, Tensor]:
+def block_layout(blocks: Blocks, width: int) -> tuple[Tensor, Tensor, Tensor]:
     """Right-padded blocks -> (ids, depths, ancestry): (rows, width) token ids (0 for padding),
     (rows, width) depth of each new token in its block (its position is the row's length plus
     it), and (rows, width, width) whether query i sees new token j (its ancestors and itself)."""
@@ -116,7 +116,7 @@ class StaticRunner(ModelPasses):
         lengths = [len(row) for row in self.rows]
         width = self._width(longest)
         assert max(lengths) + width <= self.slots, "the static buffer is full (its size is the caller's)"
-        ids, depths, ancestry = block_layout(blocks, lengths, width)
+        ids, depths, ancestry = block_layout(blocks, width)
         length = torch.tensor(lengths)
         positions = (length[:, None] + depths).clamp(max=self._max_position)
         self._cache.set_write_index((length[:, None] + torch.arange(width)).to(self.device))
