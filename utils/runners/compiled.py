@@ -36,8 +36,8 @@ DEFAULT_WIDTHS = (1, 4, 16)  # new tokens per pass: a step, a short chain, a lon
 # Graphs whose GEMMs are autotuned: the one-token pass, what plain decoding and a drafter model run
 # most; wider passes are frozen and fused, with the default kernels (autotuning each costs minutes).
 AUTOTUNE_WIDTHS = (1,)
-DEFAULT_SLOTS = 2048
-PROBE_TOLERANCE = 0.1  # mean |static - growing| over mean |growing| logit that the probe lets pass  # KV positions per row; a longer request runs eager (no new graph)
+DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
+PROBE_TOLERANCE = 0.1  # mean |static - growing| over mean |growing| logit that the probe lets pass
 
 _ATTRIBUTE = "_specdec_compiled_passes"  # where a model keeps its passes: they live and die with it
 
