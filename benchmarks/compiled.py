@@ -29,8 +29,8 @@ from benchmarks.draft_cost import copy_bandwidth, weight_bytes
 from benchmarks.exactness import Classifier, counts, describe
 from benchmarks.prompts import encode, load_workload
 from sampling import autoregressive_generate
-from utils.calibration import machine
 from utils.loading import end_token_ids, load_model
+from utils.machine import machine
 from utils.runners import SequenceRunner
 from utils.runners.compiled import compile_model, forget, register
 from utils.runners.static import StaticSequence

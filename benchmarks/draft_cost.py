@@ -22,9 +22,10 @@ from rich.table import Table
 
 from benchmarks import cli
 from utils import calibration, cpu_passes
-from utils.calibration import calibration_key, machine, pass_costs
+from utils.calibration import pass_costs
 from utils.cost_model import DRAFT_SIZES
 from utils.loading import load_model
+from utils.machine import calibration_key, machine
 
 
 def describe(choice: cpu_passes.Shortcuts) -> str:

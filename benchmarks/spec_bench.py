@@ -40,9 +40,10 @@ from benchmarks.suffix_decoding import cache_with_responses, load_peer, run_suff
 from benchmarks.summary import BASELINE, CONTROL, exactness, goal_lines, noise_verdict, report, summarise, tasks_in
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from utils.calibration import machine, pass_costs
+from utils.calibration import pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
+from utils.machine import machine
 from utils.runners.model_info import input_device
 
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_n3", "ours_nasd_chain",

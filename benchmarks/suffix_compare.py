@@ -27,8 +27,9 @@ from benchmarks.suffix_decoding import MAX_TREE_DEPTH, PythonSuffixCache, load_p
 from benchmarks.summary import TASKS
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate
-from utils.calibration import machine, pass_costs
+from utils.calibration import pass_costs
 from utils.loading import end_token_ids, load_model
+from utils.machine import machine
 
 
 def measure(prompts, model, end_tokens, max_new_tokens: int, cache, n: int = 8) -> list[dict]:

@@ -30,8 +30,8 @@ from benchmarks.exactness import Classifier, counts, describe
 from benchmarks.prompts import encode, load_workload
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import autoregressive_generate, speculative_generate
-from utils.calibration import machine
 from utils.loading import end_token_ids, load_model
+from utils.machine import machine
 from utils.runners.model_info import input_device
 
 METHODS = ["hf_batched", "ours_ar", "ours_nasd"]

@@ -10,9 +10,10 @@ import torch
 from sampling.draft_policy import CostAwareDraftLength, best_draft_length
 from tests.models import tiny_model
 from utils import calibration, cost_model
-from utils.calibration import calibrate, calibration_key, pass_costs
+from utils.calibration import calibrate, pass_costs
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_cost
 from utils.cpu_passes import Shortcuts
+from utils.machine import calibration_key
 
 NONE, LINEAR = Shortcuts(), Shortcuts(few_row_linear=True)
 

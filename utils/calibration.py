@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,21 +45,21 @@ import weakref
 from pathlib import Path
 
 import torch
-import transformers
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from utils import cost_model, cpu_passes, threads
+from utils import cpu_passes, threads
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
+from utils.machine import calibration_key
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
 from utils.runners.compiled import compiled_passes
-from utils.runners.model_info import context_length, input_device, is_encoder_decoder, vocab_size
+from utils.runners.model_info import context_length, is_encoder_decoder, vocab_size
 from utils.runners.passes import synchronize
 from utils.runners.static import StaticSequence
 
-__all__ = ["CoreWatch", "MachineBusy", "calibrate", "calibration_key", "is_measured", "machine", "pass_costs", "time_passes"]
+__all__ = ["CoreWatch", "MachineBusy", "calibrate", "is_measured", "pass_costs", "time_passes"]
 
 CONTEXT = 256  # tokens already in the cache when a calibration pass runs
 REPEATS = 3
@@ -240,59 +239,6 @@ def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch |
         relative[k1] = max(relative[k1], relative[k0])
     widths = passes.widths if passes is not None else ()
     return PassCosts(relative, base, shortcuts, measured=True, spread=table_spread, widths=widths), spread
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict:
-    """The machine that figures were measured on (for reports): CPU, vector extensions, threads,
-    versions, GPU if any."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-    except OSError:
-        flags = set()
-    return {
-        "cpu": _cpu_name(),
-        "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def calibration_key(model: PreTrainedModel) -> dict:
-    """Everything a measured cost depends on; any change means a new calibration."""
-    device = input_device(model)
-    parameter = next(model.parameters())
-    sources = (cpu_passes.__file__, cost_model.__file__, __file__)
-    kernels = hashlib.sha256(b"".join(Path(source).read_bytes() for source in sources)).hexdigest()[:12]
-    return {
-        "model": type(model).__name__,
-        "config": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
-        "dtype": str(parameter.dtype),
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "device_map": str(getattr(model, "hf_device_map", None)),
-        "threads": torch.get_num_threads(),
-        "cpu": _cpu_name(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "attention": getattr(model.config, "_attn_implementation", None),
-        "kernels": kernels,
-        "compiled": None if (passes := compiled_passes(model)) is None else [list(passes.widths), passes.slots],
-    }
 
 
 _COSTS: weakref.WeakKeyDictionary[PreTrainedModel, PassCosts] = weakref.WeakKeyDictionary()

@@ -7,7 +7,7 @@ pays only where the passes it speeds up repay that, so the verdict weighs both:
 
 - `compile=True` compiles, then measures the one-token pass compiled against eager (interleaved,
   medians, `measure`) and stores the verdict under `cache_dir()/compiled/` (keyed like the pass
-  costs, `utils.calibration.calibration_key`; a busy machine's verdict is not stored). It pays when
+  costs, `utils.machine.calibration_key`; a busy machine's verdict is not stored). It pays when
   the compiled pass takes at most `PAYS_BELOW` of eager's and the time it saves over
   `PASSES_PER_START` passes exceeds what compiling took.
 - `compile="auto"` (the default) compiles a decoder-only model of at least `AUTO_MIN_PARAMETERS`
@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from utils.calibration import CoreWatch, calibration_key
+from utils.calibration import CoreWatch
+from utils.machine import calibration_key
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
 from utils.runners.compiled import compile_model, compiled_passes

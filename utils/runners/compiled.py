@@ -28,6 +28,8 @@ from transformers import PreTrainedModel
 
 from utils.paths import cache_dir
 from utils.runners.model_info import context_length, shares_passes
+from utils.runners.sequence import SequenceRunner
+from utils.runners.static import StaticRunner
 
 __all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "forget", "inductor_cache_dir",
            "register"]
@@ -164,9 +166,6 @@ def _static_buffer_differs(model: PreTrainedModel, slots: int) -> str | None:
     list of model classes: a prefix, then a chain of three tokens, through the static buffer (eager)
     and the growing cache. A model whose attention applies a causal mask of its own, which assumes
     that the new tokens are the cache's last positions (GPT-2 on transformers 4.x), fails it."""
-    from utils.runners.sequence import SequenceRunner
-    from utils.runners.static import StaticRunner
-
     prefix, chain = list(range(3, 11)), [11, 12, 13]
     try:
         static, growing = StaticRunner(model, rows=1, slots=slots), SequenceRunner(model)
@@ -186,8 +185,6 @@ def _static_buffer_differs(model: PreTrainedModel, slots: int) -> str | None:
 def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bool) -> None:
     """Compile one graph per width by running it once over a scratch buffer (the compile happens
     at the first call), each with a bar line saying which width it compiles."""
-    from utils.runners.static import StaticRunner  # static.py uses this module's passes at run time
-
     if not passes.widths:
         return
     _use_project_cache()
