@@ -3,6 +3,7 @@ compiled passes: every method through it returns the tokens it returns through t
 
 from __future__ import annotations
 
+import json
 import random
 import warnings
 
@@ -153,35 +154,96 @@ def test_compiled_passes_return_the_eager_tokens():
     assert runner._width(3) == 4 and runner._width(5) == 5  # padded to a graph; wider: its own width, eager
 
 
-def test_auto_compiles_only_where_a_stored_verdict_says_it_pays(monkeypatch):
-    """compile=True compiles and stores a measured verdict (here a stand-in measurement); "auto"
-    compiles nothing without one, and follows it after: a compile its passes do not repay stays off."""
+@pytest.mark.slow
+def test_a_compiled_graph_is_kept_on_disk_per_model(monkeypatch, tmp_path):
+    """The FX-graph cache holds a graph with frozen weights (oneDNN-packed where this CPU packs
+    bfloat16): the same model compiled again is a cache hit, and a model of the same shapes with other
+    weights is a miss (its fingerprint enters the key), its logits its own."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    ids = prompt(2)
+
+    def compiled_logits(seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        model = tiny_model("llama", seed=seed, dtype=dtype, attention="sdpa")
+        counters["inductor"].clear()
+        passes = compile_model(model, widths=(1,), autotune=(), progress=False)
+        assert passes is not None
+        eager, static = SequenceRunner(model), StaticRunner(model, rows=1, slots=passes.slots, compiled=passes)
+        for runner in (eager, static):
+            runner.forward_rows([(ids, None)], [1])
+        want, got = (runner.forward_rows([([7], None)], [1])[0] for runner in (eager, static))
+        return want, got, dict(counters["inductor"])
+
+    first, again, other = compiled_logits(0), compiled_logits(0), compiled_logits(1)
+    assert first[2].get("fxgraph_cache_miss") == 1 and not first[2].get("fxgraph_cache_bypass")
+    assert again[2].get("fxgraph_cache_hit") == 1 and torch.equal(again[1], first[1])
+    assert other[2].get("fxgraph_cache_miss") == 1  # the same shapes, other weights: its own graph
+    for want, got, _ in (first, again, other):
+        assert torch.allclose(got, want, atol=0.05 * float(want.abs().max()))  # bfloat16's rounding
+    assert not torch.allclose(other[1], first[1])
+
+
+def test_auto_compiles_on_first_use_then_follows_the_measured_verdict(monkeypatch):
+    """compile="auto" compiles a model on its first use on a machine and measures each width against
+    eager (here a stand-in measurement); a later start compiles (loads) only the widths that paid, and
+    none where none paid; compile=True measures again; SPECDEC_COMPILE=0 and compile=False never compile."""
     from utils import compile_policy
+    from utils.runners.compiled import CompiledPasses, register
 
     monkeypatch.delenv(compile_policy.COMPILE_ENV, raising=False)
     monkeypatch.setattr(compile_policy, "AUTO_MIN_PARAMETERS", 0)
-    compiled = []
-    monkeypatch.setattr(compile_policy, "compile_model",
-                        lambda model, progress: compiled.append(model) or compile_model(model, widths=()))
+    compiled = []  # the widths of each compile
+
+    def stand_in(model, *, widths, progress, description):
+        compiled.append(widths)
+        register(model, CompiledPasses(widths, 64))  # no graphs: every pass eager over the buffer
+        return compiled_passes(model)
+
+    monkeypatch.setattr(compile_policy, "compile_model", stand_in)
+    monkeypatch.setattr(compile_policy, "DEFAULT_WIDTHS", (1, 4, 16))
     model = tiny_model("llama")
     compile_policy._verdict_path(model).unlink(missing_ok=True)
-    assert compile_policy.apply(model, "auto") is False and not compiled  # no verdict: nothing compiled unasked
-    # 0.5 s saved a pass over PASSES_PER_START passes repays a compile of seconds; 0.99x is no gain.
-    for compiled_seconds, pays in ((0.5, True), (0.99, False)):
-        monkeypatch.setattr(compile_policy, "measure",
-                            lambda model, s=compiled_seconds: {"eager_seconds": 1.0, "compiled_seconds": s})
-        assert compile_policy.apply(tiny_model("llama"), True) is True  # asked: compiled, the verdict stored
-        assert compile_policy._stored_verdict(model)["pays"] is pays
-        before = len(compiled)
-        again = tiny_model("llama")
-        assert compile_policy.apply(again, "auto") is pays  # the next start follows the verdict
-        assert (compiled_passes(again) is not None) is pays and len(compiled) == before + pays
-    assert compile_policy.pays({"eager_seconds": 1.0, "compiled_seconds": 0.97, "compile_seconds": 0}) is False
-    assert compile_policy.pays({"eager_seconds": 0.34, "compiled_seconds": 0.27, "compile_seconds": 193}) is False  # 140 s saved
+    # width 1: 0.5x eager (pays); width 4: 0.99x (does not, < PAYS_BELOW); width 16: 0.9x (pays)
+    ratios = {1: 0.5, 4: 0.99, 16: 0.9}
+    monkeypatch.setattr(compile_policy, "measure", lambda model: {
+        w: {"eager_seconds": 1.0, "compiled_seconds": ratios[w]} for w in compiled_passes(model).widths})
+    assert compile_policy.apply(model, "auto") is True and compiled == [(1, 4, 16)]  # first use: all widths
+    assert compiled_passes(model).widths == (1, 16)  # the width that did not pay runs eager
+    verdict = compile_policy.stored_verdict(model)
+    assert compile_policy.paying_widths(verdict) == (1, 16) and verdict["parameters"] > 0
+    again = tiny_model("llama")
+    assert compile_policy.apply(again, "auto") is True and compiled[-1] == (1, 16)  # a later start: the paying ones
+    ratios.update({1: 0.97, 16: 1.2})
+    assert compile_policy.apply(tiny_model("llama"), True) is False  # asked: every width, measured again: none pays
+    assert compile_policy.paying_widths(compile_policy.stored_verdict(model)) == ()
+    before = len(compiled)
+    third = tiny_model("llama")
+    assert compile_policy.apply(third, "auto") is False and len(compiled) == before  # none pays: nothing compiled
+    assert compiled_passes(third) is None
+    assert compile_policy.apply(tiny_model("llama"), False) is False and len(compiled) == before
     with pytest.raises(ValueError, match="compile must be"):
         compile_policy.apply(model, "yes")
+    compile_policy._verdict_path(model).unlink()
     monkeypatch.setenv(compile_policy.COMPILE_ENV, "0")
-    assert compile_policy.apply(tiny_model("llama"), "auto") is False
+    assert compile_policy.apply(tiny_model("llama"), "auto") is False and len(compiled) == before
+
+
+def test_the_first_compile_says_how_long_it_should_take(monkeypatch, tmp_path):
+    """The progress bar's words: a later start loads; a first compile estimates its wait from this
+    machine's earlier compiles (seconds per parameter), or says minutes where there were none."""
+    from utils import compile_policy
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    parameters = compile_policy._parameters(model)
+    assert compile_policy._description(model, first=False) == "loading compiled passes"
+    assert compile_policy._description(model, first=True) == "compiling, once on this machine (minutes)"
+    (tmp_path / "compiled").mkdir()
+    (tmp_path / "compiled" / "a.json").write_text(json.dumps({"compile_seconds": 180.0 * 1e9 / parameters,
+                                                              "parameters": int(1e9)}))
+    assert compile_policy._description(model, first=True) == "compiling, once on this machine (about 3 min)"
 
 
 def test_a_model_whose_logits_differ_over_the_buffer_stays_eager(monkeypatch):

@@ -1,19 +1,20 @@
-"""Whether compiling pays for a model on this machine: `load_model(compile=...)` asks here.
+"""Whether a model runs compiled on this machine: `load_model(compile=...)` asks here.
 
-A compiled model's graphs take minutes to build at every start: inductor caches its C++ kernels
-(`SPECDEC_CACHE/inductor`) but not a graph with frozen, packed weights (its FX-graph cache refuses
-oneDNN's packed tensors), so a later start compiles again (measured: `docs/results.md`). Compiling
-pays only where the passes it speeds up repay that, so the verdict weighs both:
+Compiled passes are built once per model and machine and kept on disk (`utils/runners/compile_cache.py`:
+inductor's FX-graph cache under `SPECDEC_CACHE/inductor`), so the first start compiles (minutes for a
+1.5B model, with a progress bar per width) and a later one loads its graphs (seconds a width: tracing
+and freezing, no code generation and no autotuning). Whether the graphs pay is measured once, at the
+first compile: each compiled width's pass against the eager pass over as many tokens (interleaved,
+medians, `measure`), stored under `cache_dir()/compiled/` (keyed like the pass costs,
+`utils.machine.calibration_key`; a busy machine's verdict is not stored, so the next start measures
+again). A width pays where its compiled pass takes at most `PAYS_BELOW` of eager's; the others run
+eager (never slower than they were), and a machine where no width pays keeps the model eager.
 
-- `compile=True` compiles, then measures the one-token pass compiled against eager (interleaved,
-  medians, `measure`) and stores the verdict under `cache_dir()/compiled/` (keyed like the pass
-  costs, `utils.machine.calibration_key`; a busy machine's verdict is not stored). It pays when
-  the compiled pass takes at most `PAYS_BELOW` of eager's and the time it saves over
-  `PASSES_PER_START` passes exceeds what compiling took.
-- `compile="auto"` (the default) compiles a decoder-only model of at least `AUTO_MIN_PARAMETERS`
-  where a stored verdict says it pays, and never starts minutes of compiling unasked: with no
-  verdict the model stays eager (`compile=True`, or `python -m benchmarks.compiled`, measures one).
-  `SPECDEC_COMPILE=0` turns it off (the test suite sets it).
+- `compile="auto"` (the default): a decoder-only model of at least `AUTO_MIN_PARAMETERS` compiles on
+  its first use on a machine, then follows the verdict: the paying widths from the cache, or eager where
+  none pays. The built-in SmolLM2-135M and the tiny test models stay eager. `SPECDEC_COMPILE=0` turns it
+  off (the test suite sets it).
+- `compile=True` compiles every width and measures the verdict again (e.g. after a kernel change).
 - `compile=False` never compiles.
 """
 
@@ -33,16 +34,15 @@ from utils.calibration import CoreWatch
 from utils.machine import calibration_key
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
-from utils.runners.compiled import compile_model, compiled_passes
+from utils.runners.compiled import DEFAULT_WIDTHS, compile_model, compiled_passes, forget, keep_widths
 from utils.runners.model_info import context_length, is_encoder_decoder
 from utils.runners.static import StaticSequence
 
-__all__ = ["AUTO_MIN_PARAMETERS", "COMPILE_ENV", "PASSES_PER_START", "PAYS_BELOW", "apply", "measure", "pays"]
+__all__ = ["AUTO_MIN_PARAMETERS", "COMPILE_ENV", "PAYS_BELOW", "apply", "measure", "paying_widths", "stored_verdict"]
 
 COMPILE_ENV = "SPECDEC_COMPILE"  # "0": compile="auto" compiles nothing
 AUTO_MIN_PARAMETERS = 300_000_000  # a model's size, not a machine's speed: below it Python's overhead dominates
-PAYS_BELOW = 0.95  # compiled one-token pass / eager one-token pass that counts as paying
-PASSES_PER_START = 2000  # passes a start is expected to run (a session's chat, a benchmark): what repays a compile
+PAYS_BELOW = 0.95  # compiled pass / eager pass over as many tokens that counts as paying
 CONTEXT = 256  # tokens in the cache while the verdict is measured
 REPEATS = 5
 
@@ -52,66 +52,104 @@ def _verdict_path(model: PreTrainedModel) -> Path:
     return cache_dir() / "compiled" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
 
-def _stored_verdict(model: PreTrainedModel) -> dict | None:
+def stored_verdict(model: PreTrainedModel) -> dict | None:
+    """The verdict measured for `model` on this machine (None: it never compiled here, or an older
+    release measured it otherwise)."""
     try:
-        return json.loads(_verdict_path(model).read_text())
+        verdict = json.loads(_verdict_path(model).read_text())
     except (OSError, ValueError):
         return None
+    return verdict if isinstance(verdict, dict) and isinstance(verdict.get("widths"), dict) else None
 
 
-def measure(model: PreTrainedModel, repeats: int = REPEATS) -> dict:
-    """The one-token pass of `model` (registered by `compile_model`) compiled and eager, after
-    `CONTEXT` tokens, interleaved -> {"eager_seconds", "compiled_seconds"} (medians)."""
+def measure(model: PreTrainedModel, repeats: int = REPEATS) -> dict[int, dict[str, float]]:
+    """Each compiled width's pass of `model` (registered by `compile_model`) and the eager pass over as
+    many new tokens, after `CONTEXT` tokens, interleaved -> {width: {"eager_seconds", "compiled_seconds"}}
+    (medians; the first round warms up)."""
     passes = compiled_passes(model)
     assert passes is not None, "measure a compiled model"
-    limit = context_length(model) or CONTEXT + 2
-    context = torch.arange(3, 3 + min(CONTEXT, limit - 2)).tolist()
+    limit = context_length(model) or CONTEXT + max(passes.widths) + 1
+    context = torch.arange(3, 3 + min(CONTEXT, limit - max(passes.widths) - 1)).tolist()
     eager, compiled = SequenceRunner(model), StaticSequence(model, slots=passes.slots, compiled=passes)
-    times: dict[str, list[float]] = {"eager_seconds": [], "compiled_seconds": []}
+    times: dict[tuple[int, str], list[float]] = {}
     for runner in (eager, compiled):
         runner.forward(context)
-    for _ in range(repeats + 1):  # the first round warms up and is not kept
-        for name, runner in (("eager_seconds", eager), ("compiled_seconds", compiled)):
-            start = time.perf_counter()
-            runner.forward([5])
-            times[name].append(time.perf_counter() - start)
-            runner.rollback(len(context))
-    return {name: statistics.median(values[1:]) for name, values in times.items()}
+    for round_ in range(repeats + 1):
+        for width in passes.widths:
+            for name, runner in (("eager_seconds", eager), ("compiled_seconds", compiled)):
+                start = time.perf_counter()
+                runner.forward(list(range(5, 5 + width)))
+                if round_:
+                    times.setdefault((width, name), []).append(time.perf_counter() - start)
+                runner.rollback(len(context))
+    return {width: {name: statistics.median(times[width, name]) for name in ("eager_seconds", "compiled_seconds")}
+            for width in passes.widths}
 
 
-def _wanted(model: PreTrainedModel, compile: bool | str) -> bool:
+def paying_widths(verdict: dict) -> tuple[int, ...]:
+    """The widths whose compiled pass a verdict measured at most `PAYS_BELOW` of the eager one."""
+    return tuple(sorted(int(width) for width, seconds in verdict["widths"].items()
+                        if seconds["compiled_seconds"] <= PAYS_BELOW * seconds["eager_seconds"]))
+
+
+def _parameters(model: PreTrainedModel) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _description(model: PreTrainedModel, first: bool) -> str:
+    """The progress bar's words: a later start loads; a first compile says how long it should take,
+    from the compiles this machine has done (seconds per parameter of each stored verdict)."""
+    if not first:
+        return "loading compiled passes"
+    rates = []
+    for path in (cache_dir() / "compiled").glob("*.json"):
+        try:
+            verdict = json.loads(path.read_text())
+            rates.append(verdict["compile_seconds"] / verdict["parameters"])
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            continue
+    if not rates:
+        return "compiling, once on this machine (minutes)"
+    minutes = statistics.median(rates) * _parameters(model) / 60
+    return f"compiling, once on this machine (about {max(1, round(minutes))} min)"
+
+
+def _wanted(model: PreTrainedModel, compile: bool | str) -> tuple[int, ...]:
+    """The widths to compile (): none)."""
     if compile is True:
-        return True
+        return DEFAULT_WIDTHS
     if compile is False or os.environ.get(COMPILE_ENV) == "0" or is_encoder_decoder(model):
-        return False
-    if sum(parameter.numel() for parameter in model.parameters()) < AUTO_MIN_PARAMETERS:
-        return False
-    verdict = _stored_verdict(model)
-    return verdict is not None and bool(verdict["pays"])
-
-
-def pays(verdict: dict) -> bool:
-    """Whether a measured verdict says compiling pays (`PAYS_BELOW`, `PASSES_PER_START`)."""
-    saved = verdict["eager_seconds"] - verdict["compiled_seconds"]
-    return (verdict["compiled_seconds"] <= PAYS_BELOW * verdict["eager_seconds"]
-            and saved * PASSES_PER_START >= verdict["compile_seconds"])
+        return ()
+    if _parameters(model) < AUTO_MIN_PARAMETERS:
+        return ()
+    verdict = stored_verdict(model)
+    return DEFAULT_WIDTHS if verdict is None else paying_widths(verdict)
 
 
 def apply(model: PreTrainedModel, compile: bool | str, *, progress: bool = True) -> bool:
     """Compile `model` as `compile` says (True, False or "auto") -> whether it runs compiled."""
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-    if not _wanted(model, compile):
+    widths = _wanted(model, compile)
+    if not widths:
         return False
+    measured = compile is True or stored_verdict(model) is None
     start = time.perf_counter()
-    if compile_model(model, progress=progress) is None:
+    passes = compile_model(model, widths=widths, progress=progress, description=_description(model, measured))
+    if passes is None:
         return False  # it said why, in one warning
-    if compile is True:  # asked: it stays compiled; the verdict is measured for "auto" to follow
-        watch = CoreWatch()
-        verdict = measure(model) | {"compile_seconds": time.perf_counter() - start}
-        verdict["pays"] = pays(verdict)
-        if not watch.busy():
-            path = _verdict_path(model)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(verdict, indent=1))
+    if not measured:
+        return True
+    watch = CoreWatch()
+    verdict = {"widths": measure(model), "compile_seconds": time.perf_counter() - start,
+               "parameters": _parameters(model)}
+    if not watch.busy():
+        path = _verdict_path(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(verdict, indent=1))
+    kept = paying_widths(verdict)
+    if not kept:
+        forget(model)
+        return False
+    keep_widths(model, kept)
     return True

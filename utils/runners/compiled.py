@@ -27,17 +27,22 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from utils.paths import cache_dir
+from utils.runners.compile_cache import allow_frozen_onednn_weights, model_key
 from utils.runners.model_info import context_length, shares_passes
 from utils.runners.sequence import SequenceRunner
 from utils.runners.static import StaticRunner
 
 __all__ = ["DEFAULT_WIDTHS", "CompiledPasses", "compile_model", "compiled_passes", "forget", "inductor_cache_dir",
-           "register"]
+           "keep_widths", "register"]
 
-DEFAULT_WIDTHS = (1, 4, 16)  # new tokens per pass: a step, a short chain, a long chain or a tree (padded up)
-# Graphs whose GEMMs are autotuned: the one-token pass, what plain decoding and a drafter model run
-# most; wider passes are frozen and fused, with the default kernels (autotuning each costs minutes).
-AUTOTUNE_WIDTHS = (1,)
+# New tokens per pass that compile by default: the one-token pass, what plain decoding and a drafter
+# model run most. Each graph holds its own packed copy of every weight (freezing), so each width adds
+# the model's size in memory (the 1.5B compiled at 1, 4 and 16 took 18 GB and was killed on a 24 GB
+# machine); wider passes run eager over the same buffer unless asked for (`widths=`).
+DEFAULT_WIDTHS = (1,)
+# Graphs whose GEMMs are autotuned: every width (minutes each on a 1.5B model, once per machine: the
+# choices live in the cached graphs).
+AUTOTUNE_WIDTHS = (1, 4, 8, 16)
 DEFAULT_SLOTS = 2048  # KV positions per row; a longer request runs eager (no new graph)
 PROBE_TOLERANCE = 0.1  # mean |static - growing| over mean |growing| logit that the probe lets pass
 
@@ -87,6 +92,19 @@ def register(model: PreTrainedModel, passes: CompiledPasses) -> None:
     model.__dict__[_ATTRIBUTE] = passes
 
 
+def keep_widths(model: PreTrainedModel, widths: tuple[int, ...]) -> CompiledPasses:
+    """Register only `widths` of `model`'s compiled passes (the others run eager) -> the passes kept."""
+    passes = compiled_passes(model)
+    assert passes is not None and set(widths) <= set(passes.widths), "keep widths that were compiled"
+    def only(table: dict) -> dict:
+        return {width: value for width, value in table.items() if width in widths}
+
+    kept = CompiledPasses(tuple(sorted(widths)), passes.slots, only(passes.options), only(passes.compile_seconds),
+                          only(passes._graphs))
+    register(model, kept)
+    return kept
+
+
 def forget(model: PreTrainedModel) -> None:
     """Unregister `model`: its runners are the eager ones again (its graphs are dropped with it)."""
     model.__dict__.pop(_ATTRIBUTE, None)
@@ -129,12 +147,15 @@ def compile_model(
     slots: int | None = None,
     autotune: tuple[int, ...] = AUTOTUNE_WIDTHS,
     progress: bool = True,
+    description: str = "compiling",
 ) -> CompiledPasses | None:
     """Compile `model`'s passes at `widths` new tokens over a static buffer of `slots` positions
     (default: `DEFAULT_SLOTS`, at most the model's context) and register them, so that every
     decoding function runs it through a `StaticRunner`. `widths=()` registers the static buffer
     without compiling anything. Returns the registered passes, or None (the model stays eager,
-    with one warning) where the model cannot run over a static buffer or the compile fails."""
+    with one warning) where the model cannot run over a static buffer or the compile fails.
+    The graphs are kept on disk (`compile_cache.py`): a later start of the same model on the same
+    machine loads them. `description`: the progress bar's words (e.g. the wait expected)."""
     if not isinstance(widths, tuple) or not all(isinstance(w, int) and w >= 1 for w in widths):
         raise ValueError(f"widths must be a tuple of ints >= 1, got {widths!r}")
     if not shares_passes(model, use_cache=True):
@@ -151,7 +172,7 @@ def compile_model(
     passes = CompiledPasses(widths, slots, {width: _options(model, width in autotune) for width in widths})
     register(model, passes)  # before compiling: the graphs are traced with the model as it will run
     try:
-        _compile_widths(model, passes, progress)
+        _compile_widths(model, passes, progress, description)
     except Exception as error:  # noqa: BLE001 - any compiler failure: eager is the fallback, never a failure
         forget(model)
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
@@ -182,13 +203,15 @@ def _static_buffer_differs(model: PreTrainedModel, slots: int) -> str | None:
     return None
 
 
-def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bool) -> None:
+def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bool, description: str) -> None:
     """Compile one graph per width by running it once over a scratch buffer (the compile happens
     at the first call), each with a bar line saying which width it compiles."""
     if not passes.widths:
         return
     _use_project_cache()
-    bar = tqdm(passes.widths, desc="compiling", unit="width", disable=not progress, leave=False)
+    allow_frozen_onednn_weights()
+    key = model_key(model)
+    bar = tqdm(passes.widths, desc=description, unit="width", disable=not progress, leave=False)
     for width in bar:
         bar.set_postfix_str(f"{width} new token{'s' * (width > 1)}")
         passes._graphs[width] = torch.compile(_graph(model), dynamic=False)
@@ -197,6 +220,6 @@ def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bo
         start = time.perf_counter()
         # The settings as inductor's config while it compiles (torch.compile's `options=` does not
         # reach freezing): the first call compiles this width.
-        with torch._inductor.config.patch(passes.options[width]):
+        with torch._inductor.config.patch(passes.options[width] | {"post_grad_custom_post_pass": key}):
             runner.forward_rows([([0] * width, None)], [1])
         passes.compile_seconds[width] = time.perf_counter() - start
