@@ -135,9 +135,10 @@ def load_model(
     (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in `offload_folder` (default: a
     folder under the cache). 8/4-bit loading needs bitsandbytes (`pip install bitsandbytes`).
     `compile`: "auto" compiles a decoder-only model's passes over a static KV buffer
-    (`utils.runners.compiled`) where that is measured to pay here (`utils.compile_policy`: models of
-    300M parameters and more; minutes once per model and machine, with a progress bar; cached);
-    True compiles, False never. A model placed by `device_map` or quantized stays eager.
+    (`utils.runners.compiled`) on its first use on this machine (models of 300M parameters and more;
+    minutes, once, with a progress bar), keeps them on disk and loads them at later starts, where
+    they are measured to beat eager here (`utils.compile_policy`); True compiles and measures again,
+    False never (nor "auto" with SPECDEC_COMPILE=0). A model placed by `device_map` or quantized stays eager.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
