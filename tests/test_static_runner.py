@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import types
 import warnings
 
 import pytest
@@ -203,6 +204,8 @@ def test_auto_compiles_on_first_use_then_follows_the_measured_verdict(monkeypatc
 
     monkeypatch.setattr(compile_policy, "compile_model", stand_in)
     monkeypatch.setattr(compile_policy, "DEFAULT_WIDTHS", (1, 4, 16))
+    busy = [False]  # the machine as the verdict's watch sees it (a busy machine's verdict is not stored)
+    monkeypatch.setattr(compile_policy, "CoreWatch", lambda: types.SimpleNamespace(busy=lambda: busy[0]))
     model = tiny_model("llama")
     compile_policy._verdict_path(model).unlink(missing_ok=True)
     # width 1: 0.5x eager (pays); width 4: 0.99x (does not, < PAYS_BELOW); width 16: 0.9x (pays)
@@ -216,6 +219,10 @@ def test_auto_compiles_on_first_use_then_follows_the_measured_verdict(monkeypatc
     again = tiny_model("llama")
     assert compile_policy.apply(again, "auto") is True and compiled[-1] == (1, 16)  # a later start: the paying ones
     ratios.update({1: 0.97, 16: 1.2})
+    busy[0] = True
+    assert compile_policy.apply(tiny_model("llama"), True) is False  # measured busy: not stored
+    assert compile_policy.paying_widths(compile_policy.stored_verdict(model)) == (1, 16)
+    busy[0] = False
     assert compile_policy.apply(tiny_model("llama"), True) is False  # asked: every width, measured again: none pays
     assert compile_policy.paying_widths(compile_policy.stored_verdict(model)) == ()
     before = len(compiled)
@@ -223,6 +230,12 @@ def test_auto_compiles_on_first_use_then_follows_the_measured_verdict(monkeypatc
     assert compile_policy.apply(third, "auto") is False and len(compiled) == before  # none pays: nothing compiled
     assert compiled_passes(third) is None
     assert compile_policy.apply(tiny_model("llama"), False) is False and len(compiled) == before
+    # a verification width that runs eager over the buffer and got dearer (1.2x) makes the compile not pay
+    dearer = {"compiled": [1], "widths": {"1": {"eager_seconds": 1.0, "compiled_seconds": 0.8},
+                                          "4": {"eager_seconds": 1.0, "compiled_seconds": 1.2}}}
+    assert compile_policy.paying_widths(dearer) == ()
+    dearer["widths"]["4"]["compiled_seconds"] = 1.04  # within SLOWER_ABOVE
+    assert compile_policy.paying_widths(dearer) == (1,)
     with pytest.raises(ValueError, match="compile must be"):
         compile_policy.apply(model, "yes")
     compile_policy._verdict_path(model).unlink()

@@ -4,11 +4,13 @@ Compiled passes are built once per model and machine and kept on disk (`utils/ru
 inductor's FX-graph cache under `SPECDEC_CACHE/inductor`), so the first start compiles (minutes for a
 1.5B model, with a progress bar per width) and a later one loads its graphs (seconds a width: tracing
 and freezing, no code generation and no autotuning). Whether the graphs pay is measured once, at the
-first compile: each compiled width's pass against the eager pass over as many tokens (interleaved,
+first compile: each compiled width's pass, and the verification widths that run eager over the static
+buffer, against the best eager pass over as many tokens (its fastest CPU shortcuts; interleaved,
 medians, `measure`), stored under `cache_dir()/compiled/` (keyed like the pass costs,
 `utils.machine.calibration_key`; a busy machine's verdict is not stored, so the next start measures
 again). A width pays where its compiled pass takes at most `PAYS_BELOW` of eager's; the others run
-eager (never slower than they were), and a machine where no width pays keeps the model eager.
+eager, and a machine where no width pays, or where the static buffer makes an eager verification
+pass dearer than `SLOWER_ABOVE`, keeps the model eager.
 
 - `compile="auto"` (the default): a decoder-only model of at least `AUTO_MIN_PARAMETERS` compiles on
   its first use on a machine, then follows the verdict: the paying widths from the cache, or eager where
@@ -31,6 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from utils.calibration import CoreWatch
+from utils.cpu_passes import Shortcuts, available_shortcuts
 from utils.machine import calibration_key
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
@@ -43,6 +46,8 @@ __all__ = ["AUTO_MIN_PARAMETERS", "COMPILE_ENV", "PAYS_BELOW", "apply", "measure
 COMPILE_ENV = "SPECDEC_COMPILE"  # "0": compile="auto" compiles nothing
 AUTO_MIN_PARAMETERS = 300_000_000  # a model's size, not a machine's speed: below it Python's overhead dominates
 PAYS_BELOW = 0.95  # compiled pass / eager pass over as many tokens that counts as paying
+SLOWER_ABOVE = 1.05  # an eager pass over the static buffer / over the growing cache that a compile may not cost
+MEASURED_WIDTHS = (1, 4, 8)  # a step, and verification passes of 3 and 7 drafts
 CONTEXT = 256  # tokens in the cache while the verdict is measured
 REPEATS = 5
 
@@ -63,33 +68,47 @@ def stored_verdict(model: PreTrainedModel) -> dict | None:
 
 
 def measure(model: PreTrainedModel, repeats: int = REPEATS) -> dict[int, dict[str, float]]:
-    """Each compiled width's pass of `model` (registered by `compile_model`) and the eager pass over as
-    many new tokens, after `CONTEXT` tokens, interleaved -> {width: {"eager_seconds", "compiled_seconds"}}
-    (medians; the first round warms up)."""
+    """Each pass width generation runs (`MEASURED_WIDTHS` and the compiled ones) of `model` (registered
+    by `compile_model`): through its static buffer (the compiled graph where one holds the width, else
+    eager over the buffer) and through the growing cache, after `CONTEXT` tokens, interleaved -> {width:
+    {"eager_seconds", "compiled_seconds"}} (medians; the first round warms up). An eager pass takes the
+    fastest of its CPU shortcuts (`utils.cpu_passes`), as generation would: the verdict is against the
+    best eager path, not transformers' own."""
     passes = compiled_passes(model)
     assert passes is not None, "measure a compiled model"
-    limit = context_length(model) or CONTEXT + max(passes.widths) + 1
-    context = torch.arange(3, 3 + min(CONTEXT, limit - max(passes.widths) - 1)).tolist()
+    widths = sorted(set(MEASURED_WIDTHS) | set(passes.widths))
+    limit = context_length(model) or CONTEXT + max(widths) + 1
+    context = torch.arange(3, 3 + min(CONTEXT, limit - max(widths) - 1)).tolist()
     eager, compiled = SequenceRunner(model), StaticSequence(model, slots=passes.slots, compiled=passes)
-    times: dict[tuple[int, str], list[float]] = {}
+    times: dict[tuple[int, str, Shortcuts], list[float]] = {}
     for runner in (eager, compiled):
         runner.forward(context)
     for round_ in range(repeats + 1):
-        for width in passes.widths:
+        for width in widths:
             for name, runner in (("eager_seconds", eager), ("compiled_seconds", compiled)):
-                start = time.perf_counter()
-                runner.forward(list(range(5, 5 + width)))
-                if round_:
-                    times.setdefault((width, name), []).append(time.perf_counter() - start)
-                runner.rollback(len(context))
-    return {width: {name: statistics.median(times[width, name]) for name in ("eager_seconds", "compiled_seconds")}
-            for width in passes.widths}
+                graph = name == "compiled_seconds" and width in passes.widths
+                for shortcuts in [Shortcuts()] if graph else available_shortcuts(model):
+                    start = time.perf_counter()
+                    runner.forward(list(range(5, 5 + width)), shortcuts=shortcuts)
+                    if round_:
+                        times.setdefault((width, name, shortcuts), []).append(time.perf_counter() - start)
+                    runner.rollback(len(context))
+    best = {}
+    for (width, name, _), values in times.items():
+        best[width, name] = min(best.get((width, name), float("inf")), statistics.median(values))
+    return {width: {name: best[width, name] for name in ("eager_seconds", "compiled_seconds")} for width in widths}
 
 
 def paying_widths(verdict: dict) -> tuple[int, ...]:
-    """The widths whose compiled pass a verdict measured at most `PAYS_BELOW` of the eager one."""
-    return tuple(sorted(int(width) for width, seconds in verdict["widths"].items()
-                        if seconds["compiled_seconds"] <= PAYS_BELOW * seconds["eager_seconds"]))
+    """The compiled widths a verdict measured at most `PAYS_BELOW` of the eager pass, or none where a
+    width that runs eager over the static buffer measured over `SLOWER_ABOVE` of the growing cache's
+    (a compile must not make the passes it does not hold dearer: speculation's verification passes)."""
+    widths = {int(width): seconds for width, seconds in verdict["widths"].items()}
+    ratio = {width: seconds["compiled_seconds"] / seconds["eager_seconds"] for width, seconds in widths.items()}
+    compiled = set(verdict.get("compiled", widths))
+    if any(ratio[width] > SLOWER_ABOVE for width in widths if width not in compiled):
+        return ()
+    return tuple(sorted(width for width in compiled if ratio[width] <= PAYS_BELOW))
 
 
 def _parameters(model: PreTrainedModel) -> int:
@@ -141,7 +160,7 @@ def apply(model: PreTrainedModel, compile: bool | str, *, progress: bool = True)
     if not measured:
         return True
     watch = CoreWatch()
-    verdict = {"widths": measure(model), "compile_seconds": time.perf_counter() - start,
+    verdict = {"widths": measure(model), "compiled": list(passes.widths), "compile_seconds": time.perf_counter() - start,
                "parameters": _parameters(model)}
     if not watch.busy():
         path = _verdict_path(model)

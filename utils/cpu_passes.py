@@ -21,9 +21,11 @@ Measured on SmolLM2-135M (2 cores, `python -m benchmarks.draft_cost`): a pass ov
 1.06x. Results are the same products up to float rounding (~1e-6 relative).
 
 Those figures are one CPU's. On another (a Xeon with AVX-512 and AMX) the few-row linear made a
-pass over 2 tokens 1.7x *dearer* than transformers' own path while the GQA change still helped; on
-a third (AMD EPYC, AVX-512) it made a pass over 2 tokens cheaper than transformers' one-token pass. So
-neither is switched on by default: `utils/calibration.py` times every combination for each number
+pass over 2 tokens 1.7x *dearer* than transformers' own path in float32 while the GQA change still
+helped; on a third (AMD EPYC, AVX-512) it made a pass over 2 tokens cheaper than transformers' one-token
+pass. In bfloat16 on that Xeon (one 8960 x 1536 matrix, 1 to 16 rows) `F.linear` took 1.45-1.52 ms at
+every row count and the weight-major product 1.02-1.10 ms (a single row computed as two): 26 GB/s, the
+machine's copy bandwidth. So neither is switched on by default, in any dtype but float64: `utils/calibration.py` times every combination for each number
 of new tokens on the machine in use and picks the fastest (`Shortcuts`), and the runner asks for
 that choice at each pass.
 
@@ -55,9 +57,12 @@ class Shortcuts(NamedTuple):
     gqa_without_repeat: bool = False
 
 
-def _float32_cpu_linears(model: nn.Module) -> list[nn.Linear]:
+SHORTCUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64: kept on transformers' path (exact tests)
+
+
+def _cpu_linears(model: nn.Module) -> list[nn.Linear]:
     return [module for module in model.modules()
-            if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"]
+            if type(module) is nn.Linear and module.weight.dtype in SHORTCUT_DTYPES and module.weight.device.type == "cpu"]
 
 
 def _on_cpu(model: nn.Module) -> bool:
@@ -68,7 +73,7 @@ def available_shortcuts(model: nn.Module) -> list[Shortcuts]:
     """Every combination of the shortcuts that can change anything for `model` (none first)."""
     if not _on_cpu(model):
         return [Shortcuts()]  # GPU kernels have neither problem
-    linear = [False, True] if _float32_cpu_linears(model) else [False]
+    linear = [False, True] if _cpu_linears(model) else [False]
     return [Shortcuts(a, b) for a in linear for b in (False, True)]
 
 
@@ -97,7 +102,7 @@ class FewTokenPass:
 
     def __init__(self, model: nn.Module) -> None:
         self._on_cpu = _on_cpu(model)
-        self._forwards = [(module, types.MethodType(_few_row_linear, module)) for module in _float32_cpu_linears(model)]
+        self._forwards = [(module, types.MethodType(_few_row_linear, module)) for module in _cpu_linears(model)]
         self._choice = Shortcuts()
         self._patched: list[nn.Module] = []
         self._saved_variable: str | None = None

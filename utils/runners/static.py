@@ -90,6 +90,7 @@ class StaticRunner(ModelPasses):
         self._max_position = (context_length(model) or slots) - 1
         self._dtype = model.get_input_embeddings().weight.dtype
         self._next_forward = None  # the compiled pass `_call` runs next, None: the model's own
+        self._next_shortcuts: Shortcuts | None = None  # an eager pass's CPU shortcuts, None: the measured ones
 
     @property
     def supports_trees(self) -> bool:
@@ -146,7 +147,7 @@ class StaticRunner(ModelPasses):
         self._next_forward = compiled
         if not any(self.rows):
             return self.run(ids, kwargs, timed=False).logits
-        shortcuts = Shortcuts() if compiled is not None else None  # a compiled graph is patched by nothing
+        shortcuts = Shortcuts() if compiled is not None else self._next_shortcuts  # a graph is patched by nothing
         if len(self.rows) > 1:
             return self.run_batch(ids, kwargs).logits
         return self.run(ids, kwargs, timed=True, shortcuts=shortcuts).logits
@@ -179,14 +180,18 @@ class StaticRunner(ModelPasses):
 
 class StaticSequence(StaticRunner):
     """One row over a static buffer with the one-sequence calls calibration times: `forward(tokens,
-    num_logits=)` and `rollback(length)` (a compiled graph takes no CPU shortcuts: `shortcuts` is
-    for the eager runner's signature)."""
+    num_logits=)` and `rollback(length)` (`shortcuts`: an eager pass's CPU shortcuts, as
+    `SequenceRunner.forward` takes them; a compiled graph takes none)."""
 
     def __init__(self, model: PreTrainedModel, *, slots: int, compiled=None, costs: PassCosts | None = None) -> None:
         super().__init__(model, rows=1, slots=slots, costs=costs, compiled=compiled)
 
     def forward(self, new_tokens: list[int], num_logits: int = 1, *, shortcuts: Shortcuts | None = None) -> Tensor:
-        return self.forward_rows([(new_tokens, None)], [num_logits])[0]
+        self._next_shortcuts = shortcuts
+        try:
+            return self.forward_rows([(new_tokens, None)], [num_logits])[0]
+        finally:
+            self._next_shortcuts = None
 
     def rollback(self, length: int) -> None:
         self.rollback_row(0, length)
