@@ -9,12 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    EosTokenCriteria,
+    GenerationConfig,
+    MaxLengthCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 from transformers.generation import GenerationMixin
 from transformers.generation.streamers import BaseStreamer
 
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from tests.models import prompt, tiny_model
+from tests.test_examples import user_cache  # noqa: F401  (a fixture: the built-in model from the user's cache)
 from tests.test_habits import FAMILIES, word_tokenizer
 from utils.logits_processors import TopKNucleusProcessor, TopKProcessor
 
@@ -292,3 +300,42 @@ def test_the_habits_bad_inputs_are_refused_by_name():
             custom(model, ids, **{"max_new_tokens": 4, **kwargs})
     # A tokenizer without stop strings asks for nothing, as in generate.
     assert torch.equal(*both(model, ids, max_new_tokens=6, do_sample=False, tokenizer=tokenizer))
+
+
+def test_an_encoder_decoder_stops_and_repeats_as_generate_does():
+    """The criteria see the decoder's ids (its start token, then the new tokens), as in generate. (generate's side
+    gets the StopStringCriteria that it builds from stop_strings: transformers 4.57 passes an encoder-decoder's
+    tokenizer= on to its forward.)"""
+    model, tokenizer = tiny_model("t5"), word_tokenizer()
+    ids = torch.tensor([prompt(4, length=10)])
+    full = model.generate(ids, max_new_tokens=16, do_sample=False)
+    words = tokenizer.convert_ids_to_tokens(full[0, 1:].tolist())
+    for habits, sampled in [(dict(stop_strings=words[6][:-1]), {}), (dict(stopping_criteria=[Seen(full[0, 5].item())]), {}),
+                            (dict(stop_strings=words[9]), dict(do_sample=True, top_k=1, num_return_sequences=2))]:
+        common = {"max_new_tokens": 16, "do_sample": False, **sampled}
+        strings = habits.pop("stop_strings", None)
+        ours = custom(model, ids, **common, **habits, **(dict(stop_strings=strings, tokenizer=tokenizer) if strings else {}))
+        criteria = habits.get("stopping_criteria") or [StopStringCriteria(tokenizer, [strings])]
+        plain = model.generate(ids, **common, stopping_criteria=StoppingCriteriaList(criteria))
+        assert plain.shape[1] < full.shape[1] and torch.equal(ours, plain), (habits, strings)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("built-in model")
+def test_the_habits_on_the_built_in_model_give_generates_outputs(user_cache):  # noqa: F811
+    from utils.loading import load_model
+
+    model, tokenizer = load_model()
+    ids = tokenizer("def fibonacci(n):\n", return_tensors="pt").input_ids
+    full = model.generate(ids, max_new_tokens=40, do_sample=False)
+    new = full[0, ids.shape[1] :].tolist()
+    pieces = [tokenizer.decode([token]) for token in new]  # "def", " fib", "onacci", ...
+    k = next(i for i, piece in enumerate(pieces) if i > 8 and len(piece.strip()) >= 4)
+    inside = pieces[k].strip()[:-1]  # ends inside a token
+    across = "".join(pieces[k - 3 : k - 1]) + pieces[k - 1][:2]  # over three tokens, ending inside the third
+    assert len(pieces[k - 1]) > 2
+    for habits in [dict(stop_strings=inside, tokenizer=tokenizer), dict(stop_strings=[across, "never"], tokenizer=tokenizer),
+                   dict(stopping_criteria=StoppingCriteriaList([Seen(new[k + 2])])),
+                   dict(do_sample=True, top_k=1, num_return_sequences=2, stop_strings=inside, tokenizer=tokenizer)]:
+        plain, ours = both(model, ids, max_new_tokens=40, **{"do_sample": False, **habits})
+        assert plain.shape[1] < full.shape[1] and torch.equal(ours, plain), habits
