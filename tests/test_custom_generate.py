@@ -265,6 +265,8 @@ def test_sampled_return_sequences_are_the_seeded_batch_of_copies():
     out = custom(model, ids, num_return_sequences=3, generator=seeded(), **common)
     assert out.shape == model.generate(ids, num_return_sequences=3, **common).shape == (3, ids.shape[1] + 10)
     assert torch.equal(out, custom(model, ids.repeat(3, 1), generator=seeded(), **common))
+    config = GenerationConfig(num_return_sequences=3, **common)  # in a config: the same
+    assert torch.equal(out, custom(model, ids, generation_config=config, generator=seeded()))
     library = autoregressive_generate([ids[0].tolist()] * 3, model, max_gen_len=10, generator=seeded(),
                                       logits_processor=TopKProcessor(temperature=1.5, top_k=30))
     assert out[:, ids.shape[1] :].tolist() == library and len({tuple(row) for row in library}) > 1
