@@ -5,13 +5,16 @@
 
 runs Ngram Assisted Speculative Decoding (`ngram_assisted_speculative_generate`), or speculative
 decoding with a drafter model when `assistant_model=` is given, and returns what `generate`
-returns: the prompt and the new tokens, (batch, length) LongTensor, finished rows padded with
-`pad_token_id` (a `GenerateDecoderOnlyOutput` / `GenerateEncoderDecoderOutput` with only
-`sequences` under `return_dict_in_generate=True`). Greedy output is `generate`'s own, token for
+returns: the prompt and the new tokens, (batch * num_return_sequences, length) LongTensor, finished
+rows padded with `pad_token_id` (a `GenerateDecoderOnlyOutput` / `GenerateEncoderDecoderOutput` with
+only `sequences` under `return_dict_in_generate=True`). Greedy output is `generate`'s own, token for
 token; sampled output follows the same distribution (seeded through torch's global generator
-unless `generator=` is given). Extra keyword arguments: `gamma`, `ngram` (a dynagram kept across
-calls), `top_k_filler`, `branching`, `stats` (a `SpeculativeStats`), `generator`. Every other
-argument is refused with a ValueError naming it, never ignored (`HONOURED`, `NEUTRAL`).
+unless `generator=` is given). generate's stopping habits are its own: `stop_strings` (with
+`tokenizer=`), `stopping_criteria` (a criterion of a type generate builds itself takes that one's
+place, as in generate), `num_return_sequences` (each prompt's copies side by side). Extra keyword
+arguments: `gamma`, `ngram` (a dynagram kept across calls), `top_k_filler`, `branching`, `stats`
+(a `SpeculativeStats`), `generator`. Every other argument is refused with a ValueError naming it,
+never ignored (`HONOURED`, `NEUTRAL`).
 
 transformers (4.57 and 5.x) copies this file into its modules cache and imports it from there, so
 the library is found through the installed package (`pip install -e .`) or, failing that, the
@@ -30,11 +33,11 @@ import torch
 NASD_OPTIONS = ("gamma", "ngram", "top_k_filler", "branching", "stats", "generator")
 SPECULATIVE_OPTIONS = ("gamma", "stats", "generator")
 # GenerationConfig fields that speculative decoding here cannot honour: refused, not ignored.
-UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None, "dola_layers": None,
+UNSUPPORTED = {"num_beams": 1, "penalty_alpha": None, "dola_layers": None,
                "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
-               "begin_suppress_tokens": None, "sequence_bias": None, "min_new_tokens": None, "stop_strings": None,
-               "max_time": None, "output_scores": False, "output_logits": False, "output_attentions": False,
-               "output_hidden_states": False, "guidance_scale": None, "watermarking_config": None}
+               "begin_suppress_tokens": None, "sequence_bias": None, "min_new_tokens": None, "max_time": None,
+               "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+               "guidance_scale": None, "watermarking_config": None}
 
 
 # The GenerationConfig fields this method honours, or that ask nothing of it (the token ids generate needs only
@@ -42,7 +45,7 @@ UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None,
 HONOURED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p",
             "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_length",
             "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache",
-            "return_dict_in_generate", "transformers_version", "_from_model_config",
+            "stop_strings", "num_return_sequences", "return_dict_in_generate", "transformers_version", "_from_model_config",
             "disable_compile"}  # nothing here is compiled: True and False alike
 # Values of the other fields that ask for nothing (transformers 5 leaves them None until generate resolves them).
 NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "num_beam_groups": 1, "output_scores": False, "output_logits": False,
@@ -140,64 +143,112 @@ def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_toke
     return [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
 
 
-def generate(model, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
-             prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None,
-             negative_prompt_ids=None, negative_prompt_attention_mask=None, **kwargs):
-    """`generate` by NASD (or speculative decoding with `assistant_model`) -> (batch, length) LongTensor."""
-    sampling, ngram_assisted, lp = _import_library()
-    if kwargs.pop("use_model_defaults", None) is False:  # this method starts from the model's generation_config
-        raise ValueError("custom_generate (NASD) cannot honour use_model_defaults=False: pass a generation_config instead")
-    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
-    attention_mask = kwargs.pop("attention_mask", None)
-    options = {name: kwargs.pop(name) for name in NASD_OPTIONS if name in kwargs}
-    # 1. Refuse what this method cannot do, before any model runs: every argument is honoured or refused.
+def _refuse(model, generation_config, kwargs: dict, arguments: dict):
+    """generate's arguments -> the GenerationConfig to decode by, with kwargs applied; a ValueError for
+    anything this method cannot honour, before any model runs (every argument is honoured or refused)."""
     refused = _not_honoured(_given(kwargs, generation_config, model))  # before the config's own checks: ours name it
     if refused is not None:
         name, value = refused
         instead = f" ({INSTEAD[name]})" if name in INSTEAD else ": use plain generate for it"
         raise ValueError(f"custom_generate (NASD) cannot honour {name}={value!r}{instead}")
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    unused = config.update(**kwargs)
-    for name, value in (("stopping_criteria", stopping_criteria), ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
-                        ("negative_prompt_ids", negative_prompt_ids), ("logits_processor", logits_processor),
-                        ("negative_prompt_attention_mask", negative_prompt_attention_mask), ("synced_gpus", synced_gpus or None)):
-        if value is not None and not (name in ("stopping_criteria", "logits_processor") and len(value) == 0):
+    unused = config.update(**kwargs)  # transformers' own checks: greedy num_return_sequences > 1 is refused there
+    for name, value in arguments.items():
+        if value is not None and not (name == "logits_processor" and len(value) == 0):
             hint = "; set the processing through the GenerationConfig's fields" if name == "logits_processor" else ""
             raise ValueError(f"custom_generate (NASD) does not take {name}{hint}")
     if unused:
         raise ValueError(f"custom_generate (NASD) does not know these arguments: {sorted(unused)}; it takes "
-                         f"generate's GenerationConfig fields and {', '.join(NASD_OPTIONS)}")
+                         f"generate's GenerationConfig fields, tokenizer and {', '.join(NASD_OPTIONS)}")
     for name, default in UNSUPPORTED.items():
         value = getattr(config, name, default)
         if value not in (default, None, NEUTRAL.get(name)) and not (isinstance(value, (list, tuple)) and not value):
             raise ValueError(f"custom_generate (NASD) cannot honour {name}={value!r}: use plain generate for it")
+    return config
+
+
+def _stopping(config, tokenizer, stopping_criteria) -> tuple[dict, int | None, list[int] | None]:
+    """generate's stopping rules -> (the library's stop_strings / tokenizer / stopping_criteria arguments,
+    the max_length and the end tokens that the user's criteria set, None where they set none).
+
+    As in generate: stop strings need `tokenizer=`; a criterion of the exact type of one generate builds
+    itself (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria) takes that one's place (max_length: the
+    least of the user's; end tokens: all of them); the rest are asked after every token, one row at a time."""
+    from transformers import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
+
+    if config.stop_strings is not None and tokenizer is None:
+        raise ValueError(f"custom_generate (NASD) got stop_strings={config.stop_strings!r} (in the arguments or the "
+                         f"generation config) but no tokenizer: pass the model's tokenizer as tokenizer=, as generate asks")
+    if stopping_criteria is None:
+        criteria = []
+    else:
+        criteria = list(stopping_criteria) if isinstance(stopping_criteria, (list, tuple)) else [stopping_criteria]
+    lengths = [c.max_length for c in criteria if type(c) is MaxLengthCriteria]
+    ends = [int(t) for c in criteria if type(c) is EosTokenCriteria for t in c.eos_token_id.reshape(-1).tolist()]
+    criteria = [c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)]
+    habits: dict = {"stopping_criteria": criteria or None}
+    if config.stop_strings is not None and not any(type(c) is StopStringCriteria for c in criteria):
+        habits.update(stop_strings=config.stop_strings, tokenizer=tokenizer)
+    return habits, min(lengths) if lengths else None, ends or None
+
+
+def _max_new_tokens(config, width: int, max_length: int | None) -> int:
+    """How many tokens each row may add: `max_new_tokens`, else `max_length` less the decoder's input
+    (`width`: the padded prompt, or the decoder start token); a user MaxLengthCriteria's max_length first."""
+    if max_length is None and config.max_new_tokens is not None:
+        return config.max_new_tokens
+    limit = max_length if max_length is not None else config.max_length
+    if limit - width < 1:
+        raise ValueError(f"max_length={limit} leaves no room after the {width}-token input: set max_new_tokens")
+    return limit - width
+
+
+def _end_tokens(eos) -> list[int]:
+    return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+def generate(model, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+             prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None,
+             negative_prompt_ids=None, negative_prompt_attention_mask=None, **kwargs):
+    """`generate` by NASD (or speculative decoding with `assistant_model`) -> (batch * num_return_sequences,
+    length) LongTensor."""
+    sampling, ngram_assisted, lp = _import_library()
+    if kwargs.pop("use_model_defaults", None) is False:  # this method starts from the model's generation_config
+        raise ValueError("custom_generate (NASD) cannot honour use_model_defaults=False: pass a generation_config instead")
+    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+    attention_mask, tokenizer = kwargs.pop("attention_mask", None), kwargs.pop("tokenizer", None)
+    options = {name: kwargs.pop(name) for name in NASD_OPTIONS if name in kwargs}
+    # 1. Refuse what this method cannot do, before any model runs: every argument is honoured or refused.
+    config = _refuse(model, generation_config, kwargs, {
+        "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn, "negative_prompt_ids": negative_prompt_ids,
+        "logits_processor": logits_processor, "negative_prompt_attention_mask": negative_prompt_attention_mask,
+        "synced_gpus": synced_gpus or None})
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise TypeError(f"inputs must be a (batch, length) LongTensor of token ids, got {type(input_ids).__name__}")
     if assistant_model is not None and set(options) - set(SPECULATIVE_OPTIONS):
         raise ValueError(f"with assistant_model, only {', '.join(SPECULATIVE_OPTIONS)} apply; "
                          f"got {sorted(set(options) - set(SPECULATIVE_OPTIONS))}")
-    eos = config.eos_token_id
-    eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
-    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    habits, max_length, ends = _stopping(config, tokenizer, stopping_criteria)
+    n = config.num_return_sequences if config.num_return_sequences is not None else 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # generate would take 0 for 1: refused here
+        raise ValueError(f"num_return_sequences must be an int >= 1 (the rows returned per input row), got {n!r}")
+    eos = ends if ends is not None else _end_tokens(config.eos_token_id)
+    pad = config.pad_token_id if config.pad_token_id is not None else (_end_tokens(config.eos_token_id) or [0])[0]
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    rows = _rows(input_ids, attention_mask, config.pad_token_id, eos)
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    else:
-        max_new = config.max_length - (1 if encoder_decoder else input_ids.shape[1])  # decoder start / prompt
-    if max_new < 1:
-        raise ValueError(f"max_length={config.max_length} leaves no room after the {input_ids.shape[1]}-token "
-                         f"input: set max_new_tokens")
-    if streamer is not None and len(rows) > 1:
-        raise ValueError("a streamer takes one sequence: pass a batch of one row with streamer=")
+    rows = _rows(input_ids, attention_mask, config.pad_token_id, _end_tokens(config.eos_token_id))
+    max_new = _max_new_tokens(config, 1 if encoder_decoder else input_ids.shape[1], max_length)
+    if streamer is not None and len(rows) * n > 1:
+        raise ValueError(f"a streamer takes one sequence: pass a batch of one row with streamer= "
+                         f"(got {len(rows)} rows, num_return_sequences={n})")
 
-    # 2. Decode the rows (a batch: one list of rows) with the library's loop.
+    # 2. Decode the rows (a batch: one list of rows; each one n times, side by side) with the library's loop.
     on_step = None
     if streamer is not None:
         streamer.put(input_ids.cpu())
         on_step = lambda step: streamer.put(torch.tensor(step.tokens, dtype=torch.long))  # noqa: E731
     common = dict(logits_processor=_processor(config, lp), max_gen_len=max_new, end_tokens_id=eos or None,
-                  use_cache=config.use_cache if config.use_cache is not None else True, on_step=on_step, **options)
+                  use_cache=config.use_cache if config.use_cache is not None else True, on_step=on_step,
+                  num_return_sequences=n, **habits, **options)
     if attention_mask is None and config.pad_token_id is not None:
         common["pad_token_id"] = int(config.pad_token_id)  # a batch without a mask: stripped of it (`_rows` above)
     batch = rows if len(rows) > 1 else rows[0]  # one row: the single call (its generator's own numbers)
@@ -209,13 +260,15 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
         run = (ngram_assisted.ngram_assisted_speculative_generate_encoder_decoder if encoder_decoder
                else ngram_assisted.ngram_assisted_speculative_generate)
         results = run(batch, common.pop("ngram"), model, **common)
-    results = results if len(rows) > 1 else [results]
     if streamer is not None:
         streamer.end()
+    return _output(model, config, input_ids, [ids for ids, _ in (results if isinstance(results, list) else [results])],
+                   n, pad, encoder_decoder)
 
-    # 3. generate's output: the prompt (decoder-only, as given) or the decoder start (encoder-decoder),
-    #    then each row's new tokens, padded on the right.
-    generated = [ids for ids, _ in results]
+
+def _output(model, config, input_ids: torch.Tensor, generated: list[list[int]], n: int, pad: int, encoder_decoder: bool):
+    """generate's output: the prompt (decoder-only, as given, each row n times) or the decoder start
+    (encoder-decoder), then each returned row's new tokens, padded on the right with `pad`."""
     width = max(len(ids) for ids in generated)
     new = torch.tensor([ids + [pad] * (width - len(ids)) for ids in generated], dtype=torch.long,
                        device=input_ids.device).reshape(len(generated), width)
@@ -224,7 +277,7 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
         start = start if start is not None else model.config.decoder_start_token_id
         sequences = torch.cat([torch.full((len(generated), 1), start, dtype=torch.long, device=input_ids.device), new], 1)
     else:
-        sequences = torch.cat([input_ids.long(), new], dim=1)
+        sequences = torch.cat([input_ids.long().repeat_interleave(n, dim=0), new], dim=1)
     if not config.return_dict_in_generate:
         return sequences
     from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
