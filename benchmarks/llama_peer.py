@@ -22,11 +22,11 @@ use a fake one.
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.gguf_types import weight_types
 from utils.offline_models import OFFLINE_MODELS, assemble, missing_message, offline_model
 from utils.paths import cache_dir
 
@@ -53,26 +53,6 @@ def gguf_file(name: str | None) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         assemble(model, folder)  # written beside, checked, then renamed: never half a file
     return folder / model.gguf
-
-
-def weight_types(path: Path) -> str:
-    """The GGUF's native tensor types by share of the parameters, e.g. "GGUF Q4_K_M: Q4_K 61%, Q6_K 30%, F32 9%"."""
-    try:
-        from gguf import GGUFReader, LlamaFileType
-    except ImportError:
-        return "GGUF (its tensor types unread: no gguf package)"
-    reader = GGUFReader(path)
-    sizes: Counter[str] = Counter()
-    for tensor in reader.tensors:
-        sizes[tensor.tensor_type.name] += int(tensor.n_elements)
-    total = sum(sizes.values())
-    field = reader.fields.get("general.file_type")
-    kind = ""
-    if field is not None:
-        value = int(field.parts[field.data[0]][0])
-        kind = LlamaFileType(value).name.removeprefix("MOSTLY_") if value in LlamaFileType._value2member_map_ else str(value)
-    shares = [(name, n / total) for name, n in sizes.most_common()]
-    return f"GGUF {kind}: " + ", ".join(f"{name} {share:.0%}" if share >= 0.005 else f"{name} <1%" for name, share in shares)
 
 
 class ModelDraft:

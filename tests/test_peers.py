@@ -176,3 +176,72 @@ def test_the_drafter_hook_stops_below_p_min_and_refuses_no_draft():
     assert llama_peer.ModelDraft(FakeLlama(peak=1.0), n_max=2, p_min=0.25)(np.array([1], dtype=np.intc)).tolist() == [2, 3]
     with pytest.raises(ValueError, match="n_max must be >= 1, got 0"):
         llama_peer.ModelDraft(unsure, n_max=0)
+
+
+class FakeBinding(types.ModuleType):
+    """llama_cpp as `LlamaCppPeer` uses it: `Llama(**settings)` whose `generate` yields 10, 11, 12, ... greedily,
+    and `llama_speculative.LlamaPromptLookupDecoding`."""
+
+    def __init__(self, fails: bool = False) -> None:
+        super().__init__("llama_cpp")
+        self.made, binding = [], self
+        self.llama_speculative = types.SimpleNamespace(LlamaPromptLookupDecoding=lambda **kw: ("lookup", kw))
+
+        class Llama:
+            def __init__(self, **settings) -> None:
+                if fails:
+                    raise ValueError(f"Failed to load model from file: {settings['model_path']}")
+                self.settings, self.n_tokens = settings, 7  # a previous run's cache
+                binding.made.append(self)
+
+            def reset(self) -> None:
+                self.n_tokens = 0
+
+            def generate(self, tokens, **sampling):
+                assert sampling == llama_peer.GREEDY and self.n_tokens == 0  # greedy, from an empty cache
+                yield from range(10, 10 + 1000)
+
+        self.Llama = Llama
+
+
+def test_the_peer_runs_each_method_greedily_from_an_empty_cache_and_stops_at_an_end_token():
+    binding, gguf = FakeBinding(), llama_peer.gguf_file(None)  # the built-in model's GGUF file (make setup)
+    peer = llama_peer.LlamaCppPeer(binding, gguf, gguf, n_ctx=300, threads=2, draft_max=5)
+    assert peer.methods == ("llama_plain", "llama_prompt_lookup", "llama_draft")
+    assert peer.weights.startswith("GGUF Q4_1: Q4_1 ") and "Q8_0" in peer.weights  # read from the file
+    plain, lookup, small, draft = binding.made
+    assert plain.settings == {"model_path": str(gguf), "n_ctx": 300, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
+    assert lookup.settings["draft_model"] == ("lookup", llama_peer.PROMPT_LOOKUP)
+    assert draft.settings["draft_model"].drafter is small and draft.settings["draft_model"].n_max == 5
+    assert peer.generate("llama_plain", [1, 2], max_new_tokens=5, end_tokens=[12]) == [10, 11, 12]
+    assert peer.generate("llama_draft", [1, 2], max_new_tokens=4, end_tokens=[]) == [10, 11, 12, 13]
+
+
+def test_a_model_the_binding_cannot_load_skips_the_peer_in_one_line(monkeypatch):
+    binding = FakeBinding(fails=True)
+    monkeypatch.setitem(sys.modules, "llama_cpp", binding)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", binding.llama_speculative)
+    peer, why = llama_peer.load_peer(None, None, n_ctx=256, threads=1)
+    assert peer is None and why.startswith("llama.cpp skipped: ") and "did not load (Failed to load model" in why
+
+
+def test_the_weight_format_is_read_from_the_gguf_header(tmp_path):
+    from gguf import GGUFWriter, LlamaFileType
+
+    from benchmarks.gguf_types import weight_types
+
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    writer.add_token_list(["<s>", "a", "bc"])  # an array of strings, skipped
+    writer.add_token_scores([0.0, -1.0, -2.0])  # an array of numbers, skipped
+    writer.add_tensor("big", np.zeros((4, 6), dtype=np.float16))
+    writer.add_tensor("small", np.zeros(8, dtype=np.float32))
+    writer.add_tensor("tiny", np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert weight_types(tmp_path / "tiny.gguf") == "GGUF F16: F16 73%, F32 27%"  # 24 of 33 parameters, then 9
+    (tmp_path / "other.bin").write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        weight_types(tmp_path / "other.bin")
