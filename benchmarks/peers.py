@@ -179,9 +179,11 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     console = Console()
+    texts = load_workload(args.workload, args.per_category, path=args.data)
+    if not texts:
+        raise SystemExit(f"no prompts: --per-category {args.per_category} of workload {args.workload}")
     target, tokenizer = load_model(args.model, dtype=args.dtype)
     drafter = load_model(args.drafter, dtype=target.dtype)[0] if args.drafter else None
-    texts = load_workload(args.workload, args.per_category, path=args.data)
     prompts = [(index, task, encode(tokenizer, text)) for index, (task, text) in enumerate(texts)]
     threads = torch.get_num_threads()
     n_ctx = max(len(ids) for _, _, ids in prompts) + args.max_new_tokens + CONTEXT_SLACK

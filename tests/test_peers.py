@@ -245,3 +245,11 @@ def test_the_weight_format_is_read_from_the_gguf_header(tmp_path):
     (tmp_path / "other.bin").write_bytes(b"not a gguf file")
     with pytest.raises(ValueError, match="is not a GGUF file"):
         weight_types(tmp_path / "other.bin")
+
+
+def test_no_prompts_and_a_bad_draft_length_are_refused_before_any_model_loads(tmp_path):
+    with pytest.raises(SystemExit, match="no prompts: --per-category 0 of workload humaneval"):
+        peers.main(["--target", str(tmp_path / "absent"), "--per-category", "0"])
+    with pytest.raises(SystemExit) as refused:
+        peers.main(["--llama-draft-max", "0"])
+    assert refused.value.code == 2
