@@ -22,6 +22,8 @@ use a fake one.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,9 @@ PACKAGE = "llama-cpp-python==0.3.36"  # what `make peers` builds (CPU only)
 PROMPT_LOOKUP = dict(max_ngram_size=2, num_pred_tokens=10)  # LlamaPromptLookupDecoding's defaults
 DRAFT_MAX, DRAFT_P_MIN = 3, 0.0  # llama.cpp's draft-simple defaults (common/common.h, vendored in 0.3.36)
 GREEDY = dict(temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+PROBE = ("import sys, llama_cpp\n"
+         "llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)\n"
+         "llm.create_completion(llm.tokenize(b'def f():'), max_tokens=2, temperature=0.0)\n")
 
 
 def gguf_file(name: str | None) -> Path:
@@ -53,6 +58,22 @@ def gguf_file(name: str | None) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         assemble(model, folder)  # written beside, checked, then renamed: never half a file
     return folder / model.gguf
+
+
+def decodes(path: Path, timeout: float = 600) -> str:
+    """"" when llama.cpp loads `path` and decodes two tokens in a child process, else one line saying how it ended:
+    a build that crashes on its first decode (as ggml's AMX matmul does on some Xeons) would end the benchmark."""
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"a first decode of {path.name} took over {timeout:.0f} s"
+    if done.returncode == 0:
+        return ""
+    if done.returncode < 0:
+        return (f"a first decode of {path.name} ended with signal {-done.returncode} (a build for another CPU? "
+                "pip uninstall llama-cpp-python, then make peers)")
+    last = (done.stderr.strip().splitlines() or [""])[-1][:160]
+    return f"a first decode of {path.name} ended with exit status {done.returncode}{': ' + last if last else ''}"
 
 
 class ModelDraft:
@@ -116,10 +137,11 @@ class LlamaCppPeer:
         return out
 
 
-def load_peer(target: str | None, drafter: str | None, *, n_ctx: int, threads: int,
-              draft_max: int = DRAFT_MAX) -> tuple[LlamaCppPeer | None, str]:
-    """(the peer, "") or (None, one line saying why not: no binding, no GGUF file, a failed load). A drafter with no
-    GGUF file leaves the peer without `llama_draft` (said in the line)."""
+def load_peer(target: str | None, drafter: str | None, *, n_ctx: int, threads: int, draft_max: int = DRAFT_MAX,
+              probe=decodes) -> tuple[LlamaCppPeer | None, str]:
+    """(the peer, "") or (None, one line saying why not: no binding, no GGUF file, a crashing or failed load; `probe`
+    says first whether a child process decodes the file). A drafter with no GGUF file leaves the peer without
+    `llama_draft` (said in the line)."""
     try:
         import llama_cpp
         import llama_cpp.llama_speculative  # noqa: F401  (the prompt-lookup draft model)
@@ -129,6 +151,8 @@ def load_peer(target: str | None, drafter: str | None, *, n_ctx: int, threads: i
         path = gguf_file(target)
     except (FileNotFoundError, ValueError) as error:
         return None, f"llama.cpp skipped: {error}"
+    if why := probe(path):
+        return None, f"llama.cpp skipped: {why}"
     note, draft_path = "", None
     if drafter is not None:
         try:

@@ -221,8 +221,17 @@ def test_a_model_the_binding_cannot_load_skips_the_peer_in_one_line(monkeypatch)
     binding = FakeBinding(fails=True)
     monkeypatch.setitem(sys.modules, "llama_cpp", binding)
     monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", binding.llama_speculative)
-    peer, why = llama_peer.load_peer(None, None, n_ctx=256, threads=1)
+    peer, why = llama_peer.load_peer(None, None, n_ctx=256, threads=1, probe=lambda path: "")
     assert peer is None and why.startswith("llama.cpp skipped: ") and "did not load (Failed to load model" in why
+    crashing = lambda path: f"a first decode of {path.name} ended with signal 11"  # noqa: E731
+    peer, why = llama_peer.load_peer(None, None, n_ctx=256, threads=1, probe=crashing)
+    assert peer is None and why == "llama.cpp skipped: a first decode of SmolLM2-135M-Instruct.Q4_1.gguf ended with signal 11"
+
+
+def test_the_probe_says_in_one_line_how_a_first_decode_ended(tmp_path):
+    (tmp_path / "other.bin").write_bytes(b"not a gguf file")
+    why = llama_peer.decodes(tmp_path / "other.bin")  # no binding (CI) or no model in the file: exit status 1
+    assert why.startswith("a first decode of other.bin ended with exit status 1: ") and "\n" not in why
 
 
 def test_the_weight_format_is_read_from_the_gguf_header(tmp_path):
