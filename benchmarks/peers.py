@@ -162,6 +162,18 @@ def report(summary: dict, weights: dict[str, str], settings: dict, notes: list[s
     return "\n".join([*lines, "", goal_line(summary)]) + "\n"
 
 
+def peer_notes(peer, draft_max: int) -> list[str]:
+    """What the report says of llama.cpp's settings (nothing when it did not run)."""
+    if peer is None:
+        return []
+    notes = [f"llama.cpp's prompt lookup: LlamaPromptLookupDecoding{PROMPT_LOOKUP}"]
+    if "llama_draft" in peer.methods:
+        notes.append(f"llama.cpp's drafter model ({getattr(peer, 'drafter_weights', None) or 'its GGUF'}): up to "
+                     f"{draft_max} tokens a step, through the binding's draft_model= hook (filled here: the binding "
+                     "exposes no draft-model speculation of its own)")
+    return notes
+
+
 def parse_args(argv: list[str] | None):
     parser = cli.benchmark_parser(__doc__)
     cli.add_models(parser, drafter="a drafter model for ours and llama.cpp's draft-model speculation, e.g. "
@@ -204,8 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     origin = " (the GGUF de-quantized)" if offline_model(args.model) is not None else ""
     weights = {"ours": f"{str(target.dtype).removeprefix('torch.')}{origin}",
                "llama.cpp": peer.weights if peer else "-"}
-    notes += [f"llama.cpp: prompt lookup {PROMPT_LOOKUP}, drafter model up to {args.llama_draft_max} tokens a step "
-              "(the binding's draft_model= hook, filled here: it exposes no draft-model speculation of its own)"] if peer else []
+    notes += peer_notes(peer, args.llama_draft_max)
     settings = {"workload": args.workload, "model": args.model or "smollm2-135m-instruct", "drafter": args.drafter,
                 "prompts": len(prompts), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "threads": threads, "n_ctx": n_ctx, "weights": weights,

@@ -97,6 +97,7 @@ def test_with_a_fake_peer_the_table_holds_both_sides(tmp_path, monkeypatch):
     assert "vs ours plain: 90% identical tokens, 0/4 equal, first divergence at token 3 (median)" in report
     assert "best of ours (" in report and ") / best of llama.cpp (" in report
     assert "4/4 = llama.cpp plain" in report and "4/4 = ours plain (0 defects, 0 near-ties)" in report
+    assert "- llama.cpp's prompt lookup: LlamaPromptLookupDecoding{'max_ngram_size': 2, 'num_pred_tokens': 10}" in report
 
 
 def record(method, tokens, seconds, output, prompt=0, repeat=0):
