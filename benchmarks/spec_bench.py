@@ -198,7 +198,8 @@ def run_all(runner: Runner, prompts: list[tuple[int, str, list[int]]], methods: 
                         "tokens": len(out), "seconds": seconds, "tau": stats.tau if stats else None,
                         "alpha": stats.alpha if stats else None, "steps": stats.steps if stats else None,
                         "steps_without_drafts": stats.steps_without_drafts if stats else None, "output": out, "peak_rss_mib": memory.peak,
-                        "phases": dict(stats.seconds) if stats else None, **meter.record(),
+                        "phases": dict(stats.seconds) if stats else None,
+                        "counters": dict(stats.counters) if stats else None, **meter.record(),  # e.g. tree_steps
                     })
                     progress.update()
     check_outputs(records, {index: ids for index, _, ids in prompts}, runner)

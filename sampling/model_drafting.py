@@ -15,8 +15,9 @@ from sampling.common import Generation, Request, max_tokens
 from sampling.draft_confidence import ConfidenceStop
 from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.drafters import ModelDrafter
-from sampling.model_tree import ModelTreeDrafter, TreeAcceptance, TreePlanner, tree_branching
+from sampling.model_tree import ModelTreeDrafter
 from sampling.options import Drafting, SpeculativeOptions
+from sampling.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
@@ -77,7 +78,9 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
         if width > 1 and gen.runner.supports_trees and model_drafter.runner.supports_trees:
             acceptance = TreeAcceptance()
             planner = TreePlanner(policy, drafter_costs, width, acceptance) if adaptive_gamma else None
-            tree_drafter = ModelTreeDrafter(model_drafter, width, planner, acceptance)
+            mode = ("greedy" if logits_processor.is_greedy else "coupled" if coupled else "sampled", len(gen.uniforms))
+            tree_drafter = ModelTreeDrafter(model_drafter, width, planner, acceptance,
+                                            shape_record(drafter, target, mode) if adaptive_gamma else None)
             return tree_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
     return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
 

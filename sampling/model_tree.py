@@ -28,133 +28,29 @@ block, `forward_rows` with parents): a node must see its own ancestors and no ot
 protocol's cache shows a new block everything it holds. After verification `keep_path_row` keeps
 the accepted nodes the last block holds.
 
-Shape and size (`TreePlanner`, with `adaptive_gamma`): the expected accepted tokens of the best
-tree a per-rank acceptance model allows, against the measured costs (the target's pass over 1 + n
-tokens, `PassCosts`, and the drafter's passes over each depth's block), compared with the best chain
-under the same model: a tree where it is expected to give more tokens per unit of cost, else a
-chain step by the chain drafter (its cascade and per-token stop included), never slower. A fixed
-gamma with `branching` >= 2: a tree of `gamma` nodes every step, no cost cut.
+Shape and size (with `adaptive_gamma`, `sampling/tree_choice.py`): the planner proposes a tree
+where its expected accepted tokens per unit of cost (the drafter's passes priced at their measured
+widths, the target's pass over 1 + n tokens) beat the best chain's by a margin, and the shape record
+lets it run only where trees have measured to pay there; else the step is the chain drafter's (its
+cascade and per-token stop included). A fixed gamma with `branching` >= 2: a tree of `gamma` nodes
+every step, no cost cut.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from sampling.draft_confidence import ConfidenceAcceptance
-from sampling.draft_policy import CostAwareDraftLength, best_draft_length, best_tree_size
+from sampling import tree_choice
+from sampling.draft_policy import best_tree_size
 from sampling.drafters import DraftTree, ModelDrafter
 from sampling.randomness import DRAFT
+from sampling.tree_choice import ShapeRecord, TreeAcceptance, TreePlanner
 from sampling.tree_sampling import step_generator
-from utils.cost_model import PassCosts
 from utils.logits_processors import inverse_cdf
-
-AUTO_BRANCHING = 3  # branching=None with adaptive_gamma: up to this many children per node, where trees pay
-# Prior P(a child is accepted | its parent was reached) by its rank among its siblings (first,
-# second, third and later), worth RANK_PRIOR_WEIGHT judged children; learned online from there.
-RANK_PRIOR = (0.6, 0.12, 0.06)
-RANK_PRIOR_WEIGHT = 2.0
-RANK_FORGET = 0.99  # per judged child: the rates follow roughly the last 100
-
-
-def tree_branching(branching: int | None, adaptive_gamma: bool) -> int:
-    """The most children per node a drafter model's tree may have: `branching`, or with None
-    `AUTO_BRANCHING` where the cost model chooses (adaptive_gamma) and 1 (a chain of `gamma`) with
-    a fixed gamma."""
-    if branching is None:
-        return AUTO_BRANCHING if adaptive_gamma else 1
-    return branching
-
-
-class TreeAcceptance:
-    """P(a child is accepted | its parent was reached), learned from every judged child: by rank
-    (`rate`: the planner's positional model) and by rank and score factor (`__call__`: the reaches
-    of a drafted tree's nodes)."""
-
-    def __init__(self) -> None:
-        self.by_confidence = [ConfidenceAcceptance() for _ in RANK_PRIOR]
-        self.accepted = [a * RANK_PRIOR_WEIGHT for a in RANK_PRIOR]
-        self.judged = [RANK_PRIOR_WEIGHT] * len(RANK_PRIOR)
-
-    def rate(self, rank: int) -> float:
-        r = min(rank, len(RANK_PRIOR) - 1)
-        return self.accepted[r] / self.judged[r]
-
-    def __call__(self, rank: int, factor: float) -> float:
-        return self.by_confidence[min(rank, len(RANK_PRIOR) - 1)](factor)
-
-    def observe(self, rank: int, accepted: bool, factor: float | None = None) -> None:
-        """A child of a reached node was judged (`factor` None: a chain's draft, its rate only)."""
-        r = min(rank, len(RANK_PRIOR) - 1)
-        self.accepted[r] = self.accepted[r] * RANK_FORGET + accepted
-        self.judged[r] = self.judged[r] * RANK_FORGET + 1.0
-        if factor is not None:
-            self.by_confidence[r].update([factor], int(accepted))
-
-
-class TreePlanner:
-    """Each step's node budget for a tree (0: draft a chain), from the measured costs.
-
-    The positional model: a child of rank r is accepted with `acceptance.rate(r)` once its parent
-    is; the best tree of n nodes adds them best-first by reach. A step of n nodes costs the
-    target's pass over 1 + n tokens (`policy.verify_cost`) plus the drafter's passes: one over the
-    root, then per depth one over the root and the paths to the nodes it expands (the drafter's
-    `PassCosts`), in units of one-token target passes. The chain: `policy.cost(k)` with the same
-    first-rank rate. A tree is drafted when its best rate beats the chain's best."""
-
-    def __init__(self, policy: CostAwareDraftLength, drafter_costs: PassCosts, branching: int,
-                 acceptance: TreeAcceptance) -> None:
-        self.policy, self.drafter_costs, self.branching, self.acceptance = policy, drafter_costs, branching, acceptance
-
-    def shape(self, max_nodes: int) -> tuple[list[tuple[int, int, int]], list[float]]:
-        """The positional model's best tree, nodes in the order added -> ([(parent, depth, rank)], reaches)."""
-        rates = [self.acceptance.rate(r) for r in range(self.branching)]
-        heap = [(-rates[r], r, -1, r, 1) for r in range(self.branching)]
-        nodes, reaches, order = [], [], self.branching
-        while heap and len(nodes) < max_nodes:
-            neg_reach, _, parent, rank, depth = heapq.heappop(heap)
-            nodes.append((parent, depth, rank))
-            reaches.append(-neg_reach)
-            for r in range(self.branching):
-                heapq.heappush(heap, (neg_reach * rates[r], order, len(nodes) - 1, r, depth + 1))
-                order += 1
-        return nodes, reaches
-
-    def drafting_costs(self, nodes: list[tuple[int, int, int]]) -> list[float]:
-        """The drafter's passes for each prefix of these nodes (in the order added), in one-token
-        target passes: the root's pass, and per depth a pass over the root and the paths to that
-        depth's expanded nodes."""
-        step = self.policy.drafter_step_cost()
-        fed: dict[int, set[int]] = {}  # a depth -> the nodes its pass feeds after the root
-        costs = []
-        for parent, _, _ in nodes:
-            if parent >= 0:  # the parent is expanded: its pass feeds the path to it
-                block = fed.setdefault(nodes[parent][1], set())
-                while parent >= 0 and parent not in block:
-                    block.add(parent)
-                    parent = nodes[parent][0]
-            costs.append(step * (1.0 + sum(self.drafter_costs(len(block)) for block in fed.values())))
-        return costs
-
-    def budget(self, max_drafts: int) -> int:
-        """The tree's node budget this step (the loop's `max_drafts` at most), 0 for a chain."""
-        if max_drafts < 2 or self.branching < 2:
-            return 0
-        top = self.acceptance.rate(0)
-        k = best_draft_length([min(top, 0.99)] * max_drafts, self.policy.cost)
-        chain_rate = (1.0 + sum(top ** j for j in range(1, k + 1))) / self.policy.cost(k)
-        nodes, reaches = self.shape(max_drafts)
-        best, best_rate, branched, expected = 0, chain_rate, False, 1.0
-        for n, drafting in enumerate(self.drafting_costs(nodes), start=1):
-            branched = branched or nodes[n - 1][2] > 0
-            expected += reaches[n - 1]
-            rate = expected / (self.policy.verify_cost(n) + drafting)
-            if branched and rate > best_rate:
-                best, best_rate = n, rate
-        return best
+from utils.runners.passes import synchronize
 
 
 @dataclass
@@ -209,14 +105,17 @@ class RowTree:
 class ModelTreeDrafter:
     """A `Drafter` that drafts token trees with a `ModelDrafter`'s model and runner (module
     docstring), and chain steps with the `ModelDrafter` itself where the planner says a tree does
-    not pay. `planner` None: a tree of `max_drafts` nodes every step (a fixed gamma)."""
+    not pay or the record says trees did not (`sampling/tree_choice.py`). `planner` None: a tree of
+    `max_drafts` nodes every step (a fixed gamma); `record` None: the planner alone chooses."""
 
     def __init__(self, chain: ModelDrafter, branching: int, planner: TreePlanner | None,
-                 acceptance: TreeAcceptance) -> None:
+                 acceptance: TreeAcceptance, record: ShapeRecord | None = None) -> None:
         assert branching >= 2 and chain.runner.supports_trees
         self.chain, self.branching, self.planner, self.acceptance = chain, branching, planner, acceptance
+        self.record = record if planner is not None else None
         self._trees: list[RowTree] = []  # this step's trees, one per row; empty on a chain step
         self._chain_lengths: list[int] = []
+        self._passes: list[int] = []  # the widest block of each drafter pass of this tree step
         self.tree_steps = 0  # steps drafted as trees (for reports)
 
     @property
@@ -228,23 +127,34 @@ class ModelTreeDrafter:
         return self.chain.cascade
 
     def counters(self) -> dict[str, float]:
-        """The chain drafter's counters (its cascade's, the other tokenizer's): `Drafting.counters`."""
-        return self.chain.counters()
+        """The chain drafter's counters (its cascade's) and the steps drafted as trees: `Drafting.counters`."""
+        return {**self.chain.counters(), "tree_steps": self.tree_steps}
 
     def start(self, sequences: list[list[int]]) -> None:
         self.chain.start(sequences)
         self._trees = []
 
     def draft(self, sequences, max_drafts, max_depths):
-        budget = max_drafts if self.planner is None else self.planner.budget(max_drafts)
-        if budget == 0 or not any(max_depths):
+        budget = max_drafts if self.planner is None else self.planner.budget(max_drafts, len(sequences))
+        proposed = budget > 0 and any(max_depths)
+        as_tree = proposed and (self.record is None or self.record.choose())
+        timed = self.planner is not None and self.chain.is_warm()  # a cold step's catch-up times nothing
+        if timed:
+            synchronize(*self.chain.runner.devices)
+        if proposed and timed and self.record is not None:
+            self.record.begin(as_tree)  # timed until `update`: the whole step
+        if not as_tree:
             self._trees = []
             drafts = self.chain.draft(sequences, max_drafts, max_depths)
             self._chain_lengths = [len(tree) for tree, _ in drafts]
             return drafts
         self.tree_steps += 1
         depths = [max(0, min(depth, budget)) for depth in max_depths]
+        start = tree_choice.clock()
         self._trees = self._grow(sequences, budget, depths)
+        if timed:  # what the tree's passes cost with the work around them
+            synchronize(*self.chain.runner.devices)
+            self.planner.observe_drafting(tree_choice.clock() - start, self._passes, len(sequences))
         cut = self.planner is not None and self._deterministic
         return [self._tree(tree, budget, cut) for tree in self._trees]
 
@@ -261,6 +171,7 @@ class ModelTreeDrafter:
         # 1. The root: each drafting row feeds what its cache has not seen (a chain).
         pending = [s[runner.row_length(b) :] if depths[b] else [] for b, s in enumerate(sequences)]
         logits = runner.forward_rows([(tokens, None) for tokens in pending], [int(bool(t)) for t in pending])
+        self._passes = [max(map(len, pending))]
         for b, tokens in enumerate(pending):
             if tokens:
                 self._expand(trees[b], b, -1, logits[b][-1], generators[b])
@@ -281,6 +192,7 @@ class ModelTreeDrafter:
                 else:
                     blocks.append(([], None))
             logits = runner.forward_rows(blocks, [len(chosen) for chosen in picks])
+            self._passes.append(max(len(tokens) for tokens, _ in blocks))
             for b, chosen in enumerate(picks):
                 for j, c in enumerate(chosen):
                     self._expand(trees[b], b, c, logits[b][j], generators[b])
@@ -341,6 +253,12 @@ class ModelTreeDrafter:
         return draft, torch.stack([tree.q[c.parent] for c in candidates])
 
     def update(self, sequences, paths, target_logits, p) -> None:
+        self._learn(sequences, paths, target_logits, p)
+        if self.record is not None:  # the step ends here: its tokens, all rows
+            self.record.end(sum(len(path) + 1 for path in paths))
+
+    def _learn(self, sequences, paths, target_logits, p) -> None:
+        """The acceptance rates learn the judged children; the drafter's cache keeps the accepted ones."""
         if not self._trees:  # a chain step: the chain drafter's own bookkeeping
             self.chain.update(sequences, paths, target_logits, p)
             for k, path in zip(self._chain_lengths, paths, strict=True):
