@@ -17,6 +17,7 @@ from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.drafters import ModelDrafter
 from sampling.model_tree import ModelTreeDrafter, TreeAcceptance, TreePlanner, tree_branching
 from sampling.options import Drafting, SpeculativeOptions
+from sampling.self_drafting import releasing, shared_runner
 from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
@@ -73,12 +74,17 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
             costs=drafter_costs, cascade=proposer, max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
         )
+        # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.self_drafting`).
+        shared = shared_runner(drafter, target, lambda: gen.runner, use_cache=use_cache, costs=drafter_costs)
+        if shared is not None:
+            model_drafter.runner = shared
         width = tree_branching(branching, adaptive_gamma)
         if width > 1 and gen.runner.supports_trees and model_drafter.runner.supports_trees:
             acceptance = TreeAcceptance()
             planner = TreePlanner(policy, drafter_costs, width, acceptance) if adaptive_gamma else None
             tree_drafter = ModelTreeDrafter(model_drafter, width, planner, acceptance)
-            return tree_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
+            return releasing(tree_drafter, shared), policy, policy if adaptive_gamma else DraftLength(gamma)
+        return releasing(model_drafter, shared), policy, policy if adaptive_gamma else DraftLength(gamma)
     return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
 
 
