@@ -23,12 +23,14 @@ from tqdm import tqdm
 from utils.paths import cache_dir
 from utils.quantize import BITS, QuantizedLinear, linear_weight, quantized_linear
 
-__all__ = ["check_quantization", "linear_names", "quantize_linears", "quantized_state_key"]
+__all__ = ["QUANTIZE_KINDS", "check_quantization", "install", "linear_names", "quantize_linears", "quantize_model",
+           "quantized_state_key"]
 
 PROGRESS_ENV = "SPECDEC_PROGRESS"  # "0": no progress bar while quantizing
 CACHE_MIN_PARAMETERS = 10_000_000  # cache="auto": smaller models quantize faster than they load
 SAMPLE = 4096  # elements of each tensor in the fingerprint
 GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel is used with (gpt-fast's choices)
+QUANTIZE_KINDS = {"int8": (8, 32), "int4": (4, 32)}  # `load_model(quantize=)`: (bits, group size)
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -45,7 +47,9 @@ def check_quantization(model: nn.Module, bits, group_size) -> None:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
     names = linear_names(model)
     if not names:
-        raise ValueError(f"{type(model).__name__} has no linear layer to quantize")
+        already = any(isinstance(module, QuantizedLinear) for module in model.modules())
+        raise ValueError(f"{type(model).__name__} has no float linear layer to quantize"
+                         + (" (its linears are quantized already: n-grams draft for such a model)" if already else ""))
     widths = {linear_weight(module).shape[1] for name, module in model.named_modules() if name in set(names)}
     if bits == 4 and all(width % group_size for width in widths):
         raise ValueError(f"group_size={group_size} divides no linear's input width ({sorted(widths)}): "
@@ -137,3 +141,16 @@ def install(model: nn.Module, layers: dict[str, QuantizedLinear | None]) -> None
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+
+
+def quantize_model(model: nn.Module, kind: str, *, cache: bool | str = "auto") -> nn.Module:
+    """`model` with every linear replaced in place by its quantized form (`QUANTIZE_KINDS`: "int8" or
+    "int4"; a layer the int4 kernel refuses is int8) -> `model`, now another model than the float
+    one. The input embedding stays as it is; a head tied to it gets its own quantized copy."""
+    if kind not in QUANTIZE_KINDS:
+        raise ValueError(f"quantize must be one of {sorted(QUANTIZE_KINDS)}, got {kind!r}")
+    bits, group_size = QUANTIZE_KINDS[kind]
+    install(model, quantize_linears(model, bits, group_size, cache=cache))
+    if hasattr(model, "config"):
+        model.config.specdec_quantized = kind  # another model to the pass-cost calibration's key
+    return model
