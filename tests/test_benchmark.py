@@ -427,3 +427,13 @@ def test_the_self_drafter_methods_run_and_match_greedy(tmp_path):
     records = [r for r in result["records"] if r["method"].startswith("ours_self")]
     assert {r["method"] for r in records} == {"ours_self", "ours_self_cascade"}
     assert all(r["matches_reference"] and r["tau"] >= 1.0 for r in records)
+
+
+def test_the_self_drafter_tau_script_runs_on_a_tiny_model(tmp_path, monkeypatch):
+    from benchmarks import self_tau
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=512)
+    result = self_tau.main(["--model", str(model), "--prompts", "2", "--gamma", "3", "--max-new-tokens", "8"])
+    assert set(result["variants"]) == set(self_tau.VARIANTS) and result["outputs_equal"]
+    assert all(v["tau_mean"] >= 1.0 and 0 < v["added_bytes_over_target"] < 1 for v in result["variants"].values())
