@@ -113,6 +113,8 @@ class ReleasingDrafter:
             self.shared_runner.release()
 
     def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
