@@ -166,8 +166,8 @@ def test_seeds_reproduce_and_the_invariant_rule_is_plain_sampling():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,share_cache", [("llama", True), ("gpt2", False)])
-def test_the_first_two_tokens_follow_the_target_law(name, share_cache):
+@pytest.mark.parametrize("name,share_cache,branching", [("llama", True, 1), ("gpt2", False, 1), ("qwen2", True, 2)])
+def test_the_first_two_tokens_follow_the_target_law(name, share_cache, branching):
     """Chi-square on the joint law of the first two tokens (standard rule: q is the quantized model's),
     p-value above P_VALUE_THRESHOLD, seeded; a batch of rows per call (the shared batch's cache)."""
     target = tiny_model(name, vocab=16)
@@ -177,8 +177,8 @@ def test_the_first_two_tokens_follow_the_target_law(name, share_cache):
     expected = exact_two_token_distribution(target, row, processor)
 
     def generate(rows, generator):
-        return speculative_generate(rows, drafter, target, gamma=2, max_gen_len=2, logits_processor=processor,
-                                    generator=generator, drafter_invariant=False)
+        return speculative_generate(rows, drafter, target, gamma=3, max_gen_len=2, logits_processor=processor,
+                                    generator=generator, drafter_invariant=False, branching=branching)
 
     assert chi_square_p_value(first_two_tokens(generate, row), expected) > P_VALUE_THRESHOLD
 
