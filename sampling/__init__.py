@@ -4,6 +4,7 @@ from sampling.autoregressive import autoregressive_generate, autoregressive_gene
 from sampling.beam_search import beam_search_generate
 from sampling.common import Step
 from sampling.drafters import Drafter, DraftTree
+from sampling.self_drafting import quantized_drafter
 from sampling.speculative import (
     SpeculativeStats,
     speculative_generate,
@@ -18,6 +19,7 @@ __all__ = [
     "autoregressive_generate",
     "autoregressive_generate_encoder_decoder",
     "beam_search_generate",
+    "quantized_drafter",
     "speculative_generate",
     "speculative_generate_encoder_decoder",
 ]

@@ -17,6 +17,7 @@ from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.drafters import ModelDrafter
 from sampling.model_tree import ModelTreeDrafter
 from sampling.options import Drafting, SpeculativeOptions
+from sampling.self_drafting import releasing, shared_runner
 from sampling.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.calibration import pass_costs
@@ -74,6 +75,10 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
             costs=drafter_costs, cascade=proposer, max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
         )
+        # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.self_drafting`).
+        shared = shared_runner(drafter, target, lambda: gen.runner, use_cache=use_cache, costs=drafter_costs)
+        if shared is not None:
+            model_drafter.runner = shared
         width = tree_branching(branching, adaptive_gamma)
         if width > 1 and gen.runner.supports_trees and model_drafter.runner.supports_trees:
             acceptance = TreeAcceptance()
@@ -81,7 +86,8 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
             mode = ("greedy" if logits_processor.is_greedy else "coupled" if coupled else "sampled", len(gen.uniforms))
             tree_drafter = ModelTreeDrafter(model_drafter, width, planner, acceptance,
                                             shape_record(drafter, target, mode) if adaptive_gamma else None)
-            return tree_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
+            return releasing(tree_drafter, shared), policy, policy if adaptive_gamma else DraftLength(gamma)
+        return releasing(model_drafter, shared), policy, policy if adaptive_gamma else DraftLength(gamma)
     return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
 
 

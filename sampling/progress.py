@@ -55,5 +55,6 @@ class Progress:
         changed = 0 < len(going_on) < len(self.live)
         if changed:  # finished rows stop costing compute
             runner = runner.select_rows(going_on)
+            self.gen.runner = runner  # the target's runner from now on (a self-drafter reads it)
         self.live = [self.live[i] for i in going_on]
         return runner, changed

@@ -414,3 +414,26 @@ def test_the_conversation_replay_runs_every_method_turn_by_turn_on_even_conversa
     summary = result["summary"]
     assert set(summary["per_turn"]) == set(conversations.METHODS) and summary["pool_over_fresh"] is not None
     assert json.loads((tmp_path / "out" / "results.json").read_text())["settings"]["conversations"] == [i for i, _ in chats]
+
+
+def test_the_self_drafter_methods_run_and_match_greedy(tmp_path):
+    """`ours_self` and `ours_self_cascade`: the target's 4-bit copy drafts (docs/self_drafting.md)."""
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=512)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w8 w5 w6 w7"]}))
+    result = spec_bench.main(["--data", str(data), "--model", str(model), "--per-category", "1", "--repeats", "1",
+                              "--max-new-tokens", "10", "--methods", "hf_plain,hf_control,ours_self,ours_self_cascade",
+                              "--out", str(tmp_path / "out"), "--quiet"])
+    records = [r for r in result["records"] if r["method"].startswith("ours_self")]
+    assert {r["method"] for r in records} == {"ours_self", "ours_self_cascade"}
+    assert all(r["matches_reference"] and r["tau"] >= 1.0 for r in records)
+
+
+def test_the_self_drafter_tau_script_runs_on_a_tiny_model(tmp_path, monkeypatch):
+    from benchmarks import self_tau
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    model = save_tiny_chat_model(tmp_path / "model", max_positions=512)
+    result = self_tau.main(["--model", str(model), "--prompts", "2", "--gamma", "3", "--max-new-tokens", "8"])
+    assert set(result["variants"]) == set(self_tau.VARIANTS) and result["outputs_equal"]
+    assert all(v["tau_mean"] >= 1.0 and 0 < v["added_bytes_over_target"] < 1 for v in result["variants"].values())

@@ -17,6 +17,7 @@ import torch
 from utils import compile_policy
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir
+from utils.quantized_models import QUANTIZE_KINDS, quantize_model
 
 __all__ = ["CACHE_ENV", "DEFAULT_MODEL", "cache_dir", "default_model_path", "end_token_ids", "fastest_dtype",
            "load_model", "native_bfloat16", "resolve"]
@@ -123,6 +124,7 @@ def load_model(
     load_in_4bit: bool = False,
     trust_remote_code: bool = False,
     compile: bool | str = "auto",
+    quantize: str | None = None,
 ):
     """Load a causal or sequence-to-sequence LM and its tokenizer -> (model, tokenizer), in eval mode.
 
@@ -139,6 +141,10 @@ def load_model(
     minutes, once, with a progress bar), keeps them on disk and loads them at later starts, where
     they are measured to beat eager here (`utils.compile_policy`); True compiles and measures again,
     False never (nor "auto" with SPECDEC_COMPILE=0). A model placed by `device_map` or quantized stays eager.
+    `quantize`: "int8" or "int4" replaces every linear (the output head included; the embedding kept)
+    by torch's weight-only CPU kernels (`utils.quantized_models.quantize_model`: int8 per channel,
+    int4 in groups of 32), packed once and cached: ANOTHER model than the float one, which every
+    method decodes exactly as it is (CPU only, no `device_map`, no bitsandbytes at once).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -154,6 +160,7 @@ def load_model(
         dtype = _DTYPES[dtype]
     if load_in_8bit and load_in_4bit:
         raise ValueError("choose one of load_in_8bit and load_in_4bit, not both")
+    check_quantize(quantize, load_in_8bit or load_in_4bit, device_map, device)
     kwargs: dict = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if load_in_8bit or load_in_4bit:
         if importlib.util.find_spec("bitsandbytes") is None:
@@ -178,9 +185,23 @@ def load_model(
         check_4bit_runs_here(model)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     model.eval()
-    if device_map is None and "quantization_config" not in kwargs:
+    if quantize is not None:
+        quantize_model(model, quantize)
+    elif device_map is None and "quantization_config" not in kwargs:
         compile_policy.apply(model, compile)
     return model, tokenizer
+
+
+def check_quantize(quantize, bitsandbytes: bool, device_map, device) -> None:
+    """`load_model`'s `quantize`: None, "int8" or "int4", on the CPU, without another quantization."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE_KINDS:
+        raise ValueError(f"quantize must be None or one of {sorted(QUANTIZE_KINDS)}, got {quantize!r}")
+    if bitsandbytes:
+        raise ValueError(f"quantize={quantize!r} and load_in_8bit/load_in_4bit are two quantizations: choose one")
+    if device_map is not None or (device is not None and torch.device(device).type != "cpu"):
+        raise ValueError(f"quantize={quantize!r} runs torch's CPU kernels: no device_map, device 'cpu' or None")
 
 
 def check_4bit_runs_here(model) -> None:

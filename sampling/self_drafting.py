@@ -1,0 +1,124 @@
+"""The target drafts for itself: `quantized_drafter(target)` is a drafter model built from the
+target's own weights, every linear (the output head included) in 4 or 8 bits (`utils/quantize.py`),
+the input embedding, the norms and the biases the target's very tensors (shared, not copied; a head
+tied to the embedding gets its own quantized copy). Being the same model it agrees with the target
+far more often than a smaller model does, at the cost of its weights' bytes (a quarter with 4 bits).
+
+By default it makes no prompt pass of its own: where the target's runner allows it
+(`utils.runners.shared_cache.can_share`), its passes run over the target's cache, reading the
+target's keys and values for the verified prefix and writing its own only for its drafts, which the
+target's verification overwrites (`SharedCacheRunner`). `share_cache=False`: the plain design, its
+own cache filled by a prompt pass through its own weights. Either way the full-precision target
+verifies: greedy output is plain greedy decoding's, token for token, and sampling follows the
+target's law with q the quantized model's processed distribution.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from itertools import chain
+
+from transformers import PreTrainedModel
+
+from sampling.self_bits import choose_bits
+from utils.quantized_models import check_quantization, install, quantize_linears
+from utils.runners.compiled import compiled_passes
+from utils.runners.shared_cache import SharedCacheRunner, can_share
+from utils.validation import check_model
+
+__all__ = ["SelfDrafting", "quantized_drafter", "self_drafting"]
+
+_ATTRIBUTE = "_specdec_self_drafting"
+
+
+@dataclass(frozen=True)
+class SelfDrafting:
+    """What a self-drafter is: whose weights, in how many bits, and whether it reads the target's cache."""
+
+    target: PreTrainedModel
+    bits: int
+    group_size: int
+    share_cache: bool
+
+
+def self_drafting(drafter) -> SelfDrafting | None:
+    """A `quantized_drafter`'s description, None for any other model."""
+    return getattr(drafter, "__dict__", {}).get(_ATTRIBUTE)
+
+
+def _sharing_copy(target: PreTrainedModel) -> PreTrainedModel:
+    """A new module tree over the target's very parameters and buffers (nothing copied but the
+    modules, the config and small plain attributes), without the target's compiled passes."""
+    memo = {id(tensor): tensor for tensor in chain(target.parameters(), target.buffers())}
+    passes = compiled_passes(target)
+    if passes is not None:
+        memo[id(passes)] = None  # the compiled graphs are the target's
+    return copy.deepcopy(target, memo)
+
+
+def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: int = 32, *,
+                      share_cache: bool = True, cache: bool | str = "auto") -> PreTrainedModel:
+    """A drafter model from `target`'s own weights (module docstring), for `speculative_generate(inputs,
+    quantized_drafter(target), target, ...)`.
+
+    `bits`: 4 (int4 in groups of `group_size` input columns; a layer the int4 kernel refuses, its
+    output width not a multiple of 16 or its input width not of the group, is int8) or 8 (int8, one
+    scale per output channel), or "auto" (`sampling.self_bits.choose_bits`: measured once per model
+    and machine). `group_size`: 32, 64, 128 or 256, and it must divide some linear's input width.
+    `share_cache`: draft over the target's cache (no prompt pass of its own) where its runner allows.
+    `cache`: keep the packed weights under `SPECDEC_CACHE` (True, False, "auto": models of 10M
+    parameters and more), so that a later start loads them instead of quantizing again.
+    """
+    check_model(target, "target", False)
+    if not isinstance(share_cache, bool):
+        raise TypeError(f"share_cache must be a bool, got {share_cache!r}")
+    check_quantization(target, 4 if bits == "auto" else bits, group_size)
+    if bits == "auto":
+        bits = choose_bits(target, group_size, lambda b: quantized_drafter(target, b, group_size, cache=cache))
+    layers = quantize_linears(target, bits, group_size, cache=cache)
+    drafter = _sharing_copy(target)
+    install(drafter, layers)
+    drafter.config = copy.deepcopy(target.config)
+    # Another config means another model to the pass-cost calibration and the compile policy's keys.
+    drafter.config.specdec_self_drafter = {"bits": bits, "group_size": group_size}
+    drafter.__dict__[_ATTRIBUTE] = SelfDrafting(target, bits, group_size, share_cache)
+    return drafter.eval()
+
+
+def shared_runner(drafter: PreTrainedModel, target: PreTrainedModel, target_runner, *, use_cache: bool,
+                  costs) -> SharedCacheRunner | None:
+    """The runner of a self-drafter of `target` that drafts over `target_runner()`'s cache, None where
+    it drafts with a cache of its own (not a self-drafter of this target, `share_cache=False`, no
+    cache, or a runner whose passes cannot be lent: `can_share`)."""
+    info = self_drafting(drafter)
+    if info is None or info.target is not target or not info.share_cache or not use_cache:
+        return None
+    if not can_share(target_runner(), drafter):
+        return None
+    return SharedCacheRunner(drafter, target_runner, costs=costs)
+
+
+class ReleasingDrafter:
+    """A drafter over a `SharedCacheRunner`: after each drafting step the target's cache holds only its
+    verified tokens again (`SharedCacheRunner.release`). Every other call is the inner drafter's."""
+
+    def __init__(self, inner, runner: SharedCacheRunner) -> None:
+        self.inner, self.shared_runner = inner, runner
+
+    def draft(self, sequences, max_drafts, max_depths):
+        try:
+            return self.inner.draft(sequences, max_drafts, max_depths)
+        finally:
+            self.shared_runner.release()
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+
+def releasing(drafter, shared: SharedCacheRunner | None):
+    """`drafter` as it drafts over `shared` (a `ReleasingDrafter`), or itself when it has its own cache."""
+    return drafter if shared is None else ReleasingDrafter(drafter, shared)
