@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from sampling.draft_confidence import ConfidenceAcceptance
-from sampling.draft_policy import CostAwareDraftLength, best_draft_length, best_tree_size
+from sampling.draft_policy import CostAwarePolicy, best_draft_length, best_tree_size
 from sampling.drafters import DraftTree, ModelDrafter
 from sampling.randomness import DRAFT
 from sampling.tree_sampling import step_generator
@@ -105,7 +105,7 @@ class TreePlanner:
     `PassCosts`), in units of one-token target passes. The chain: `policy.cost(k)` with the same
     first-rank rate. A tree is drafted when its best rate beats the chain's best."""
 
-    def __init__(self, policy: CostAwareDraftLength, drafter_costs: PassCosts, branching: int,
+    def __init__(self, policy: CostAwarePolicy, drafter_costs: PassCosts, branching: int,
                  acceptance: TreeAcceptance) -> None:
         self.policy, self.drafter_costs, self.branching, self.acceptance = policy, drafter_costs, branching, acceptance
 
