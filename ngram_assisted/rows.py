@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
+from ngram_assisted.drafter import NgramDrafter, NgramRows
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import Generation, Request
+from sampling.model_tree import AUTO_BRANCHING  # one width where the cost model chooses trees
 from utils.runners.model_info import vocab_size
 from utils.validation import check_rows_argument
 
@@ -37,7 +38,8 @@ def ngram_rows(ngram: object, request: Request, *, greedy: bool, top_k_filler: i
     -> the builder of its drafter over the rows of a generation of `request`.
 
     Trees where the target verifies them in one pass (else chains, still exact); `branching` None:
-    up to AUTO_BRANCHING candidates per node where `stop_if_unknown` cuts them to what pays, a chain
+    up to AUTO_BRANCHING candidates per node (`sampling.model_tree`'s: one width wherever the cost model
+    sizes trees) where `stop_if_unknown` cuts them to what pays, a chain
     otherwise. `greedy`: the target's processor decodes greedily (else it samples). Unless
     `draft_cost` is given, drafts are priced by the target's measured costs (one
     row; a batch's rows are cut together by `NgramRows`, from its timed batched passes)."""

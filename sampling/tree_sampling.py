@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sampling.drafters import DraftTree
+from sampling.drafters import DraftTree, children_of
 from sampling.randomness import ACCEPT, PositionUniforms, inverse_cdf
 
 SEED_SCALE = 2**53  # a uniform number in [0, 1) -> a generator seed
@@ -53,9 +53,7 @@ def recursive_rejection_walk(p: Tensor, q: Tensor, tree: DraftTree, coins: list[
     share one row; siblings are tried in node order, their draw order. coins: n numbers in [0, 1),
     one per node; residual_numbers: one per depth, for the emitted token. Pure.
     """
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(tree.parents):
-        children.setdefault(parent, []).append(node)
+    children = children_of(tree.parents)
     path, node = [], -1
     while True:
         p_i = p[node + 1]

@@ -84,3 +84,14 @@ def test_valid_options_build_and_are_frozen():
     with pytest.raises(AttributeError):
         options.gamma = 4
     assert ModelOptions(branching=2, cascade=None).branching == 2
+
+
+def test_log_probabilities_are_collected_unless_the_stats_say_not():
+    from sampling import SpeculativeStats
+    from tests.models import prompt, tiny_model
+
+    target = tiny_model("llama")
+    on, off = SpeculativeStats(), SpeculativeStats(collect_logprobs=False)
+    first = speculative_generate(prompt(0), target, target, max_gen_len=6, stats=on)
+    second = speculative_generate(prompt(0), target, target, max_gen_len=6, stats=off)
+    assert first == second and len(on.logprobs[0]) == len(first[0]) and off.logprobs == []
