@@ -254,5 +254,5 @@ def speculative_loop(
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
     if rows.logprobs is not None:
         stats.logprobs += rows.logprobs.lists()
-    return gen.results([(tokens, accepted / proposed if proposed else 0.0)
-                        for tokens, (proposed, accepted) in zip(rows.generated, counts, strict=True)])
+    alphas = [accepted / proposed if proposed else 0.0 for proposed, accepted in counts]
+    return gen.results(list(zip(rows.generated, alphas, strict=True)))

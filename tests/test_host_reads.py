@@ -4,8 +4,9 @@ verification pass of the loop (plain decoding: one token). On a CPU a read costs
 accelerator each one waits for the queued work, so the figures are held here.
 
 Measured when this test was written (greedy unless said; 24 new tokens, gamma 5, a random drafter):
-plain 1.0, NASD 2.1, SD 5.5, SD sampled 9.9, model trees 10.4, sampled model trees 46.8, a batch of
-three rows with a drafter model 30.3. The goal is at most 2 for every method (docs/architecture.md,
+plain 1.0, NASD 2.1, SD 5.5, SD sampled 9.9, model trees 10.4, sampled model trees 46.8 (41.8 once
+their acceptance read the walk's verdicts in one transfer), a batch of three rows with a drafter model
+30.3. The goal is at most 2 for every method (docs/architecture.md,
 "Host reads"); the ceilings below hold today's figures so that none grows while that work goes on.
 """
 
@@ -61,7 +62,7 @@ CASES = {  # method -> (run with a counting policy, ceiling of reads per step)
     "sd sampled": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, draft_policy=p, **sampled()), 11.0),
     "trees": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p), 11.5),
     "trees sampled": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p,
-                                                           **sampled()), 50.0),
+                                                           **sampled()), 45.0),
     "batch sd": (lambda t, d, p: speculative_generate(ROWS, d, t, max_gen_len=24, draft_policy=p), 32.0),
 }
 
