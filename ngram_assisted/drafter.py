@@ -34,7 +34,6 @@ TOP_CHOICE_EDGES = (0.2, 0.6, 0.97)
 NOT_TOP_CHOICE_PRIOR = 0.1  # greedy: a token the target ranked below another there
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed drafts
 RUNNER_UP_PRIOR = 0.3  # a second or third candidate starts at this fraction of the first's prior
-AUTO_BRANCHING = 3  # branching=None: up to this many candidates per node, kept where they pay
 COPY_CANDIDATES = 3  # the pool's candidates per node searched for the longest copy, whatever the branching
 CONFIDENCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97)  # the target's last probability of a proposal, bucketed
 

@@ -16,44 +16,70 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from ngram_assisted.drafter import NgramRows
 from ngram_assisted.dynagram import DynaGram
 from ngram_assisted.rows import ngram_rows
 from sampling.common import Generation, OnStep, Request
-from sampling.draft_policy import DraftLength
+from sampling.draft_policy import DraftLength, DraftPolicy
 from sampling.habits import Habits
 from sampling.loop import SpeculativeStats
 from sampling.model_kind import encoder_decoder_twin, of_kind
-from sampling.options import DecodingOptions, Drafting
+from sampling.options import DecodingOptions, Drafting, NasdDecodingOptions
+from sampling.registry import register_kind, route
 from sampling.speculative import run_drafting
 from sampling.stopping import Criterion
-from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import MODEL_EOS, Inputs, transformers_names
+from utils.logits_processors import LogitsProcessor
+from utils.validation import Inputs, check_bool, check_int, transformers_names
 
 
 @dataclass(frozen=True, kw_only=True)
-class NasdOptions(DecodingOptions):
-    """`ngram_assisted_speculative_generate`'s options: the pool and how it drafts."""
+class NgramOptions:
+    """An n-gram pool's drafting options (`ngram_assisted_speculative_generate` says what each means)."""
 
-    ngram: object = None
     top_k_filler: int = 3
     stop_if_unknown: bool = True
     draft_cost: Callable[[int], float] | None = None
     branching: int | None = None
 
+    def __post_init__(self) -> None:
+        check_int(self.top_k_filler, "top_k_filler", 1)
+        check_bool(self.stop_if_unknown, "stop_if_unknown")
+        if self.draft_cost is not None and not callable(self.draft_cost):
+            raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {self.draft_cost!r}")
+        if self.branching is not None:
+            check_int(self.branching, "branching", 1)
+
+
+def first_pool(ngram: object) -> object:
+    return ngram[0] if isinstance(ngram, (list, tuple)) and ngram else ngram
+
 
 class NgramKind:
-    """NASD's drafter kind: the pool's drafter over the rows (`ngram_assisted/rows.py`), `gamma`
-    nodes at most every step (its cost rule sizes each draft within them)."""
+    """NASD's drafter kind: an n-gram pool (or one per row of a batch) drafting over the rows
+    (`ngram_assisted/rows.py`), the step's budget of nodes at most (its cost rule sizes each draft
+    within them); for the hybrid (`sampling/hybrid.py`), the pool beside a drafter model."""
 
-    def takes(self, options: DecodingOptions) -> bool:
-        return isinstance(options, NasdOptions)
+    Options = NgramOptions
+    what = "an n-gram pool (SimpleDynaGram, MultiDynaGram; for a batch one per row)"
 
-    def check(self, request: Request, options: NasdOptions) -> Callable[[Generation], Drafting]:
-        build_rows = ngram_rows(options.ngram, request, greedy=options.logits_processor.is_greedy,
-                                top_k_filler=options.top_k_filler,
-                                stop_if_unknown=options.stop_if_unknown, draft_cost=options.draft_cost,
-                                branching=options.branching)
-        return lambda gen: Drafting(build_rows(gen), DraftLength(options.gamma))
+    def takes(self, drafter: object, given: dict[str, object]) -> bool:
+        return isinstance(first_pool(drafter), DynaGram)
+
+    def check(self, request: Request, shared: DecodingOptions, drafter: object,
+              options: NgramOptions) -> Callable[[Generation], Drafting]:
+        build_rows = self.pool_rows(drafter, request, greedy=shared.logits_processor.is_greedy, options=options)
+        return lambda gen: Drafting(build_rows(gen), shared.draft_policy or DraftLength(shared.gamma))
+
+    def pool_rows(self, ngram: object, request: Request, *, greedy: bool,
+                  options: NgramOptions = NgramOptions()) -> Callable[[Generation], NgramRows]:
+        """The builder of the pool's drafter over the request's rows (the hybrid's: at the defaults)."""
+        return ngram_rows(ngram, request, greedy=greedy, top_k_filler=options.top_k_filler,
+                          stop_if_unknown=options.stop_if_unknown, draft_cost=options.draft_cost,
+                          branching=options.branching)
+
+
+register_kind(NgramKind())
+SHARED, POOL = NasdDecodingOptions, NgramOptions  # the public signature's defaults
 
 
 @transformers_names
@@ -64,22 +90,24 @@ def ngram_assisted_speculative_generate(
     target: PreTrainedModel,
     *,
     tokenizer=None,
-    gamma: int = 16,
-    top_k_filler: int = 3,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = MODEL_EOS,
-    pad_token_id: int | None = None,
-    use_cache: bool = True,
-    stop_if_unknown: bool = True,
-    draft_cost: Callable[[int], float] | None = None,
-    branching: int | None = None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    stats: SpeculativeStats | None = None,
-    on_step: OnStep | None = None,
-    stop_strings: str | list[str] | None = None,
-    stopping_criteria: Criterion | list[Criterion] | None = None,
-    num_return_sequences: int = 1,
+    gamma: int = SHARED.gamma,
+    top_k_filler: int = POOL.top_k_filler,
+    logits_processor: LogitsProcessor = SHARED.logits_processor,
+    max_gen_len: int = SHARED.max_gen_len,
+    end_tokens_id: int | list[int] | None = SHARED.end_tokens_id,
+    pad_token_id: int | None = SHARED.pad_token_id,
+    use_cache: bool = SHARED.use_cache,
+    stop_if_unknown: bool = POOL.stop_if_unknown,
+    draft_cost: Callable[[int], float] | None = POOL.draft_cost,
+    branching: int | None = POOL.branching,
+    generator: torch.Generator | list[torch.Generator] | None = SHARED.generator,
+    stats: SpeculativeStats | None = SHARED.stats,
+    on_step: OnStep | None = SHARED.on_step,
+    stop_strings: str | list[str] | None = Habits.stop_strings,
+    stopping_criteria: Criterion | list[Criterion] | None = Habits.stopping_criteria,
+    num_return_sequences: int = Habits.num_return_sequences,
+    draft_policy: DraftPolicy | None = SHARED.draft_policy,
+    **kind_options,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """NASD for a decoder-only `target` -> (generated ids, alpha), or one such pair per row of a batch.
 
@@ -104,12 +132,10 @@ def ngram_assisted_speculative_generate(
     each row. `tokenizer`: the target's, for `stop_strings`. `stop_strings`, `stopping_criteria`,
     `num_return_sequences` and `end_tokens_id` left out: as in `autoregressive_generate`.
     """
-    return run_drafting(inputs, target, NasdOptions(
-        ngram=ngram, gamma=gamma, top_k_filler=top_k_filler, logits_processor=logits_processor, max_gen_len=max_gen_len,
-        end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache, stop_if_unknown=stop_if_unknown,
-        draft_cost=draft_cost, branching=branching, generator=generator, stats=stats, on_step=on_step,
-        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
-    ), NgramKind())
+    habits = Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step)
+    shared, keywords = route(ngram_assisted_speculative_generate, locals(), habits, NasdDecodingOptions)
+    return run_drafting(inputs, target, ngram, shared, keywords, name="ngram",
+                        function="ngram_assisted_speculative_generate", kind=NgramKind)
 
 
 ngram_assisted_speculative_generate_encoder_decoder = encoder_decoder_twin(

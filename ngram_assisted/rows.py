@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ngram_assisted.drafter import AUTO_BRANCHING, NgramDrafter, NgramRows
+from ngram_assisted.drafter import NgramDrafter, NgramRows
 from ngram_assisted.dynagram import DynaGram
 from sampling.common import Generation, Request
-from sampling.hybrid import register_pool
+from sampling.tree_choice import AUTO_BRANCHING  # one width where the cost model chooses trees
 from utils.runners.model_info import vocab_size
-from utils.validation import check_int, check_rows_argument
+from utils.validation import check_rows_argument
 
 
 def check_pools(ngram: object, request: Request) -> list[DynaGram]:
@@ -31,28 +31,22 @@ def check_pools(ngram: object, request: Request) -> list[DynaGram]:
     return check_rows_argument(list(ngram), "ngram", request.num_rows, DynaGram)
 
 
-def ngram_rows(ngram: object, request: Request, *, greedy: bool, top_k_filler: int = 3, stop_if_unknown: bool = True,
-               draft_cost: Callable[[int], float] | None = None,
-               branching: int | None = None) -> Callable[[Generation], NgramRows]:
-    """Check NASD's drafting arguments (`ngram_assisted_speculative_generate` says what each means)
+def ngram_rows(ngram: object, request: Request, *, greedy: bool, top_k_filler: int, stop_if_unknown: bool,
+               draft_cost: Callable[[int], float] | None, branching: int | None) -> Callable[[Generation], NgramRows]:
+    """Check NASD's pools against the request (the other arguments come checked from
+    `ngram_assisted.nasd.NgramOptions`; `ngram_assisted_speculative_generate` says what each means)
     -> the builder of its drafter over the rows of a generation of `request`.
 
     Trees where the target verifies them in one pass (else chains, still exact); `branching` None:
-    up to AUTO_BRANCHING candidates per node where `stop_if_unknown` cuts them to what pays, a chain
+    up to AUTO_BRANCHING candidates per node (`sampling.tree_choice`'s: one width wherever the cost model
+    sizes trees) where `stop_if_unknown` cuts them to what pays, a chain
     otherwise. `greedy`: the target's processor decodes greedily (else it samples). Unless
     `draft_cost` is given, drafts are priced by the target's measured costs (one
     row; a batch's rows are cut together by `NgramRows`, from its timed batched passes)."""
-    pools = check_pools(ngram, request)
-    if not isinstance(stop_if_unknown, bool):
-        raise TypeError(f"stop_if_unknown must be a bool, got {stop_if_unknown!r}")
+    pools = check_pools(ngram, request)  # the other arguments are checked by `NgramOptions`
     vocab = vocab_size(request.model)
-    check_int(top_k_filler, "top_k_filler", 1)
     if top_k_filler > vocab:
         raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab}, got {top_k_filler}")
-    if branching is not None:
-        check_int(branching, "branching", 1)
-    if draft_cost is not None and not callable(draft_cost):
-        raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {draft_cost!r}")
     for pool in pools:
         pool.bind_vocabulary(vocab)  # a pool filled under another vocabulary is refused here
 
@@ -73,5 +67,3 @@ def ngram_rows(ngram: object, request: Request, *, greedy: bool, top_k_filler: i
 
     return build
 
-
-register_pool(DynaGram, ngram_rows)  # `speculative_generate(..., ngram=pool)` builds the pool's rows here, at its defaults

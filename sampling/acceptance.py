@@ -19,17 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from sampling.drafters import DraftTree
+from sampling.drafters import DraftTree, children_of
 from sampling.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
 from sampling.tree_sampling import tree_speculative_accept
 from utils.logits_processors import LogitsProcessor, supports_float64
-
-
-def _children(parents: list[int]) -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
-    return children
 
 
 def walk_tree(tokens: list[int], parents: list[int], choose: Callable[[int, int], int]) -> tuple[list[int], int]:
@@ -43,7 +36,7 @@ def walk_tree(tokens: list[int], parents: list[int], choose: Callable[[int, int]
     p(x), and otherwise the emitted token follows p without the candidates, renormalised: the law
     of (multi-candidate) speculative sampling with one-hot q, coupled with plain sampling.
     """
-    children = _children(parents)
+    children = children_of(parents)
     path, node = [], -1
     while True:
         wanted = choose(node + 1, len(path))

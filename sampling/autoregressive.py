@@ -27,7 +27,7 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
     the position's uniform) for every row at once. One difference: the prefill scores the first
     token (a speculative prefill holds each row's last token back for the drafts' pass). `stats`:
     its generated tokens, steps, target passes and each returned token's log-probability."""
-    rows, runner = Progress(gen, logprobs=stats is not None), gen.runner
+    rows, runner = Progress(gen, logprobs=stats is not None and stats.collect_logprobs), gen.runner
     passes = runner.forward_passes
     logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
     while True:

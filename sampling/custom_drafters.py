@@ -9,17 +9,22 @@ cuts a tree to its first branch where the target verifies chains only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from sampling.common import Generation, Request
-from sampling.draft_policy import DraftLength
-from sampling.drafters import DraftTree
-from sampling.options import Drafting, SpeculativeOptions
+from sampling.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength
+from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree
+from sampling.estimators import RunningAverage
+from sampling.options import DecodingOptions, Drafting
+from sampling.registry import register_kind
 from utils.runners.model_info import vocab_size
+from utils.validation import check_bool
 
 DRAFTER_METHODS = ("start", "draft", "update", "select_rows")
 
@@ -39,32 +44,8 @@ def check_drafter(drafter: object) -> None:
         raise TypeError(f"drafter.forward_passes must be an int, got {passes!r}")
 
 
-def check_drafter_options(drafter: object, *, adaptive_gamma: bool, drafter_tokenizer: object, ngram: object,
-                          drafter_invariant: bool | None, cascade: bool | None = None) -> None:
-    """A drafter object (`check_drafter`) with no option that is for a drafter model: each raises naming it."""
-    check_drafter(drafter)
-    if drafter_tokenizer is not None:
-        raise ValueError("drafter_tokenizer is for a drafter model with another vocabulary; a Drafter object "
-                         "proposes the target's token ids: pass drafter_tokenizer=None")
-    if ngram is not None:
-        raise ValueError("ngram= combines a pool with a drafter model; a Drafter object drafts alone: pass ngram=None")
-    if drafter_invariant:
-        raise ValueError("drafter_invariant=True is for a drafter model; a Drafter object's drafts with q None "
-                         "are already decided by the coupled rule")
-    if cascade:
-        raise ValueError("cascade=True drafts for a drafter model; a Drafter object drafts on its own: pass cascade=None")
-    if adaptive_gamma:
-        # The rule learns one acceptance rate for a chain and prices a draft by a drafter model's
-        # timed passes; a drafter object may draft trees and costs what it costs. It sizes its own
-        # drafts within gamma, as NASD's n-gram drafter does by its cost rule.
-        raise ValueError(
-            f"adaptive_gamma=True sizes a drafter model's chains; a {type(drafter).__name__} drafter "
-            f"chooses its own draft size up to gamma: pass adaptive_gamma=False (the default)"
-        )
-
-
 def checked_drafter(drafter: object, target: PreTrainedModel, gen: Generation) -> CheckedDrafter:
-    """A drafter object (checked by `check_drafter_options`) as the loop over `gen`'s target sees it."""
+    """A drafter object (checked by `check_drafter`) as the loop over `gen`'s target sees it."""
     return CheckedDrafter(drafter, vocab=vocab_size(target), trees=gen.runner.supports_trees)
 
 
@@ -120,6 +101,7 @@ class CheckedDrafter:
         self.drafter = drafter
         self.vocab = vocab
         self.trees = trees
+        self.draft_time = RunningAverage(DRAFT_TIME_WEIGHT)
 
     @property
     def forward_passes(self) -> int:
@@ -128,8 +110,20 @@ class CheckedDrafter:
     def start(self, sequences: list[list[int]]) -> None:
         self.drafter.start([list(sequence) for sequence in sequences])
 
+    @property
+    def seconds_per_draft(self) -> float | None:
+        """What a drafted node costs, in seconds, timed over its steps (None before any drafted)."""
+        return self.draft_time.value
+
+    def counters(self) -> dict[str, float]:
+        """Its own counters for `SpeculativeStats`: the drafter's `counters()`, if it has one."""
+        counters = getattr(self.drafter, "counters", None)
+        return dict(counters()) if callable(counters) else {}
+
     def draft(self, sequences, max_drafts, max_depths):
+        start = time.perf_counter()
         drafts = self.drafter.draft([list(sequence) for sequence in sequences], max_drafts, list(max_depths))
+        seconds = time.perf_counter() - start
         if not isinstance(drafts, (list, tuple)) or len(drafts) != len(sequences):
             got = f"{len(drafts)} items" if isinstance(drafts, (list, tuple)) else type(drafts).__name__
             raise ValueError(f"drafter.draft must return a list of one (DraftTree, q or None) per row "
@@ -143,6 +137,8 @@ class CheckedDrafter:
             if not self.trees and not tree.is_chain:
                 tree = first_branch(tree)
             checked.append((tree, q))
+        if any(len(tree) for tree, _ in checked):
+            self.draft_time.add(seconds / max(len(tree) for tree, _ in checked))
         return checked
 
     def update(self, sequences, paths, target_logits, p) -> None:
@@ -152,15 +148,49 @@ class CheckedDrafter:
         self.drafter.select_rows(list(keep))
 
 
+@dataclass(frozen=True, kw_only=True)
+class CustomOptions:
+    """Your own drafter's options. `adaptive_gamma`: each step's budget chosen by the cost-aware
+    rule (`sampling.draft_policy.CostAwareDraftLength`) from the drafter's timed drafting and the
+    target's measured passes, its acceptance rate learned online; off: `gamma` every step."""
+
+    adaptive_gamma: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool(self.adaptive_gamma, "adaptive_gamma")
+
+
 class CustomDrafterKind:
-    """Your own `Drafter` (`speculative_generate(inputs, my_drafter, target)`): `gamma` nodes at
-    most every step (it may propose fewer: it knows best how sure it is)."""
+    """Your own `Drafter` (`speculative_generate(inputs, my_drafter, target)`): the step's budget
+    of nodes at most (it may propose fewer: it knows best how sure it is)."""
 
-    def takes(self, options: SpeculativeOptions) -> bool:
-        return not isinstance(options.drafter, torch.nn.Module)
+    Options = CustomOptions
+    what = "an object with the Drafter protocol (sampling.Drafter, docs/drafters.md)"
+    refusals = {
+        "drafter_tokenizer": "a Drafter object proposes the target's token ids",
+        "branching": "your own Drafter shapes its own drafts (DraftTree)",
+        "drafter_invariant": "a Drafter object's drafts with q None are already decided by the coupled rule",
+        "cascade": "the cascade drafts for a drafter model; a Drafter object drafts on its own",
+        "ngram": "ngram= combines a pool with a drafter model; a Drafter object drafts alone",
+    }
 
-    def check(self, request: Request, options: SpeculativeOptions) -> Callable[[Generation], Drafting]:
-        check_drafter_options(options.drafter, adaptive_gamma=options.adaptive_gamma,
-                              drafter_tokenizer=options.drafter_tokenizer, ngram=options.ngram,
-                              drafter_invariant=options.drafter_invariant, cascade=options.cascade)
-        return lambda gen: Drafting(checked_drafter(options.drafter, request.model, gen), DraftLength(options.gamma))
+    def takes(self, drafter: object, given: dict[str, object]) -> bool:
+        parts = (*DRAFTER_METHODS, "forward_passes")
+        return not isinstance(drafter, torch.nn.Module) and any(hasattr(drafter, name) for name in parts)
+
+    def check(self, request: Request, shared: DecodingOptions, drafter: object,
+              options: CustomOptions) -> Callable[[Generation], Drafting]:
+        check_drafter(drafter)
+
+        def build(gen: Generation) -> Drafting:
+            checked = checked_drafter(drafter, request.model, gen)
+            policy = shared.draft_policy or (
+                CostAwareDraftLength(max(shared.gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, None,
+                                     draft_seconds=lambda: checked.seconds_per_draft)
+                if options.adaptive_gamma else DraftLength(shared.gamma))
+            return Drafting(checked, policy, checked.counters)
+
+        return build
+
+
+register_kind(CustomDrafterKind())

@@ -17,9 +17,9 @@ the measured costs instead:
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from sampling.draft_policy import best_tree_size
+from sampling.draft_policy import CostAwarePolicy, best_tree_size
 from sampling.estimators import DecayedRate
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # bucket b holds c in [EDGES[b-1], EDGES[b])
@@ -51,18 +51,19 @@ class ConfidenceAcceptance:
 class ConfidenceStop:
     """The per-token stopping rule of an adaptive model drafter (one instance per generation).
 
-    `cost(k)`: a step with k drafts, drafter passes included, in one-token target passes;
-    `verify_cost(k)`: the target's pass over 1 + k tokens alone (what keeping a drafted token costs).
-    `on_discard()`: called when a chain was drafted and none of it kept (its passes bought nothing:
-    the draft-length policy counts it as a rejected draft, or it would go on starting chains that
-    never reach the target and never teach it their acceptance).
+    It reads the step's prices through its `CostAwarePolicy` only: `cost(k)`, a step with k drafts,
+    drafter passes included; `verify_cost(k)`, the target's pass over 1 + k tokens alone (what keeping
+    a drafted token costs); `max_budget`, the longest chain. `on_discard()`: called when a chain was
+    drafted and none of it kept (its passes bought nothing: the policy counts it as a rejected draft,
+    or it would go on starting chains that never reach the target and never teach it their acceptance).
     """
 
-    def __init__(self, cost: Callable[[int], float], verify_cost: Callable[[int], float], max_drafts: int,
-                 on_discard: Callable[[], None] = lambda: None) -> None:
-        self.cost, self.verify_cost, self.max_drafts = cost, verify_cost, max_drafts
-        self.on_discard = on_discard
+    def __init__(self, policy: CostAwarePolicy) -> None:
+        self.policy = policy
         self.acceptance = ConfidenceAcceptance()
+
+    def on_discard(self) -> None:
+        self.policy.discard()
 
     def reaches(self, confidences: Sequence[float]) -> list[float]:
         """P(draft j and every draft before it accepted), for each draft of a chain."""
@@ -76,20 +77,20 @@ class ConfidenceStop:
         """Whether one more draft (and a drafter pass for it) can raise the rate (1 + E) / cost,
         supposing the drafts to come as likely to be accepted as the last one."""
         j = len(confidences)
-        if j >= self.max_drafts:
+        if j >= self.policy.max_budget:
             return False
         reaches = self.reaches(confidences)
         expected = 1.0 + sum(reaches)
-        now = max((1.0 + sum(reaches[:k])) / self.cost(k) for k in range(j + 1))
+        now = max((1.0 + sum(reaches[:k])) / self.policy.cost(k) for k in range(j + 1))
         a, reach = self.acceptance(confidences[-1]), reaches[-1]
-        for k in range(j + 1, self.max_drafts + 1):  # a cost table can be flat after a step: look past it
+        for k in range(j + 1, self.policy.max_budget + 1):  # a cost table can be flat after a step: look past it
             reach *= a
             expected += reach
-            if expected / self.cost(k) > now:
+            if expected / self.policy.cost(k) > now:
                 return True
         return False
 
     def keep(self, confidences: Sequence[float]) -> int:
         """How many of the drafted tokens to send to the target: they are drafted already, so only
         the verification pass's cost decides."""
-        return best_tree_size(self.reaches(confidences), self.verify_cost)
+        return best_tree_size(self.reaches(confidences), self.policy.verify_cost)

@@ -17,6 +17,8 @@ from typing import Protocol
 from sampling.estimators import DecayedRate
 from utils.cost_model import PassCosts
 
+MAX_ADAPTIVE_GAMMA = 16  # with adaptive_gamma, each step drafts 0 .. max(gamma, this) tokens
+
 
 def best_tree_size(reaches: Sequence[float], cost: Callable[[int], float]) -> int:
     """The number of nodes n maximising (1 + E_n) / cost(n), for n in [0, len(reaches)], where
@@ -43,15 +45,51 @@ def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) 
 
 
 class DraftPolicy(Protocol):
-    """How many nodes the loop lets each row draft in a step (`sampling.loop.speculative_loop`).
+    """How many nodes the loop lets each row draft in a step (`sampling.loop.speculative_loop`):
+    all the loop reads, and all your own policy needs (`speculative_generate(..., draft_policy=...)`).
 
     `budget(num_rows)` is asked once per step, before drafting, with the number of rows verified
-    together in that step's pass -> the step's `max_drafts` (0: a plain step). `update` is told each
-    row's outcome: `num_drafts` nodes drafted, `num_accepted` of them accepted."""
+    together in that step's pass -> the step's budget, `max_drafts` nodes per row (0: a plain step).
+    `update` is told each row's outcome: `num_drafts` nodes drafted, `num_accepted` of them accepted."""
 
     def budget(self, num_rows: int) -> int: ...
 
     def update(self, num_drafts: int, num_accepted: int) -> None: ...
+
+
+class CostAwarePolicy(DraftPolicy, Protocol):
+    """A `DraftPolicy` that prices steps: what the drafters that size their drafts by cost read
+    (the confidence stop, `sampling/draft_confidence.py`; the tree planner, `sampling/model_tree.py`;
+    the hybrid, `sampling/hybrid.py`), each through these members only. Costs are in one-token target
+    passes, for the rows of the step being drafted (the last `budget`)."""
+
+    max_budget: int  # the most nodes per row `budget` ever gives
+    target_costs: PassCosts  # the target's measured passes (the tree planner prices drafter passes against them)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """P(a drafted token accepted | the drafts before it were), learned online."""
+
+    def cost(self, k: int) -> float:
+        """A step with k drafts per row, the drafter's passes included."""
+
+    def verify_cost(self, k: int) -> float:
+        """The target's pass over 1 + k tokens alone."""
+
+    def drafter_step_cost(self) -> float:
+        """One drafted token's drafter pass."""
+
+    def discard(self) -> None:
+        """A chain was drafted and none of it kept: count it as a rejected draft."""
+
+
+def check_policy(policy: object) -> None:
+    """A TypeError naming every missing part, unless `policy` has the `DraftPolicy` protocol."""
+    missing = [f"{name}()" for name in ("budget", "update") if not callable(getattr(policy, name, None))]
+    if missing:
+        raise TypeError(f"draft_policy must be an object with the DraftPolicy protocol (sampling.draft_policy."
+                        f"DraftPolicy: budget(num_rows), update(num_drafts, num_accepted)) or None; "
+                        f"{type(policy).__name__} lacks {', '.join(missing)}")
 
 
 class DraftLength:
@@ -89,10 +127,10 @@ class CostAwareDraftLength:
     FORGET = 0.97  # per judged draft: the estimate follows roughly the last 30 drafts
     PROBE_AFTER, MAX_PROBE_AFTER = 16, 256
 
-    def __init__(self, max_gamma: int, target_costs: PassCosts, drafter_costs: PassCosts,
+    def __init__(self, max_budget: int, target_costs: PassCosts, drafter_costs: PassCosts | None,
                  draft_seconds: Callable[[], float | None] = lambda: None,
                  warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False) -> None:
-        self.max_gamma = max_gamma
+        self.max_budget = max_budget
         self.per_token_stop = per_token_stop
         # One probe before the drafter has drafted in this generation: without it a prior that says
         # "does not pay" is never tested, and a drafter that would pay is never found out (measured:
@@ -117,7 +155,9 @@ class CostAwareDraftLength:
     def drafter_step_cost(self) -> float:
         """One drafted token in units of one target pass (1.0 until something has been timed)."""
         target = self.target_costs.seconds(0)
-        drafter = self.draft_seconds() or self.drafter_costs.seconds(0)
+        drafter = self.draft_seconds() or (self.drafter_costs.seconds(0) if self.drafter_costs is not None else None)
+        if not drafter and self.drafter_costs is None:
+            return 0.0  # a drafter without a model (your own): free until its drafting is timed
         return drafter / target if target and drafter else 1.0
 
     def verify_cost(self, k: int) -> float:
@@ -136,9 +176,9 @@ class CostAwareDraftLength:
         """This step's draft length for `num_rows` rows verified together (0: a plain step); `cost`
         then prices that step until the next call."""
         self._num_rows = num_rows
-        k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_gamma, self.cost)
+        k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_budget, self.cost)
         if (k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe)
-                and best_draft_length([0.99] * self.max_gamma, self.cost)):
+                and best_draft_length([0.99] * self.max_budget, self.cost)):
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
             self.cold_probe = False
             return 1
@@ -146,7 +186,7 @@ class CostAwareDraftLength:
             self.probe_after = self.PROBE_AFTER
         # With a per-token stop (`sampling.draft_confidence`) the drafter's confidence sizes the
         # chain: the single rate only decides whether to start one.
-        return self.max_gamma if k and self.per_token_stop else k
+        return self.max_budget if k and self.per_token_stop else k
 
     def discard(self) -> None:
         """A chain was drafted and the per-token stop kept none of it: its passes were paid for

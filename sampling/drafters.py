@@ -22,6 +22,14 @@ from utils.runners import make_runner
 from utils.runners.passes import synchronize
 
 
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """A tree given by its parents (-1: the root) -> each node's children, in node order."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    return children
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """Drafted tokens as a tree: node i proposes `tokens[i]` after its parent, `parents[i]` < i

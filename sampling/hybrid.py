@@ -19,24 +19,20 @@ rule, a model's with q by speculative sampling), so the output is exact whicheve
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from sampling.common import Generation, Request
-from sampling.draft_policy import CostAwareDraftLength, DraftLength, best_draft_length
+from sampling.draft_policy import CostAwarePolicy, DraftLength, best_draft_length
 from sampling.drafters import Drafter, ModelDrafter
 from sampling.estimators import RunningAverage
-from sampling.model_drafting import build_model_drafting, check_model_drafter
-from sampling.options import Drafting, SpeculativeOptions
+from sampling.model_drafting import ModelOptions, build_model_drafting, check_model_drafter
+from sampling.options import DecodingOptions, Drafting
+from sampling.registry import KINDS, register_kind
 
-# How each kind of pool builds its drafter over a batch's rows: (ngram, request) -> checked now, a
-# builder of the rows for the generation later. The pool's package registers it (ngram_assisted:
-# `ngram_assisted/rows.py`), so that sampling/, the floor it stands on, never imports it.
 NgramPool = object  # what `ngram=` takes: a pool of a registered kind (ngram_assisted's SimpleDynaGram, MultiDynaGram)
-RowsBuilder = Callable[..., Callable[[Generation], "PoolDrafter"]]  # (ngram, request, *, greedy)
-_POOL_ROWS: dict[type, RowsBuilder] = {}
 
 
 class PoolDrafter(Drafter, Protocol):
@@ -49,50 +45,68 @@ class PoolDrafter(Drafter, Protocol):
         """The last trees of `rows` are not verified: forget them (their next `update` has an empty path)."""
 
 
-def register_pool(kind: type, rows_builder: RowsBuilder) -> None:
-    """`speculative_generate(..., ngram=pool)` takes pools of `kind` (or one per row of a batch)."""
-    _POOL_ROWS[kind] = rows_builder
+class PoolKind(Protocol):
+    """A registered drafter kind whose drafters are n-gram pools (NASD's: `ngram_assisted/nasd.py`):
+    the hybrid finds it in the registry by the pool it is given."""
+
+    def pool_rows(self, ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
+        """Check `ngram` (before any model runs) -> the builder of its drafter over the request's
+        rows, at the pool's defaults."""
 
 
 def pool_rows(ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
-    """Check `ngram=` (before any model runs) -> the builder of its drafter over the request's rows,
-    at the pool's defaults (NASD's: `ngram_assisted.rows.ngram_rows`)."""
+    """`ngram=`, a pool of a registered pool kind (or one per row of a batch) -> its rows' builder."""
     first = ngram[0] if isinstance(ngram, (list, tuple)) and ngram else ngram
-    for kind, rows_builder in _POOL_ROWS.items():
-        if isinstance(first, kind):
-            return rows_builder(ngram, request, greedy=greedy)
-    raise TypeError(f"ngram must be a SimpleDynaGram or MultiDynaGram (ngram_assisted), or for a batch one per "
-                    f"row, got {type(first).__name__}")
+    kinds = [kind for kind in KINDS if hasattr(kind, "pool_rows") and kind.takes(first, {})]
+    if not kinds:
+        raise TypeError(f"ngram must be an n-gram pool (ngram_assisted's SimpleDynaGram or MultiDynaGram), or for "
+                        f"a batch one per row, got {type(first).__name__}")
+    return kinds[0].pool_rows(ngram, request, greedy=greedy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridOptions(ModelOptions):
+    """A drafter model's options and the pool beside it (`ngram=`)."""
+
+    ngram: NgramPool | list[NgramPool] | None = None
 
 
 class HybridKind:
     """A drafter model beside an n-gram pool (`speculative_generate(..., ngram=pool)`)."""
 
-    def takes(self, options: SpeculativeOptions) -> bool:
-        return isinstance(options.drafter, torch.nn.Module) and options.ngram is not None
+    Options = HybridOptions
+    what = "a transformers PreTrainedModel"
 
-    def check(self, request: Request, options: SpeculativeOptions) -> Callable[[Generation], Drafting]:
-        if check_model_drafter(request, options):
+    def takes(self, drafter: object, given: dict[str, object]) -> bool:
+        return isinstance(drafter, torch.nn.Module) and "ngram" in given
+
+    def check(self, request: Request, shared: DecodingOptions, drafter: object,
+              options: HybridOptions) -> Callable[[Generation], Drafting]:
+        if check_model_drafter(request, shared, drafter, options):
             raise ValueError("ngram= drafts in the target's vocabulary beside a drafter sharing it; with "
                              "drafter_tokenizer (another vocabulary) pass ngram=None")
-        build_pool_rows = pool_rows(options.ngram, request, greedy=options.logits_processor.is_greedy)
+        build_pool_rows = pool_rows(options.ngram, request, greedy=shared.logits_processor.is_greedy)
 
         def build(gen: Generation) -> Drafting:
             # The hybrid's model drafts chains: the pool's trees and its chains share one budget.
-            model_drafter, cost_policy, _ = build_model_drafting(request, gen, replace(options, branching=1), universal=False)
-            drafter, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=options.gamma,
-                                             adaptive_gamma=options.adaptive_gamma)
-            return Drafting(drafter, policy, model_drafter.counters)
+            model_drafter, cost_policy, _ = build_model_drafting(request, gen, shared, drafter,
+                                                                 replace(options, branching=1), universal=False)
+            hybrid, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=shared.gamma,
+                                            adaptive_gamma=options.adaptive_gamma)
+            return Drafting(hybrid, shared.draft_policy or policy, model_drafter.counters)
 
         return build
 
 
-def hybrid_drafter(pool_drafter: PoolDrafter, model: ModelDrafter, policy: CostAwareDraftLength, *, gamma: int,
+register_kind(HybridKind())
+
+
+def hybrid_drafter(pool_drafter: PoolDrafter, model: ModelDrafter, policy: CostAwarePolicy, *, gamma: int,
                    adaptive_gamma: bool) -> tuple[HybridDrafter, DraftLength]:
     """The hybrid drafter and the loop's cap for it: the pool's tree or the model's chain, within
-    `max(policy.max_gamma, gamma)` nodes (the model's chain by its own rule: `gamma` when fixed)."""
+    `max(policy.max_budget, gamma)` nodes (the model's chain by its own rule: `gamma` when fixed)."""
     drafter = HybridDrafter(pool_drafter, model, policy, fixed_gamma=None if adaptive_gamma else gamma)
-    return drafter, DraftLength(max(policy.max_gamma, gamma))
+    return drafter, DraftLength(max(policy.max_budget, gamma))
 
 
 class HybridDrafter:
@@ -103,7 +117,7 @@ class HybridDrafter:
 
     RATE_WEIGHT = 0.2  # of one model step in the running average of its rate
 
-    def __init__(self, ngram: PoolDrafter, model: ModelDrafter, policy: CostAwareDraftLength, fixed_gamma: int | None) -> None:
+    def __init__(self, ngram: PoolDrafter, model: ModelDrafter, policy: CostAwarePolicy, fixed_gamma: int | None) -> None:
         self.ngram, self.model, self.policy, self.fixed_gamma = ngram, model, policy, fixed_gamma
         self.model_rate = RunningAverage(self.RATE_WEIGHT)  # (1 + accepted) / cost of the model's steps
         self._chose_model: list[bool] = []
@@ -122,7 +136,7 @@ class HybridDrafter:
         if self.model_rate.value is not None:
             return self.model_rate.value
         rate = self.policy.acceptance_rate
-        length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_gamma, self.policy.cost)
+        length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_budget, self.policy.cost)
         expected = sum(rate ** j for j in range(1, length + 1))
         return (1.0 + expected) / self.policy.cost(length)
 

@@ -3,6 +3,25 @@ roll back, over every row of a batch, with any `Drafter` and any `DraftPolicy`; 
 
 Every speculative function ends here (`sampling/speculative.py`, `ngram_assisted/nasd.py`): only
 the drafter differs. Decoder-only versus encoder-decoder is the runner's business.
+
+The words, used with these meanings everywhere in the library (as vLLM's rejection sampler
+defines its own):
+
+- **row**: one sequence being generated; a batch has several, each accepts its own drafts.
+- **step**: one verification of a row: the target scores the row's last accepted token and its
+  drafts in one pass (a batch's rows share that pass: one pass, as many steps as rows). The
+  prompt's pass (prefill) is not a step.
+- **draft** (draft token, node): a token the drafter proposes for a step, in a chain or a tree
+  (`DraftTree`); its **q** is the drafter's distribution it was drawn from (None: deterministic).
+- **accepted**: the drafts the target's rule keeps, a path from the root down (greedy: each is the
+  target's argmax; sampling: min(1, p/q), or the coupled rule for q None); the first rejection ends it.
+- **bonus token**: the target's own token after an accepted path that every draft passed; the
+  **recovered token**: the one drawn from the residual max(0, p - q) at the first rejection. Every
+  step ends with one of the two, so a row gains 1 + accepted tokens a step.
+- **budget** (`max_drafts`): the most draft nodes a row may propose in a step, given by the
+  `DraftPolicy` (`budget(num_rows)`); `max_budget`, the most any step of a cost-aware policy gives.
+- **depth cap** (`max_depths`): per row, the deepest path its drafts may have this step: what
+  still fits before `max_gen_len` (and the model's context).
 """
 
 from __future__ import annotations
@@ -63,7 +82,7 @@ class SpeculativeStats:
       each phase waits for the device's queued work before it is timed.
     - `logprobs`: one list per row of every call (in call order, a batch's rows in order): for each
       returned token, log softmax of the target's raw logits (before any processor) at that token,
-      read from the verification passes (`sampling/logprobs.py`).
+      read from the verification passes (`sampling/logprobs.py`); `collect_logprobs=False` skips them.
     """
 
     drafts_proposed: int = 0
@@ -82,6 +101,7 @@ class SpeculativeStats:
     timed: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
     logprobs: list[list[float]] = field(default_factory=list)
+    collect_logprobs: bool = True  # False: `logprobs` stays empty (nothing is computed for it)
     counters: dict[str, float] = field(default_factory=dict)  # a drafter kind's own counters without a field here
 
     @property
@@ -109,7 +129,7 @@ class SpeculativeStats:
         """A drafter kind's own counters (`sampling.options.Drafting.counters`): each added to its
         field, or to `counters` when it has none."""
         for name, value in counters.items():
-            if name in self.__dataclass_fields__ and name not in ("timed", "seconds", "counters"):
+            if name in self.__dataclass_fields__ and name not in ("timed", "seconds", "counters", "collect_logprobs"):
                 setattr(self, name, getattr(self, name) + value)
             else:
                 self.counters[name] = self.counters.get(name, 0) + value
@@ -193,7 +213,7 @@ def speculative_loop(
     batch. Random numbers come from each row's `gen.uniforms` (`sampling.randomness`). `policy`
     gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome.
     """
-    target, rows = gen.runner, Progress(gen, logprobs=stats is not None)
+    target, rows = gen.runner, Progress(gen, logprobs=stats is not None and stats.collect_logprobs)
     stats = stats if stats is not None else SpeculativeStats()
     clock = StepClock(stats.seconds if stats.timed else None, model_devices(target.model))
     drafter.start(rows.sequences)
@@ -234,4 +254,5 @@ def speculative_loop(
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
     if rows.logprobs is not None:
         stats.logprobs += rows.logprobs.lists()
-    return gen.results([(tokens, a / p if p else 0.0) for tokens, (p, a) in zip(rows.generated, counts, strict=True)])
+    alphas = [accepted / proposed if proposed else 0.0 for proposed, accepted in counts]
+    return gen.results(list(zip(rows.generated, alphas, strict=True)))

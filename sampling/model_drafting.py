@@ -6,26 +6,26 @@ option of this kind (`sampling/cascade.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sampling.cascade import Cascade
 from sampling.common import Generation, Request, max_tokens
 from sampling.draft_confidence import ConfidenceStop
-from sampling.draft_policy import CostAwareDraftLength, DraftLength, DraftPolicy
+from sampling.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.drafters import ModelDrafter
 from sampling.model_tree import ModelTreeDrafter
-from sampling.options import Drafting, SpeculativeOptions
+from sampling.options import DecodingOptions, Drafting
+from sampling.registry import register_kind
 from sampling.self_drafting import releasing, shared_runner
 from sampling.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from sampling.universal import UniversalDrafter, check_tokenizers
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import vocab_size
-from utils.validation import check_model
-
-MAX_ADAPTIVE_GAMMA = 16  # with adaptive_gamma, each step drafts 0 .. max(gamma, this) tokens
+from utils.validation import check_bool, check_int, check_model
 
 
 def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> None:
@@ -68,8 +68,7 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
                                          trees=gen.runner.supports_trees, coupled=coupled, costs=drafter_costs,
                                          cascade=proposer)
     else:
-        stop = (ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma, on_discard=policy.discard)
-                if adaptive_gamma else None)
+        stop = ConfidenceStop(policy) if adaptive_gamma else None
         model_drafter = ModelDrafter(
             drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
@@ -91,40 +90,67 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
     return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
 
 
-def check_model_drafter(request: Request, options: SpeculativeOptions) -> bool:
-    """A drafter model's own options, checked before any model runs -> whether it drafts with
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """A drafter model's options (`speculative_generate`'s docstring says what each means)."""
+
+    adaptive_gamma: bool = False
+    drafter_tokenizer: object = None
+    drafter_invariant: bool | None = None
+    cascade: bool | None = None
+    branching: int | None = None  # token trees from the drafter model (sampling/model_tree.py); 1: chains
+
+    def __post_init__(self) -> None:
+        check_bool(self.adaptive_gamma, "adaptive_gamma")
+        check_bool(self.drafter_invariant, "drafter_invariant", optional=True)
+        check_bool(self.cascade, "cascade", optional=True)
+        if self.branching is not None:
+            check_int(self.branching, "branching", 1)
+        if self.drafter_tokenizer is not None and not isinstance(self.drafter_tokenizer, PreTrainedTokenizerBase):
+            raise TypeError(f"drafter_tokenizer must be a transformers tokenizer (PreTrainedTokenizerBase: the "
+                            f"drafter's) or None, got {type(self.drafter_tokenizer).__name__}")
+
+
+def check_model_drafter(request: Request, shared: DecodingOptions, drafter: object, options: ModelOptions) -> bool:
+    """A drafter model and its options, checked before any model runs -> whether it drafts with
     another tokenizer (`sampling.universal.check_tokenizers`)."""
-    check_model(options.drafter, "drafter", request.encoder_decoder)
-    if not isinstance(options.adaptive_gamma, bool):
-        raise TypeError(f"adaptive_gamma must be a bool, got {options.adaptive_gamma!r}")
-    universal = check_tokenizers(options.tokenizer, options.drafter_tokenizer, options.drafter, request.model,
+    check_model(drafter, "drafter", request.encoder_decoder)
+    universal = check_tokenizers(shared.habits.tokenizer, options.drafter_tokenizer, drafter, request.model,
                                  encoder_decoder=request.encoder_decoder)
     if not universal:
-        check_same_vocabulary(options.drafter, request.model)
+        check_same_vocabulary(drafter, request.model)
     return universal
 
 
-def build_model_drafting(request: Request, gen: Generation, options: SpeculativeOptions,
+def build_model_drafting(request: Request, gen: Generation, shared: DecodingOptions, drafter: PreTrainedModel,
+                         options: ModelOptions,
                          universal: bool) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
     """`model_drafting` from a speculative call's options."""
-    return model_drafting(options.drafter, request.model, gen, logits_processor=options.logits_processor,
-                          use_cache=options.use_cache, gamma=options.gamma, adaptive_gamma=options.adaptive_gamma,
+    return model_drafting(drafter, request.model, gen, logits_processor=shared.logits_processor,
+                          use_cache=shared.use_cache, gamma=shared.gamma, adaptive_gamma=options.adaptive_gamma,
                           drafter_invariant=options.drafter_invariant, cascade=options.cascade, universal=universal,
-                          branching=options.branching, tokenizer=options.tokenizer,
+                          branching=options.branching, tokenizer=shared.habits.tokenizer,
                           drafter_tokenizer=options.drafter_tokenizer)
 
 
 class ModelDrafterKind:
     """A drafter model alone (`speculative_generate(inputs, drafter_model, target)`)."""
 
-    def takes(self, options: SpeculativeOptions) -> bool:
-        return isinstance(options.drafter, torch.nn.Module) and options.ngram is None
+    Options = ModelOptions
+    what = "a transformers PreTrainedModel"
 
-    def check(self, request: Request, options: SpeculativeOptions) -> Callable[[Generation], Drafting]:
-        universal = check_model_drafter(request, options)
+    def takes(self, drafter: object, given: dict[str, object]) -> bool:
+        return isinstance(drafter, torch.nn.Module) and "ngram" not in given
+
+    def check(self, request: Request, shared: DecodingOptions, drafter: object,
+              options: ModelOptions) -> Callable[[Generation], Drafting]:
+        universal = check_model_drafter(request, shared, drafter, options)
 
         def build(gen: Generation) -> Drafting:
-            drafter, _, policy = build_model_drafting(request, gen, options, universal)
-            return Drafting(drafter, policy, drafter.counters)
+            model_drafter, _, policy = build_model_drafting(request, gen, shared, drafter, options, universal)
+            return Drafting(model_drafter, shared.draft_policy or policy, model_drafter.counters)
 
         return build
+
+
+register_kind(ModelDrafterKind())

@@ -1,69 +1,91 @@
-"""One speculative call's options, and what a drafter kind builds from them.
+"""One speculative call's options, built whole and valid, and what a drafter kind builds from them.
 
-The public functions gather their arguments into one frozen options object and hand it to the
-one path of every speculative call (`sampling.speculative.run_drafting`): the request is checked,
-the drafter kind checks its own options (before any model runs) and, once the target's runner
-exists, builds its `Drafting`: the drafter, the loop's draft policy and the kind's own counters,
-which the stats then take in. A drafter kind is one file with one `DrafterKind` object; the
-registry (`sampling/drafter_kinds.py`) lists them.
+A public function gathers its arguments into two frozen objects, each validated field by field
+when it is built (a `TypeError`/`ValueError` naming the argument, the value and what is expected,
+as transformers' processors do):
+
+- `DecodingOptions`: what every speculative call takes (`gamma`, the processor, the lengths, the
+  seed, the stats, `draft_policy`...); its field defaults are the public signatures' defaults;
+- the drafter kind's own options: a small frozen dataclass in the kind's file (`ModelOptions` in
+  `sampling/model_drafting.py`, `NgramOptions` in `ngram_assisted/nasd.py`...). A keyword that is not
+  a shared option goes to the kind the drafter belongs to (`sampling/registry.py`), so a new option
+  of a kind is a field of its dataclass and nothing else.
+
+The one path of every call (`sampling.speculative.run_drafting`) then asks the kind to check its
+options against the request (before any model runs) and, once the target's runner exists, to build
+its `Drafting`: the drafter, the loop's draft policy and the kind's own counters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from sampling.common import Generation, OnStep, Request
-from sampling.draft_policy import DraftPolicy
+from sampling.draft_policy import DraftPolicy, check_policy
 from sampling.drafters import Drafter
 from sampling.habits import Habits
+from sampling.loop import SpeculativeStats
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import check_int
+from utils.validation import MODEL_EOS, check_bool, check_end_tokens_form, check_int, check_processor
+
+GREEDY = GreedyProcessor()  # the default processor (stateless: one object serves every call)
+
+
+def check_generator_form(value: object) -> None:
+    """`generator`: None, a torch.Generator, or (a batch) a list of them."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if value is None or all(isinstance(v, torch.Generator) for v in values):
+        return
+    raise TypeError(f"generator must be a torch.Generator, a list of them (a batch) or None, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecodingOptions:
-    """What every speculative call takes besides its inputs and target (the public functions'
-    docstrings say what each means)."""
+    """What every speculative call takes besides its inputs, drafter and target (the public
+    functions' docstrings say what each means). `draft_policy`: your own `DraftPolicy` (None: the
+    kind's own, `sampling/draft_policy.py`)."""
 
     gamma: int = 5
-    logits_processor: LogitsProcessor = field(default_factory=GreedyProcessor)
+    logits_processor: LogitsProcessor = GREEDY
     max_gen_len: int = 40
-    end_tokens_id: int | list[int] | None = None
+    end_tokens_id: int | list[int] | None = MODEL_EOS  # left out: the model's generation_config.eos_token_id
     pad_token_id: int | None = None
     use_cache: bool = True
     generator: torch.Generator | list[torch.Generator] | None = None
-    stats: object = None  # a SpeculativeStats, filled
+    stats: SpeculativeStats | None = None
     on_step: OnStep | None = None
-    habits: Habits = field(default_factory=Habits)  # stop strings, stopping criteria, num_return_sequences
+    draft_policy: DraftPolicy | None = None
+    habits: Habits = Habits()  # tokenizer, stop strings, stopping criteria, num_return_sequences
+
+    def __post_init__(self) -> None:
+        check_int(self.gamma, "gamma", 1)
+        check_processor(self.logits_processor)
+        check_int(self.max_gen_len, "max_gen_len", 1)
+        check_end_tokens_form(self.end_tokens_id)
+        if self.pad_token_id is not None:
+            check_int(self.pad_token_id, "pad_token_id", 0)
+        check_bool(self.use_cache, "use_cache")
+        check_generator_form(self.generator)
+        if self.stats is not None and not isinstance(self.stats, SpeculativeStats):
+            raise TypeError(f"stats must be a SpeculativeStats (to be filled) or None, got {self.stats!r}")
+        if self.on_step is not None and not callable(self.on_step):
+            raise TypeError(f"on_step must be a function taking a Step (or None), got {self.on_step!r}")
+        if self.draft_policy is not None:
+            check_policy(self.draft_policy)
+        if not isinstance(self.habits, Habits):
+            raise TypeError(f"habits must be a sampling.habits.Habits, got {self.habits!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpeculativeOptions(DecodingOptions):
-    """`speculative_generate`'s options: the drafter (a model or a `Drafter`) and how it drafts."""
+class NasdDecodingOptions(DecodingOptions):
+    """NASD's shared options: drafts of up to 16 tokens by default (room for a long copy, which
+    prompt lookup drafts 10 tokens of; the pool's cost cut keeps only what pays)."""
 
-    drafter: object = None
-    tokenizer: object = None
-    adaptive_gamma: bool = False
-    drafter_tokenizer: object = None
-    drafter_invariant: bool | None = None
-    ngram: object = None
-    cascade: bool | None = None
-    branching: int | None = None  # token trees from a drafter model (sampling/model_tree.py); 1: chains
-
-    def __post_init__(self) -> None:
-        for name in ("drafter_invariant", "cascade"):  # switches every kind reads (a Drafter refuses them)
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool or None, got {value!r}")
-        if self.branching is not None:
-            check_int(self.branching, "branching", 1)
-        if self.branching not in (None, 1) and not isinstance(self.drafter, torch.nn.Module):
-            raise ValueError(f"branching={self.branching} drafts token trees with a drafter model; your own Drafter "
-                             f"shapes its own drafts (DraftTree): pass branching=None")
+    gamma: int = 16
 
 
 Counters = Callable[[], dict[str, float]]
@@ -81,12 +103,21 @@ class Drafting:
 
 
 class DrafterKind(Protocol):
-    """A kind of drafter (one file each; the registry `sampling/drafter_kinds.py` lists them)."""
+    """A kind of drafter: one file with its drafter, its options and this object, registered once
+    (`sampling.registry.register_kind`). Kinds claim disjoint drafters: two claimants are a TypeError.
 
-    def takes(self, options: DecodingOptions) -> bool:
-        """Whether these options ask for this kind (the registry's first taker builds)."""
+    `Options`: the kind's frozen options dataclass; its fields are the keywords the kind takes,
+    its defaults are theirs. `what`: the drafter it takes, in words, for error messages.
+    `refusals`: keyword -> why this kind does not take it (optional; a generic reason otherwise)."""
 
-    def check(self, request: Request, options: DecodingOptions) -> Callable[[Generation], Drafting]:
-        """Check the kind's options against the checked request, before any model runs (a
-        ValueError/TypeError naming the argument) -> how to build its `Drafting` once the
-        target's runner exists (its measured costs and whether it verifies trees shape the drafter)."""
+    Options: type
+    what: str
+
+    def takes(self, drafter: object, given: dict[str, object]) -> bool:
+        """Whether `drafter` (with these kind keywords given) is one of this kind's."""
+
+    def check(self, request: Request, shared: DecodingOptions, drafter: object,
+              options: object) -> Callable[[Generation], Drafting]:
+        """Check the drafter and its options against the checked request, before any model runs
+        (a ValueError/TypeError naming the argument) -> how to build its `Drafting` once the target's
+        runner exists (its measured costs and whether it verifies trees shape the drafter)."""

@@ -10,44 +10,51 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.common import OnStep, check_request, measured_costs, start_generation
-from sampling.drafter_kinds import drafter_kind
+from sampling.draft_policy import DraftPolicy
+from sampling.drafter_kinds import KINDS, drafter_kind
 from sampling.drafters import Drafter
 from sampling.habits import Habits
-from sampling.hybrid import NgramPool
+from sampling.hybrid import HybridOptions, NgramPool
 from sampling.loop import SpeculativeStats, speculative_loop
 from sampling.model_kind import encoder_decoder_twin, of_kind
-from sampling.options import DecodingOptions, DrafterKind, SpeculativeOptions
+from sampling.options import DecodingOptions
+from sampling.registry import kind_options, route
 from sampling.stopping import Criterion
-from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
-from utils.validation import MODEL_EOS, Inputs, check_int, transformers_names
+from utils.validation import Inputs, transformers_names
 
-__all__ = ["SpeculativeOptions", "SpeculativeStats", "check_gamma", "run_drafting",
-           "speculative_generate", "speculative_generate_encoder_decoder",
+__all__ = ["SpeculativeStats", "run_drafting", "speculative_generate", "speculative_generate_encoder_decoder",
            "speculative_loop"]
 
-
-def check_gamma(gamma: object) -> int:
-    return check_int(gamma, "gamma", 1)
+SHARED, MODEL = DecodingOptions, HybridOptions  # the public signature's defaults: the options' own
 
 
-def run_drafting(inputs: Inputs, target: PreTrainedModel, options: DecodingOptions, kind: DrafterKind | None = None):
-    """The one path of every speculative call: check every argument (before any model runs), build
-    the drafter of its kind (`sampling/drafter_kinds.py`; None: the kind the options ask for), run
-    the loop, add the kind's counters to the stats."""
-    kind = kind if kind is not None else drafter_kind(options)
-    request = check_request(inputs, target, encoder_decoder=is_encoder_decoder(target), use_cache=options.use_cache,
-                            max_gen_len=options.max_gen_len, logits_processor=options.logits_processor,
-                            end_tokens_id=options.end_tokens_id, generator=options.generator, model_name="target",
-                            pad_token_id=options.pad_token_id, habits=options.habits)
-    check_gamma(options.gamma)
-    build = kind.check(request, options)
+def run_drafting(inputs: Inputs, target: PreTrainedModel, drafter: object, shared: DecodingOptions,
+                 keywords: dict[str, object], *, name: str = "drafter", function: str = "speculative_generate",
+                 kind: type | None = None):
+    """The one path of every speculative call: the drafter's kind found in the registry
+    (`sampling/registry.py`; `kind`: the class it must be, for a function of one kind), its options
+    built from the call's kind `keywords`, every argument checked before any model runs; then the
+    drafter built, the loop run, the kind's counters added to the stats."""
+    if kind is None:
+        chosen = drafter_kind(drafter, keywords, name)
+    else:  # a function of one kind: that registered kind, or a TypeError naming what it takes
+        chosen = next((k for k in KINDS if isinstance(k, kind) and k.takes(drafter, keywords)), None)
+        if chosen is None:
+            raise TypeError(f"{name} must be {kind.what}, got a {type(drafter).__name__}")
+    options = kind_options(chosen, keywords, function)
+    request = check_request(inputs, target, encoder_decoder=is_encoder_decoder(target), use_cache=shared.use_cache,
+                            max_gen_len=shared.max_gen_len, logits_processor=shared.logits_processor,
+                            end_tokens_id=shared.end_tokens_id, generator=shared.generator, model_name="target",
+                            pad_token_id=shared.pad_token_id, habits=shared.habits)
+    build = chosen.check(request, shared, drafter, options)
     gen = start_generation(request, measured_costs(target))  # the first call with a model calibrates it
     drafting = build(gen)
-    result = speculative_loop(gen, drafting.drafter, logits_processor=options.logits_processor,
-                              policy=drafting.policy, stats=options.stats, on_step=options.on_step)
-    if options.stats is not None:
-        options.stats.add(drafting.counters())
+    result = speculative_loop(gen, drafting.drafter, logits_processor=shared.logits_processor,
+                              policy=drafting.policy, stats=shared.stats, on_step=shared.on_step)
+    if shared.stats is not None:
+        shared.stats.add(drafting.counters())
     return result
 
 
@@ -58,28 +65,30 @@ def speculative_generate(
     drafter: PreTrainedModel | Drafter,
     target: PreTrainedModel,
     *,
-    tokenizer=None,
-    gamma: int = 5,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    max_gen_len: int = 40,
-    end_tokens_id: int | list[int] | None = MODEL_EOS,
-    pad_token_id: int | None = None,
-    use_cache: bool = True,
-    adaptive_gamma: bool = False,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    stats: SpeculativeStats | None = None,
-    on_step: OnStep | None = None,
-    drafter_tokenizer=None,
-    drafter_invariant: bool | None = None,
-    ngram: NgramPool | list[NgramPool] | None = None,
-    cascade: bool | None = None,
-    stop_strings: str | list[str] | None = None,
-    stopping_criteria: Criterion | list[Criterion] | None = None,
-    num_return_sequences: int = 1,
-    branching: int | None = None,
+    tokenizer=Habits.tokenizer,
+    gamma: int = SHARED.gamma,
+    logits_processor: LogitsProcessor = SHARED.logits_processor,
+    max_gen_len: int = SHARED.max_gen_len,
+    end_tokens_id: int | list[int] | None = SHARED.end_tokens_id,
+    pad_token_id: int | None = SHARED.pad_token_id,
+    use_cache: bool = SHARED.use_cache,
+    adaptive_gamma: bool = MODEL.adaptive_gamma,
+    generator: torch.Generator | list[torch.Generator] | None = SHARED.generator,
+    stats: SpeculativeStats | None = SHARED.stats,
+    on_step: OnStep | None = SHARED.on_step,
+    drafter_tokenizer=MODEL.drafter_tokenizer,
+    drafter_invariant: bool | None = MODEL.drafter_invariant,
+    ngram: NgramPool | list[NgramPool] | None = MODEL.ngram,
+    cascade: bool | None = MODEL.cascade,
+    stop_strings: str | list[str] | None = Habits.stop_strings,
+    stopping_criteria: Criterion | list[Criterion] | None = Habits.stopping_criteria,
+    num_return_sequences: int = Habits.num_return_sequences,
+    branching: int | None = MODEL.branching,
+    draft_policy: DraftPolicy | None = SHARED.draft_policy,
+    **kind_options,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
-    object with the `Drafter` protocol (your own drafter: docs/drafters.md; `adaptive_gamma` is for models).
+    object with the `Drafter` protocol (your own drafter: docs/drafters.md).
 
     Each step the drafter proposes `gamma` tokens, the target scores them in one forward pass, and
     a prefix is accepted: greedily (output identical to greedy `autoregressive_generate`) or by
@@ -120,14 +129,14 @@ def speculative_generate(
     the measured costs say it gives more than a chain, else a chain; with a fixed gamma, chains.
     Chains where a runner cannot verify trees (encoder-decoder models, `use_cache=False`, flash
     attention), with `ngram=` and with a `drafter_tokenizer`.
+    `draft_policy` (your own `sampling.draft_policy.DraftPolicy`: `budget(num_rows)`, `update(num_drafts,
+    num_accepted)`): each step's budget of drafted nodes per row, instead of the kind's own (`gamma`, or
+    with `adaptive_gamma` the cost-aware rule); docs/architecture.md, "Add a policy".
+    `**kind_options`: the options of a drafter kind that the signature does not list (each kind's
+    `Options` dataclass, `sampling/registry.py`); one no kind takes is refused by name.
     """
-    return run_drafting(inputs, target, SpeculativeOptions(
-        drafter=drafter, tokenizer=tokenizer, gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
-        end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache, adaptive_gamma=adaptive_gamma,
-        generator=generator, stats=stats, on_step=on_step, drafter_tokenizer=drafter_tokenizer,
-        drafter_invariant=drafter_invariant, ngram=ngram, cascade=cascade, branching=branching,
-        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer),
-    ))
+    habits = Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer)
+    return run_drafting(inputs, target, drafter, *route(speculative_generate, locals(), habits))
 
 
 speculative_generate_encoder_decoder = encoder_decoder_twin(speculative_generate, "speculative_generate_encoder_decoder", """

@@ -30,7 +30,7 @@ import time
 import weakref
 
 from sampling.draft_confidence import ConfidenceAcceptance
-from sampling.draft_policy import CostAwareDraftLength, best_draft_length
+from sampling.draft_policy import CostAwarePolicy, best_draft_length
 from sampling.estimators import RunningAverage
 from utils.cost_model import PassCosts
 
@@ -88,7 +88,7 @@ class TreePlanner:
     reach. Costs are in one-token target passes; the chain's is `policy.cost(k)` with the same
     first-rank rate."""
 
-    def __init__(self, policy: CostAwareDraftLength, drafter_costs: PassCosts, branching: int,
+    def __init__(self, policy: CostAwarePolicy, drafter_costs: PassCosts, branching: int,
                  acceptance: TreeAcceptance) -> None:
         self.policy, self.drafter_costs, self.branching, self.acceptance = policy, drafter_costs, branching, acceptance
         self.overhead = RunningAverage(OVERHEAD_WEIGHT)  # a tree's timed drafting / its passes' priced seconds

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sampling.drafters import DraftTree
+from sampling.drafters import DraftTree, children_of
 from sampling.randomness import ACCEPT, PositionUniforms, inverse_cdf
 
 SEED_SCALE = 2**53  # a uniform number in [0, 1) -> a generator seed
@@ -52,33 +52,52 @@ def recursive_rejection_walk(p: Tensor, q: Tensor, tree: DraftTree, coins: list[
     q: (n, V), row i the drafter's distribution node i was drawn from (its parent's), so siblings
     share one row; siblings are tried in node order, their draw order. coins: n numbers in [0, 1),
     one per node; residual_numbers: one per depth, for the emitted token. Pure.
-    """
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(tree.parents):
-        children.setdefault(parent, []).append(node)
+
+    Every node's verdicts are computed on p's device first (`sibling_verdicts`) and read back in one
+    transfer; the walk then follows them from the root."""
+    children = children_of(tree.parents)
+    accepted, tokens = sibling_verdicts(p, q, tree, children, coins, residual_numbers)
     path, node = [], -1
     while True:
-        p_i = p[node + 1]
-        accepted = None
-        kids = children.get(node, [])
+        node = next((child for child in children.get(node, []) if accepted[child]), None)
+        if node is None:
+            return path, tokens[path[-1] + 1 if path else 0]
+        path.append(node)
+
+
+def sibling_verdicts(p: Tensor, q: Tensor, tree: DraftTree, children: dict[int, list[int]], coins: list[float],
+                     residual_numbers: list[float]) -> tuple[list[bool], list[int]]:
+    """For every node of `tree` (the root first), its children tried in order as the walk would
+    try them there -> (per child: accepted where it is tried, per node 1 + i (0: the root): the token
+    emitted if every child of it is rejected), all read back in one host transfer.
+
+    A child x is accepted with probability min(1, p(x) / q(x)) (coin * q(x) < p(x), in float64);
+    after a rejection p becomes the residual max(0, p - q) renormalised (p unchanged where it has no
+    mass: rounding) and q loses x, renormalised: the numbers a walk that reaches that node uses."""
+    flags, emitted = [], []
+    depths = [0] * (len(tree) + 1)  # 1 + node -> its depth (the root: 0)
+    for node, parent in enumerate(tree.parents):
+        depths[node + 1] = depths[parent + 1] + 1
+    for node in range(-1, len(tree)):
+        p_i, kids = p[node + 1], children.get(node, [])
         q_i = q[kids[0]].to(p.device, p.dtype) if kids else None
         for child in kids:
             x = tree.tokens[child]
             q_i = q_i / q_i.sum()  # q without the children tried before, renormalised
-            p_x, q_x = (float(v) for v in torch.stack([p_i[x], q_i[x]]).tolist())
-            if coins[child] * q_x < p_x:  # accepted with probability min(1, p / q), without dividing
-                accepted = child
-                break
+            flags.append(coins[child] * q_i[x].double() < p_i[x].double())
             residual = (p_i - q_i).clamp(min=0)
             total = residual.sum()
-            # In exact arithmetic a rejection implies p_i != q_i, so the residual has mass; guard rounding.
-            p_i = residual / total if float(total) > 0 else p_i
+            p_i = torch.where(total > 0, residual / total, p_i)
             q_i = q_i.clone()
             q_i[x] = 0.0  # the next child is drawn without this one
-        if accepted is None:
-            return path, int(inverse_cdf(p_i, residual_numbers[len(path)]))
-        path.append(accepted)
-        node = accepted
+        emitted.append(inverse_cdf(p_i, residual_numbers[depths[node + 1]]))
+    values = torch.cat([torch.stack(flags).long() if flags else emitted[0].new_empty(0), torch.stack(emitted)])
+    values = values.tolist()  # the walk's one host transfer
+    order = [child for node in range(-1, len(tree)) for child in children.get(node, [])]
+    accepted = [False] * len(tree)
+    for i, child in enumerate(order):
+        accepted[child] = bool(values[i])
+    return accepted, values[len(order):]
 
 
 def tree_speculative_accept(p: Tensor, q: Tensor, tree: DraftTree, uniforms: PositionUniforms,

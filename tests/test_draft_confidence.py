@@ -1,6 +1,8 @@
 """The adaptive model drafter's per-token stop: confident drafts go on, doubtful ones stop, the
 learned odds follow what the target accepted, and greedy identity holds whatever it stops at."""
 
+from types import SimpleNamespace
+
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.draft_confidence import ConfidenceAcceptance, ConfidenceStop
 from tests.models import tiny_model
@@ -8,6 +10,11 @@ from tests.models import tiny_model
 
 def linear_cost(slope: float, drafter: float = 0.1):
     return (lambda k: 1.0 + slope * k + drafter * k), (lambda k: 1.0 + slope * k)
+
+
+def prices(cost, verify_cost, max_budget):
+    """The members of a `CostAwarePolicy` the stop reads, and nothing else."""
+    return SimpleNamespace(cost=cost, verify_cost=verify_cost, max_budget=max_budget, discard=lambda: None)
 
 
 def test_the_prior_is_the_drafters_own_confidence_and_learning_moves_it():
@@ -20,18 +27,18 @@ def test_the_prior_is_the_drafters_own_confidence_and_learning_moves_it():
 
 def test_confident_drafts_go_on_and_doubtful_ones_stop():
     cost, verify = linear_cost(0.05)
-    stop = ConfidenceStop(cost, verify, max_drafts=16)
+    stop = ConfidenceStop(prices(cost, verify, max_budget=16))
     assert stop.keep_drafting([0.99, 0.99, 0.99])
     assert not stop.keep_drafting([0.99, 0.05])
     assert not stop.keep_drafting([0.99] * 16)  # the budget
     assert stop.keep([0.99, 0.99, 0.05]) == 2  # the doubtful last draft is not worth verifying
     dear, dear_verify = linear_cost(1.0)  # every token costs a full pass: drafting cannot pay
-    assert not ConfidenceStop(dear, dear_verify, 16).keep_drafting([0.7])
+    assert not ConfidenceStop(prices(dear, dear_verify, 16)).keep_drafting([0.7])
 
 
 def test_a_flat_step_after_a_dear_one_is_seen():
     table = {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0}
-    stop = ConfidenceStop(lambda k: table[min(k, 8)], lambda k: table[min(k, 8)], max_drafts=8)
+    stop = ConfidenceStop(prices(lambda k: table[min(k, 8)], lambda k: table[min(k, 8)], max_budget=8))
     assert stop.keep_drafting([0.999, 0.999, 0.999])  # the step 2 -> 3 pays over eight drafts
 
 

@@ -1,16 +1,21 @@
-"""A drafter kind is one object and one registry line (docs/architecture.md, "Where to add"): the
-smallest kind, added to the registry here, drafts through `speculative_generate` exactly (greedy
-identity with plain decoding, batches included) and its own counters reach the stats."""
+"""A drafter kind is one object, its options and one registration (docs/architecture.md, "Add a
+drafter kind"): the smallest kind, registered here, drafts through `speculative_generate` exactly
+(greedy identity with plain decoding, batches included), takes its own option as a keyword, and its
+own counters reach the stats; the registry has no order to get wrong."""
+
+from dataclasses import dataclass
 
 import pytest
 
-import sampling.drafter_kinds
+import sampling.registry
 from sampling import DraftTree, SpeculativeStats, autoregressive_generate, speculative_generate
+from sampling.custom_drafters import CustomDrafterKind
 from sampling.draft_policy import DraftLength
-from sampling.drafter_kinds import KINDS, drafter_kind
+from sampling.drafter_kinds import drafter_kind
 from sampling.hybrid import HybridKind
 from sampling.model_drafting import ModelDrafterKind
-from sampling.options import Drafting, SpeculativeOptions
+from sampling.options import Drafting
+from sampling.registry import register_kind
 from tests.models import DECODER_ONLY, prompt, tiny_model
 
 
@@ -19,15 +24,15 @@ class RepeatDrafter:
 
     forward_passes = 0
 
-    def __init__(self) -> None:
-        self.steps = 0
+    def __init__(self, token: int | None = None) -> None:
+        self.steps, self.token = 0, token
 
     def start(self, sequences):
         pass
 
     def draft(self, sequences, max_drafts, max_depths):
         self.steps += 1
-        return [(DraftTree.chain([s[-1]] * max(0, min(max_drafts, d))), None)
+        return [(DraftTree.chain([s[-1] if self.token is None else self.token] * max(0, min(max_drafts, d))), None)
                 for s, d in zip(sequences, max_depths, strict=True)]
 
     def update(self, sequences, paths, target_logits, p):
@@ -37,24 +42,40 @@ class RepeatDrafter:
         pass
 
 
+@dataclass(frozen=True, kw_only=True)
+class RepeatOptions:
+    """The kind's own option: the token drafted (None: each row's last token)."""
+
+    token: int | None = None
+
+    def __post_init__(self):
+        if self.token is not None and (isinstance(self.token, bool) or not isinstance(self.token, int)):
+            raise TypeError(f"token must be an int or None, got {self.token!r}")
+
+
 class RepeatKind:
-    """The kind: `speculative_generate(inputs, "repeat", target)`; its options checked in `check`,
-    its drafter built once the target's runner exists, its own counter for the stats."""
+    """The kind: `speculative_generate(inputs, "repeat", target, token=...)`; its options checked as
+    they are built, its drafter built once the target's runner exists, its own counter for the stats."""
 
-    def takes(self, options):
-        return isinstance(options.drafter, str) and options.drafter == "repeat"
+    Options = RepeatOptions
+    what = 'the word "repeat"'
 
-    def check(self, request, options):
+    def takes(self, drafter, given):
+        return drafter == "repeat"
+
+    def check(self, request, shared, drafter, options):
         def build(gen):
-            drafter = RepeatDrafter()
-            return Drafting(drafter, DraftLength(options.gamma), lambda: {"repeat_steps": drafter.steps})
+            repeat = RepeatDrafter(options.token)
+            return Drafting(repeat, shared.draft_policy or DraftLength(shared.gamma),
+                            lambda: {"repeat_steps": repeat.steps})
 
         return build
 
 
 @pytest.fixture
 def with_repeat_kind(monkeypatch):
-    monkeypatch.setattr(sampling.drafter_kinds, "KINDS", [RepeatKind(), *KINDS])  # the one registry line
+    monkeypatch.setattr(sampling.registry, "KINDS", list(sampling.registry.KINDS))  # undone after the test
+    register_kind(RepeatKind())  # the one registration
 
 
 @pytest.mark.parametrize("name", DECODER_ONLY[:2])
@@ -65,13 +86,37 @@ def test_a_new_kind_drafts_exactly_and_brings_its_counters(with_repeat_kind, nam
     results = speculative_generate(rows, "repeat", target, gamma=3, max_gen_len=12, stats=stats)
     assert [ids for ids, _ in results] == autoregressive_generate(rows, target, max_gen_len=12)
     assert stats.counters["repeat_steps"] > 0 and stats.drafts_proposed > 0
+    again = speculative_generate(rows, "repeat", target, gamma=3, max_gen_len=12, token=rows[0][-1])
+    assert [ids for ids, _ in again] == [ids for ids, _ in results]  # exact whatever token it repeats
 
 
-def test_the_registry_picks_each_kind_by_its_options():
+def test_a_kinds_option_is_checked_and_refused_by_the_other_kinds(with_repeat_kind):
+    target = tiny_model("llama")
+    with pytest.raises(TypeError, match="token must be an int or None, got 'a'"):
+        speculative_generate(prompt(0), "repeat", target, token="a")
+    with pytest.raises(ValueError, match=r"token=3 is not taken with a transformers PreTrainedModel.*"
+                                         r'an option for the word "repeat"'):
+        speculative_generate(prompt(0), target, target, token=3)
+
+
+def test_the_registry_picks_each_kind_by_its_drafter_and_options():
     model = tiny_model("llama")
-    assert isinstance(drafter_kind(SpeculativeOptions(drafter=model)), ModelDrafterKind)
-    assert isinstance(drafter_kind(SpeculativeOptions(drafter=model, ngram=object())), HybridKind)
-    assert type(drafter_kind(SpeculativeOptions(drafter=RepeatDrafter()))).__name__ == "CustomDrafterKind"
+    assert isinstance(drafter_kind(model, {}), ModelDrafterKind)
+    assert isinstance(drafter_kind(model, {"ngram": object()}), HybridKind)
+    assert isinstance(drafter_kind(RepeatDrafter(), {}), CustomDrafterKind)
+
+
+def test_an_unclaimed_or_ambiguous_drafter_is_a_type_error(with_repeat_kind):
+    with pytest.raises(TypeError, match="drafter must be .* or the word \"repeat\"; got a int, which no drafter kind"):
+        drafter_kind(3, {})
+
+    class Greedy(RepeatKind):
+        def takes(self, drafter, given):
+            return isinstance(drafter, str)
+
+    register_kind(Greedy())
+    with pytest.raises(TypeError, match="the drafter kinds RepeatKind, Greedy all claim a str"):
+        drafter_kind("repeat", {})
 
 
 def test_stats_add_a_kinds_counters_to_their_fields_or_to_counters():

@@ -93,7 +93,7 @@ def test_a_chain_the_stop_drops_whole_counts_against_drafting():
     policy = CostAwareDraftLength(16, PassCosts(relative=dict(AVX2_FP32), one_token_seconds=0.1),
                                   PassCosts(relative=dict(AVX2_FP32), one_token_seconds=0.1),
                                   draft_seconds=lambda: 0.02, per_token_stop=True)
-    stop = ConfidenceStop(policy.cost, policy.verify_cost, policy.max_gamma, on_discard=policy.discard)
+    stop = ConfidenceStop(policy)
     assert policy.budget(1) > 0
     alpha = policy.acceptance_rate
     for _ in range(10):  # drafted, none kept: passes paid for nothing

@@ -168,14 +168,43 @@ def test_a_drafter_object_is_checked_before_any_model_runs(monkeypatch):
 
     with pytest.raises(TypeError, match=r"Incomplete lacks update\(\), select_rows\(\), forward_passes"):
         speculative_generate(ROWS[0], Incomplete(), model)
-    with pytest.raises(TypeError, match="drafter must be a transformers PreTrainedModel or an object with the Drafter"):
+    with pytest.raises(TypeError, match="drafter must be a transformers PreTrainedModel or .*an object with the Drafter"):
         speculative_generate(ROWS[0], "a drafter", model)
-    with pytest.raises(ValueError, match="adaptive_gamma=True sizes a drafter model's chains"):
-        speculative_generate(ROWS[0], PromptLookupDrafter(), model, adaptive_gamma=True)
+    with pytest.raises(TypeError, match="adaptive_gamma must be a bool, got 'yes'"):
+        speculative_generate(ROWS[0], PromptLookupDrafter(), model, adaptive_gamma="yes")
+    with pytest.raises(ValueError, match="cascade=True is not taken with an object with the Drafter protocol"):
+        speculative_generate(ROWS[0], PromptLookupDrafter(), model, cascade=True)
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'no_kind_takes_this'"):
+        speculative_generate(ROWS[0], PromptLookupDrafter(), model, no_kind_takes_this=1)
     with pytest.raises(ValueError, match="gamma must be an int >= 1"):
         speculative_generate(ROWS[0], PromptLookupDrafter(), model, gamma=0)
     with pytest.raises(ValueError, match="a Drafter object proposes the target's token ids"):
         speculative_generate(ROWS[0], PromptLookupDrafter(), model, drafter_tokenizer=object())
+
+
+class Counting(PromptLookupDrafter):
+    """Prompt lookup with a counter of its own, which the stats take in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def draft(self, sequences, max_drafts, max_depths):
+        self.calls += 1
+        return super().draft(sequences, max_drafts, max_depths)
+
+    def counters(self):
+        return {"lookup_calls": self.calls}
+
+
+@pytest.mark.parametrize("name", DECODER_ONLY[:2])
+def test_your_own_drafter_takes_adaptive_gamma_and_brings_its_counters(name):
+    model = tiny_model(name)
+    stats = SpeculativeStats()
+    rows = [ROWS[0], ROWS[1]]
+    out = speculative_generate(rows, Counting(), model, adaptive_gamma=True, max_gen_len=12, stats=stats)
+    assert [ids for ids, _ in out] == autoregressive_generate(rows, model, max_gen_len=12)
+    assert stats.counters["lookup_calls"] > 0 and stats.steps > 0
 
 
 class Fixed(PromptLookupDrafter):

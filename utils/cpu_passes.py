@@ -25,7 +25,8 @@ pass over 2 tokens 1.7x *dearer* than transformers' own path in float32 while th
 helped; on a third (AMD EPYC, AVX-512) it made a pass over 2 tokens cheaper than transformers' one-token
 pass. In bfloat16 on that Xeon (one 8960 x 1536 matrix, 1 to 16 rows) `F.linear` took 1.45-1.52 ms at
 every row count and the weight-major product 1.02-1.10 ms (a single row computed as two): 26 GB/s, the
-machine's copy bandwidth. So neither is switched on by default, in any dtype but float64: `utils/calibration.py` times every combination for each number
+machine's copy bandwidth. So neither is switched on by default, in any dtype but float64:
+`utils/calibration.py` times every combination for each number
 of new tokens on the machine in use and picks the fastest (`Shortcuts`), and the runner asks for
 that choice at each pass.
 

@@ -84,6 +84,13 @@ def check_int(value: object, name: str, minimum: int) -> int:
     return value
 
 
+def check_bool(value: object, name: str, optional: bool = False) -> None:
+    """A bool (`optional`: or None), else a TypeError naming `name`."""
+    if isinstance(value, bool) or (optional and value is None):
+        return
+    raise TypeError(f"{name} must be a bool{' or None' if optional else ''}, got {_short(value)}")
+
+
 def check_token_ids(value: object, name: str, model: PreTrainedModel) -> list[int]:
     """A non-empty list of ints, each a valid index into the model's vocabulary."""
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
@@ -299,22 +306,27 @@ def model_end_tokens(model: PreTrainedModel) -> frozenset[int]:
     return frozenset(t for t in ids if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)
 
 
+def check_end_tokens_form(value: object) -> None:
+    """`end_tokens_id`'s form, before any model is known: `MODEL_EOS`, None, an int or a list of ints."""
+    if value is MODEL_EOS or value is None:
+        return
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple, set, frozenset)):
+        raise TypeError(f"end_tokens_id must be None, an int or a list of ints, got {_short(value)}")
+    for token in values:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(f"end_tokens_id must be None, an int or a list of ints, found {_short(token)}")
+
+
 def check_end_tokens(value: object, model: PreTrainedModel) -> frozenset[int]:
     """`end_tokens_id`: None, an int, or a list of ints -> the set of end tokens; `MODEL_EOS` (left
     out): the model's own (`model_end_tokens`)."""
     if value is MODEL_EOS:
         return model_end_tokens(model)
-    if value is None:
-        return frozenset()
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
-    if not isinstance(value, (list, tuple, set, frozenset)):
-        raise TypeError(f"end_tokens_id must be None, an int or a list of ints, got {_short(value)}")
+    check_end_tokens_form(value)
     tokens = []
     vocab = vocab_size(model)
-    for token in value:
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise TypeError(f"end_tokens_id must be None, an int or a list of ints, found {_short(token)}")
+    for token in [] if value is None else [value] if isinstance(value, int) else value:
         if not 0 <= token < vocab:
             raise ValueError(f"end_tokens_id holds {token}, outside the model's vocabulary [0, {vocab})")
         tokens.append(token)

@@ -1,0 +1,93 @@
+"""The registry of drafter kinds: which kind builds the drafter of a speculative call, and which
+of a call's keywords are that kind's options.
+
+A kind claims the drafters it takes (`DrafterKind.takes`, `sampling/options.py`); claims are
+disjoint, so the order of registration never matters: a drafter no kind claims, or that two kinds
+claim, is a `TypeError` naming them. Every kind registers here the same way, the library's own
+(`sampling/drafter_kinds.py` imports their files) and those of packages above `sampling/`
+(NASD's pools: `ngram_assisted/nasd.py`). A public function's keywords that are not shared options
+(`DecodingOptions`) go to the kind as its `Options` dataclass: one a kind does not take is refused
+by name, before any model runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import fields
+
+from sampling.options import DecodingOptions, DrafterKind
+
+KINDS: list[DrafterKind] = []
+
+
+def register_kind(kind: DrafterKind) -> DrafterKind:
+    """Add `kind` to the registry (once: a kind of the same class is replaced)."""
+    KINDS[:] = [k for k in KINDS if type(k) is not type(kind)] + [kind]
+    return kind
+
+
+def option_names(kind: DrafterKind) -> set[str]:
+    return {f.name for f in fields(kind.Options)}
+
+
+def drafter_kind(drafter: object, given: dict[str, object] | None = None, name: str = "drafter") -> DrafterKind:
+    """The one kind that claims `drafter` (with the kind keywords `given`), or a TypeError."""
+    claimants = [kind for kind in KINDS if kind.takes(drafter, given or {})]
+    if len(claimants) > 1:
+        raise TypeError(f"{name}: the drafter kinds {', '.join(type(k).__name__ for k in claimants)} all claim a "
+                        f"{type(drafter).__name__}; each kind must claim drafters no other kind takes")
+    if not claimants:
+        what = " or ".join(sorted({kind.what for kind in KINDS}))
+        raise TypeError(f"{name} must be {what}; got a {type(drafter).__name__}, which no drafter kind takes")
+    return claimants[0]
+
+
+def given(value: object, default: object) -> bool:
+    """Whether a keyword's value differs from its default (a default is not an option asked for)."""
+    if value is default:
+        return False
+    simple = (bool, int, float, str)
+    return not (isinstance(default, simple) and type(value) is type(default) and value == default)
+
+
+def kind_keywords(public: Callable, arguments: dict[str, object], shared: type = DecodingOptions,
+                  habits: tuple[str, ...] = ("tokenizer", "stop_strings", "stopping_criteria",
+                                             "num_return_sequences")) -> dict[str, object]:
+    """A public function's keywords that are for the drafter kind (neither shared options nor
+    habits), those given with a value other than their default, and its `**kind_options`."""
+    shared_names = {f.name for f in fields(shared)}
+    chosen = {}
+    for name, parameter in inspect.signature(public).parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            chosen.update(arguments[name])
+        elif (parameter.kind is inspect.Parameter.KEYWORD_ONLY and name not in shared_names and name not in habits
+              and given(arguments[name], parameter.default)):
+            chosen[name] = arguments[name]
+    return chosen
+
+
+def route(public: Callable, arguments: dict[str, object], habits: object,
+          shared: type = DecodingOptions) -> tuple[DecodingOptions, dict[str, object]]:
+    """A public function's arguments (its `locals()`) -> (its shared options, built and checked;
+    the keywords for the drafter's kind, `kind_keywords`)."""
+    names = [f.name for f in fields(shared) if f.name != "habits"]
+    options = shared(**{name: arguments[name] for name in names}, habits=habits)
+    return options, kind_keywords(public, arguments, shared)
+
+
+def kind_options(kind: DrafterKind, keywords: dict[str, object], function: str):
+    """`keywords` as the kind's `Options` (validated as it is built); a keyword it does not take is
+    refused by name: a TypeError when no kind takes it, a ValueError saying why when another does."""
+    own = option_names(kind)
+    for name, value in keywords.items():
+        if name in own:
+            continue
+        takers = [k.what for k in KINDS if name in option_names(k)]
+        if not takers:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}: no drafter kind takes it "
+                            f"(the shared options and each kind's Options list what a call takes)")
+        reason = getattr(kind, "refusals", {}).get(name, f"it is an option for {' or '.join(dict.fromkeys(takers))}")
+        raise ValueError(f"{name}={value!r} is not taken with {kind.what} as the drafter: {reason}; "
+                         f"leave {name} out")
+    return kind.Options(**keywords)
