@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     for _, text in load_humaneval(args.prompts, args.offset):
         ids = encode(tokenizer, text)
         common = dict(max_gen_len=args.max_new_tokens, end_tokens_id=end)
-        if args.sample:  # both exact: the same tokens for one seed (the coupled rule, `sampling.randomness`)
+        if args.sample:  # both exact: the same tokens for one seed (the coupled rule, `sampling.loop.randomness`)
             common.update(logits_processor=NucleusProcessor(temperature=0.7, top_p=0.9),
                           generator=torch.Generator().manual_seed(0))
         stats = {name: SpeculativeStats() for name in ("nasd", "pld")}

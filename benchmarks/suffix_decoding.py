@@ -33,7 +33,7 @@ from torch import Tensor
 
 from benchmarks import cli
 from sampling import DraftTree, speculative_generate
-from sampling.drafters import PerRow
+from sampling.loop.drafts import PerRow
 from utils.loading import cache_dir
 from utils.logits_processors import GreedyProcessor
 

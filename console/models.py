@@ -131,7 +131,7 @@ def check_pair(target: Model, drafter: Model) -> None:
         return
     if target.encoder_decoder or not other_tokenizers_supported():
         raise ValueError(f"{drafter.label} does not share the tokenizer of {target.label}: {drafter_hint(target)}")
-    from sampling.universal import check_tokenizers  # the checks speculative decoding runs, before any model runs
+    from sampling.drafters.universal import check_tokenizers  # the checks speculative decoding runs, before any model runs
 
     check_tokenizers(target.tokenizer, drafter.tokenizer, drafter.model, target.model, encoder_decoder=False)
 

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
 from ngram_assisted.matching import MAX_MATCH, CopyIndex
-from sampling.draft_policy import best_tree_size
-from sampling.drafters import DraftTree, PerRow
+from sampling.loop.drafts import DraftTree, PerRow
+from sampling.policy.draft_policy import best_tree_size
 from utils.cost_model import prior_cost
 from utils.logits_processors import supports_float64
 from utils.validation import check_int

@@ -19,15 +19,15 @@ from transformers import PreTrainedModel
 from ngram_assisted.drafter import NgramRows
 from ngram_assisted.dynagram import DynaGram
 from ngram_assisted.rows import ngram_rows
-from sampling.common import Generation, OnStep, Request
-from sampling.draft_policy import DraftLength, DraftPolicy
-from sampling.habits import Habits
-from sampling.loop import SpeculativeStats
-from sampling.model_kind import encoder_decoder_twin, of_kind
-from sampling.options import DecodingOptions, Drafting, NasdDecodingOptions
-from sampling.registry import register_kind, route
+from sampling.drafters.registry import register_kind, route
+from sampling.loop.common import Generation, OnStep, Request
+from sampling.loop.habits import Habits
+from sampling.loop.model_kind import encoder_decoder_twin, of_kind
+from sampling.loop.options import DecodingOptions, Drafting, NasdDecodingOptions
+from sampling.loop.speculative_loop import SpeculativeStats
+from sampling.loop.stopping import Criterion
+from sampling.policy.draft_policy import DraftLength, DraftPolicy
 from sampling.speculative import run_drafting
-from sampling.stopping import Criterion
 from utils.logits_processors import LogitsProcessor
 from utils.validation import Inputs, check_bool, check_int, transformers_names
 
@@ -57,7 +57,7 @@ def first_pool(ngram: object) -> object:
 class NgramKind:
     """NASD's drafter kind: an n-gram pool (or one per row of a batch) drafting over the rows
     (`ngram_assisted/rows.py`), the step's budget of nodes at most (its cost rule sizes each draft
-    within them); for the hybrid (`sampling/hybrid.py`), the pool beside a drafter model."""
+    within them); for the hybrid (`sampling/drafters/hybrid.py`), the pool beside a drafter model."""
 
     Options = NgramOptions
     what = "an n-gram pool (SimpleDynaGram, MultiDynaGram; for a batch one per row)"

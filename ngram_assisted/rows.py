@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from ngram_assisted.drafter import NgramDrafter, NgramRows
 from ngram_assisted.dynagram import DynaGram
-from sampling.common import Generation, Request
-from sampling.tree_choice import AUTO_BRANCHING  # one width where the cost model chooses trees
+from sampling.loop.common import Generation, Request
+from sampling.policy.tree_choice import AUTO_BRANCHING  # one width where the cost model chooses trees
 from utils.runners.model_info import vocab_size
 from utils.validation import check_rows_argument
 
@@ -38,7 +38,7 @@ def ngram_rows(ngram: object, request: Request, *, greedy: bool, top_k_filler: i
     -> the builder of its drafter over the rows of a generation of `request`.
 
     Trees where the target verifies them in one pass (else chains, still exact); `branching` None:
-    up to AUTO_BRANCHING candidates per node (`sampling.tree_choice`'s: one width wherever the cost model
+    up to AUTO_BRANCHING candidates per node (`sampling.policy.tree_choice`'s: one width wherever the cost model
     sizes trees) where `stop_if_unknown` cuts them to what pays, a chain
     otherwise. `greedy`: the target's processor decodes greedily (else it samples). Unless
     `draft_cost` is given, drafts are priced by the target's measured costs (one

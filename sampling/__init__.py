@@ -2,9 +2,9 @@
 
 from sampling.autoregressive import autoregressive_generate, autoregressive_generate_encoder_decoder
 from sampling.beam_search import beam_search_generate
-from sampling.common import Step
-from sampling.drafters import Drafter, DraftTree
-from sampling.self_drafting import quantized_drafter
+from sampling.drafters.self_drafting import quantized_drafter
+from sampling.loop.common import Step
+from sampling.loop.drafts import Drafter, DraftTree
 from sampling.speculative import (
     SpeculativeStats,
     speculative_generate,

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sampling.acceptance import accept_rows
-from sampling.common import Generation, OnStep, Step, check_request, measured_costs, start_generation
-from sampling.drafters import DraftTree
-from sampling.habits import Habits
-from sampling.loop import SpeculativeStats
-from sampling.model_kind import encoder_decoder_twin, of_kind
-from sampling.progress import Progress
-from sampling.stopping import Criterion
+from sampling.loop.acceptance import accept_rows
+from sampling.loop.common import Generation, OnStep, Step, check_request, measured_costs, start_generation
+from sampling.loop.drafts import DraftTree
+from sampling.loop.habits import Habits
+from sampling.loop.model_kind import encoder_decoder_twin, of_kind
+from sampling.loop.progress import Progress
+from sampling.loop.speculative_loop import SpeculativeStats
+from sampling.loop.stopping import Criterion
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
 from utils.validation import MODEL_EOS, Inputs, transformers_names
@@ -22,7 +22,7 @@ NO_DRAFTS = DraftTree.chain([])
 
 def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep | None,
             stats: SpeculativeStats | None = None) -> list:
-    """The speculative loop (`sampling.loop.speculative_loop`) without a drafter: each step accepts
+    """The speculative loop (`sampling.loop.speculative_loop.speculative_loop`) without a drafter: each step accepts
     the target's own token (`accept_rows` with nothing drafted: the argmax, or the inverse CDF at
     the position's uniform) for every row at once. One difference: the prefill scores the first
     token (a speculative prefill holds each row's last token back for the drafts' pass). `stats`:
@@ -81,12 +81,12 @@ def autoregressive_generate(
     what the single call returns for that row, decoded together (one pass per step for all running
     rows). `pad_token_id`: for a batch without an attention mask, the token stripped from both
     ends of each row (without it, a batch that looks padded is refused). `generator` (one, or one per row)
-    makes sampling reproducible (`sampling.randomness`); `on_step` receives each new token as a
+    makes sampling reproducible (`sampling.loop.randomness`); `on_step` receives each new token as a
     `Step` (streaming; `Step.row` says which row). `stats` (a `SpeculativeStats`) gets the
     generated tokens, steps, target passes and each token's `logprobs`.
     `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
     `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
-    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/stopping.py`);
+    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/loop/stopping.py`);
     `num_return_sequences=n` returns what the batch of n copies of each prompt returns.
     """
     request = check_request(

@@ -7,9 +7,9 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from sampling.common import Generation, check_request, measured_costs, start_generation
-from sampling.habits import Habits
-from sampling.stopping import Criterion
+from sampling.loop.common import Generation, check_request, measured_costs, start_generation
+from sampling.loop.habits import Habits
+from sampling.loop.stopping import Criterion
 from utils.logits_processors import GreedyProcessor
 from utils.runners import BeamRunner
 from utils.runners.model_info import is_encoder_decoder

@@ -1,7 +1,7 @@
 """Speculative decoding (Leviathan et al. 2023) and speculative sampling (Chen et al. 2023): the
 public functions, and `run_drafting`, the one path of every speculative call: its arguments
-checked once, its drafter built by the kind its options ask for (`sampling/drafter_kinds.py`: a
-drafter model, your own `Drafter`, a model beside an n-gram pool), the one loop (`sampling/loop.py`).
+checked once, its drafter built by the kind its options ask for (`sampling/drafters/drafter_kinds.py`: a
+drafter model, your own `Drafter`, a model beside an n-gram pool), the one loop (`sampling/loop/speculative_loop.py`).
 """
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sampling.common import OnStep, check_request, measured_costs, start_generation
-from sampling.draft_policy import DraftPolicy
-from sampling.drafter_kinds import KINDS, drafter_kind
-from sampling.drafters import Drafter
-from sampling.habits import Habits
-from sampling.hybrid import HybridOptions, NgramPool
-from sampling.loop import SpeculativeStats, speculative_loop
-from sampling.model_kind import encoder_decoder_twin, of_kind
-from sampling.options import DecodingOptions
-from sampling.registry import kind_options, route
-from sampling.stopping import Criterion
+from sampling.drafters.drafter_kinds import KINDS, drafter_kind
+from sampling.drafters.hybrid import HybridOptions, NgramPool
+from sampling.drafters.registry import kind_options, route
+from sampling.loop.common import OnStep, check_request, measured_costs, start_generation
+from sampling.loop.drafts import Drafter
+from sampling.loop.habits import Habits
+from sampling.loop.model_kind import encoder_decoder_twin, of_kind
+from sampling.loop.options import DecodingOptions
+from sampling.loop.speculative_loop import SpeculativeStats, speculative_loop
+from sampling.loop.stopping import Criterion
+from sampling.policy.draft_policy import DraftPolicy
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
 from utils.validation import Inputs, transformers_names
@@ -34,7 +34,7 @@ def run_drafting(inputs: Inputs, target: PreTrainedModel, drafter: object, share
                  keywords: dict[str, object], *, name: str = "drafter", function: str = "speculative_generate",
                  kind: type | None = None):
     """The one path of every speculative call: the drafter's kind found in the registry
-    (`sampling/registry.py`; `kind`: the class it must be, for a function of one kind), its options
+    (`sampling/drafters/registry.py`; `kind`: the class it must be, for a function of one kind), its options
     built from the call's kind `keywords`, every argument checked before any model runs; then the
     drafter built, the loop run, the kind's counters added to the stats."""
     if kind is None:
@@ -98,12 +98,12 @@ def speculative_generate(
     attention mask's padding is removed per row: `utils.validation.INPUTS_DOC`) a list with one such
     pair per row, the rows decoded together; a 1-D tensor is one sequence. With `adaptive_gamma` each
     step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
-    unit of measured cost (`sampling.draft_policy`), so a drafter that cannot pay on this machine
+    unit of measured cost (`sampling.policy.draft_policy`), so a drafter that cannot pay on this machine
     stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
     acceptance by position; `on_step` streams each step. `pad_token_id`: for a batch without an
     attention mask, the token stripped from both ends of each row. A drafter with another tokenizer: pass `tokenizer` (the target's) and
     `drafter_tokenizer` (the drafter's); it drafts in its own vocabulary, inputs and outputs stay
-    target ids, greedy and sampling stay exact (`sampling/universal.py`; decoder-only models).
+    target ids, greedy and sampling stay exact (`sampling/drafters/universal.py`; decoder-only models).
     `drafter_invariant` (sampling): the drafter drafts with the target's own random number of each
     position and a draft is accepted iff it is the token the target samples there, so the output is
     plain seeded sampling's (`autoregressive_generate` with the same generator) whatever gamma,
@@ -112,28 +112,28 @@ def speculative_generate(
     one output), off with a fixed gamma (the standard rule already reproduces itself there).
     `ngram` (a `MultiDynaGram(8)`, say; one pool shared by a batch's rows, or a list with one per
     row): hybrid drafting: each step and row drafts from the pool or with the model, whichever is
-    expected to give more tokens per unit of measured cost (`sampling/hybrid.py`), exact either way.
-    `cascade` (cascade drafting, `sampling/cascade.py`): a prompt-lookup proposer offers the drafter
+    expected to give more tokens per unit of measured cost (`sampling/drafters/hybrid.py`), exact either way.
+    `cascade` (cascade drafting, `sampling/drafters/cascade.py`): a prompt-lookup proposer offers the drafter
     model tokens that it checks in one pass of its own, so several drafts cost one drafter pass where
     its measured costs say a wider pass is cheap; its drafts and q are exactly those of one-token
     passes, so outputs are unchanged. None (the default): on with `adaptive_gamma`, off otherwise.
     `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
     `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
-    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/stopping.py`);
+    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/loop/stopping.py`);
     `num_return_sequences=n` returns what the batch of n copies of each prompt returns. `stats.logprobs`: each returned token's
     log-softmax of the target's raw logits, from the verification passes.
-    `branching` (token trees from the drafter model, `sampling/model_tree.py`, docs/trees.md): up to this
+    `branching` (token trees from the drafter model, `sampling/drafters/model_tree.py`, docs/trees.md): up to this
     many children per node, the tree verified in one target pass, exact (greedy: the argmax path;
     sampling: recursive rejection sampling with the drafter's q); `gamma` counts every node. 1: chains.
     None (the default): with `adaptive_gamma`, a tree (up to 3 children per node) on the steps where
     the measured costs say it gives more than a chain, else a chain; with a fixed gamma, chains.
     Chains where a runner cannot verify trees (encoder-decoder models, `use_cache=False`, flash
     attention), with `ngram=` and with a `drafter_tokenizer`.
-    `draft_policy` (your own `sampling.draft_policy.DraftPolicy`: `budget(num_rows)`, `update(num_drafts,
+    `draft_policy` (your own `sampling.policy.draft_policy.DraftPolicy`: `budget(num_rows)`, `update(num_drafts,
     num_accepted)`): each step's budget of drafted nodes per row, instead of the kind's own (`gamma`, or
     with `adaptive_gamma` the cost-aware rule); docs/architecture.md, "Add a policy".
     `**kind_options`: the options of a drafter kind that the signature does not list (each kind's
-    `Options` dataclass, `sampling/registry.py`); one no kind takes is refused by name.
+    `Options` dataclass, `sampling/drafters/registry.py`); one no kind takes is refused by name.
     """
     habits = Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer)
     return run_drafting(inputs, target, drafter, *route(speculative_generate, locals(), habits))

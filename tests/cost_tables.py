@@ -3,8 +3,8 @@ under a machine's costs whatever machine runs the tests."""
 
 import pytest
 
-from sampling.draft_policy import CostAwareDraftLength
-from sampling.tree_choice import TreePlanner
+from sampling.policy.draft_policy import CostAwareDraftLength
+from sampling.policy.tree_choice import TreePlanner
 from utils.cost_model import PassCosts
 
 # Qwen2.5-Coder-1.5B and 0.5B in bfloat16, AMD EPYC Zen 5 with AVX512_BF16 (issue 34).
@@ -21,8 +21,8 @@ def fix_costs(monkeypatch: pytest.MonkeyPatch, relative: dict[int, float], draft
     def costs(model, seconds: float = 0.1):
         return PassCosts(relative=dict(relative), one_token_seconds=seconds, measured=True)
 
-    monkeypatch.setattr("sampling.common.pass_costs", costs)
-    monkeypatch.setattr("sampling.model_drafting.pass_costs", lambda model: costs(model, 0.1 * drafter_step_cost))
+    monkeypatch.setattr("sampling.loop.common.pass_costs", costs)
+    monkeypatch.setattr("sampling.drafters.model_drafting.pass_costs", lambda model: costs(model, 0.1 * drafter_step_cost))
     monkeypatch.setattr(PassCosts, "observe", lambda self, k, seconds: None)
     monkeypatch.setattr(PassCosts, "observe_batch", lambda self, rows, width, seconds: None)
     monkeypatch.setattr(CostAwareDraftLength, "drafter_step_cost", lambda self: drafter_step_cost)

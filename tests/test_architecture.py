@@ -67,3 +67,20 @@ def test_the_library_has_no_import_circle():
     for name in sorted(graph):
         if name not in state and (circle := visit(name, [name])):
             pytest.fail("import circle: " + " -> ".join(circle))
+
+
+SAMPLING_FLOORS = ("policy", "loop", "drafters")  # from the ground up; the public functions stand above all three
+
+
+@pytest.mark.parametrize("floor", SAMPLING_FLOORS)
+def test_sampling_folders_import_only_down(floor):
+    """`sampling/policy/` imports neither the loop nor the kinds, `sampling/loop/` not the kinds, and none of them
+    a public function's module (`sampling.speculative`, ...) nor the package's face (`sampling` itself)."""
+    below = SAMPLING_FLOORS[: SAMPLING_FLOORS.index(floor) + 1]
+    wrong = []
+    for path in sorted((ROOT / "sampling" / floor).rglob("*.py")):
+        for name in sorted(imports(path)):
+            parts = name.split(".")
+            if parts[0] == "sampling" and (len(parts) == 1 or parts[1] not in below):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "\n".join(wrong)

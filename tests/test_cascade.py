@@ -1,4 +1,4 @@
-"""Cascade drafting (sampling/cascade.py): the drafter model checks a proposer's tokens in one pass of
+"""Cascade drafting (sampling/drafters/cascade.py): the drafter model checks a proposer's tokens in one pass of
 its own. The main property: with the cascade on or off (same seeds) every step drafts the very same
 tokens and every output is the same, greedy and sampling, one row and batches, whatever the
 proposer proposes and however many of its tokens the policy feeds. Then the proposer, and the policy
@@ -10,7 +10,7 @@ import pytest
 
 from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from sampling.cascade import Cascade, PromptLookup
+from sampling.drafters.cascade import Cascade, PromptLookup
 from tests.cost_tables import AVX2_FP32, BF16_05B, fix_costs
 from tests.models import prompt, tiny_model
 from tests.test_drafter_invariant import near_copy, seeded
@@ -123,7 +123,7 @@ def run(rows, drafter, target, cascade, seed=None, **kwargs):
     steps, stats = [], SpeculativeStats()
     generator = None if seed is None else ([seeded(seed + b) for b in range(len(rows))] if len(rows) > 1 else seeded(seed))
     # Chains (branching=1): the cascade drafts chains; a tree step (the default where the costs say trees
-    # pay, sampling/model_tree.py) does not use the proposer.
+    # pay, sampling/drafters/model_tree.py) does not use the proposer.
     out = speculative_generate(rows if len(rows) > 1 else rows[0], drafter, target, max_gen_len=24, cascade=cascade,
                                on_step=steps.append, stats=stats, generator=generator, branching=1, **kwargs)
     return out, steps, stats

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from sampling.draft_policy import CostAwareDraftLength, best_draft_length
+from sampling.policy.draft_policy import CostAwareDraftLength, best_draft_length
 from tests.models import tiny_model
 from utils import calibration, cost_model
 from utils.calibration import calibrate, pass_costs

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import sampling.acceptance
-import sampling.randomness
+import sampling.loop.acceptance
+import sampling.loop.randomness
 import utils.logits_processors
 import utils.runners.compat
 import utils.runners.passes
-from sampling.acceptance import speculative_accept
-from sampling.randomness import ACCEPT, TARGET, PositionUniforms
+from sampling.loop.acceptance import speculative_accept
+from sampling.loop.randomness import ACCEPT, TARGET, PositionUniforms
 from tests.models import prompt, tiny_model
 from utils.logits_processors import NucleusProcessor, inverse_cdf, supports_float64
 from utils.runners import SequenceRunner, make_runner
@@ -51,7 +51,7 @@ class Float32Uniforms:
 
 @pytest.fixture
 def without_float64(monkeypatch):
-    for module in (utils.logits_processors, sampling.acceptance, sampling.randomness):
+    for module in (utils.logits_processors, sampling.loop.acceptance, sampling.loop.randomness):
         monkeypatch.setattr(module, "supports_float64", lambda device: False)
 
 

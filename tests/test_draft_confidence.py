@@ -4,7 +4,7 @@ learned odds follow what the target accepted, and greedy identity holds whatever
 from types import SimpleNamespace
 
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from sampling.draft_confidence import ConfidenceAcceptance, ConfidenceStop
+from sampling.policy.draft_confidence import ConfidenceAcceptance, ConfidenceStop
 from tests.models import tiny_model
 
 
@@ -66,7 +66,7 @@ class FlatCosts:
 
 
 def test_one_cold_probe_per_generation_breaks_a_prior_that_says_no():
-    from sampling.draft_policy import CostAwareDraftLength
+    from sampling.policy.draft_policy import CostAwareDraftLength
 
     # A drafted token costs 0.8 of a target pass: at the prior acceptance (0.6) drafting does not pay,
     # at 0.99 it would. Before the drafter has drafted (warm() False), one probe is allowed.

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 import pytest
 
-import sampling.registry
+import sampling.drafters.registry
 from sampling import DraftTree, SpeculativeStats, autoregressive_generate, speculative_generate
-from sampling.custom_drafters import CustomDrafterKind
-from sampling.draft_policy import DraftLength
-from sampling.drafter_kinds import drafter_kind
-from sampling.hybrid import HybridKind
-from sampling.model_drafting import ModelDrafterKind
-from sampling.options import Drafting
-from sampling.registry import register_kind
+from sampling.drafters.custom_drafters import CustomDrafterKind
+from sampling.drafters.drafter_kinds import drafter_kind
+from sampling.drafters.hybrid import HybridKind
+from sampling.drafters.model_drafting import ModelDrafterKind
+from sampling.drafters.registry import register_kind
+from sampling.loop.options import Drafting
+from sampling.policy.draft_policy import DraftLength
 from tests.models import DECODER_ONLY, prompt, tiny_model
 
 
@@ -74,7 +74,7 @@ class RepeatKind:
 
 @pytest.fixture
 def with_repeat_kind(monkeypatch):
-    monkeypatch.setattr(sampling.registry, "KINDS", list(sampling.registry.KINDS))  # undone after the test
+    monkeypatch.setattr(sampling.drafters.registry, "KINDS", list(sampling.drafters.registry.KINDS))  # undone after the test
     register_kind(RepeatKind())  # the one registration
 
 

@@ -10,8 +10,8 @@ import torch
 
 from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
-from sampling.draft_confidence import ConfidenceStop
-from sampling.draft_policy import CostAwareDraftLength
+from sampling.policy.draft_confidence import ConfidenceStop
+from sampling.policy.draft_policy import CostAwareDraftLength
 from tests.cost_tables import AVX2_FP32, BF16_15B, fix_costs
 from tests.models import prompt, tiny_model
 from utils.cost_model import PassCosts

@@ -41,7 +41,7 @@ def test_both_drafters_are_used_and_accepted(monkeypatch):
     target = tiny_model("llama")
     drafter = near_copy(target)
     chosen = {"pool": 0, "model": 0}
-    from sampling import hybrid
+    from sampling.drafters import hybrid
 
     original = hybrid.HybridDrafter.update
 

@@ -1,4 +1,4 @@
-"""Token trees drafted by the drafter model (`speculative_generate(..., branching=)`, sampling/model_tree.py):
+"""Token trees drafted by the drafter model (`speculative_generate(..., branching=)`, sampling/drafters/model_tree.py):
 greedy output token-identical to plain greedy decoding and to chains, the target's law under recursive
 rejection sampling at depth 1 and 2, plain sampling's very tokens under the drafter-invariant rule, seeded
 identity, batch rows equal to single calls, the cost model's choice of tree or chain, the argument check."""
@@ -8,8 +8,8 @@ import torch
 
 from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate, speculative_generate_encoder_decoder
-from sampling.drafters import DraftTree
-from sampling.tree_sampling import recursive_rejection_walk
+from sampling.loop.drafts import DraftTree
+from sampling.loop.tree_sampling import recursive_rejection_walk
 from tests.cost_tables import AVX2_FP32, fix_costs
 from tests.models import DECODER_ONLY, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
@@ -29,7 +29,7 @@ def tree_steps(stats: SpeculativeStats) -> bool:
 
 
 def test_recursive_rejection_of_children_drawn_without_replacement_emits_p_and_changes_no_input():
-    """The rule alone (`sampling/tree_sampling.py`), no model: three children of the root drawn from q
+    """The rule alone (`sampling/loop/tree_sampling.py`), no model: three children of the root drawn from q
     without replacement, 20000 draws, the emitted token's law against p (chi-square, fixed seed)."""
     from scipy.stats import chisquare
 

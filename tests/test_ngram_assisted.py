@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import sampling.acceptance
+import sampling.loop.acceptance
 from ngram_assisted import (
     MultiDynaGram,
     SimpleDynaGram,
@@ -12,7 +12,7 @@ from ngram_assisted.drafter import MATCH_LENGTH_PRIOR, AcceptanceModel, NgramDra
 from ngram_assisted.dynagram import Prediction
 from ngram_assisted.matching import CopyIndex
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
-from sampling.randomness import ACCEPT, TARGET, inverse_cdf
+from sampling.loop.randomness import ACCEPT, TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
@@ -280,7 +280,7 @@ def test_the_statistical_test_catches_the_original_rule(monkeypatch):
                 choices.append(x if kept else int(inverse_cdf(p[start + row], u(t + depth, TARGET))))
         return torch.tensor(choices)
 
-    monkeypatch.setattr(sampling.acceptance, "coupled_choices", original_rule)
+    monkeypatch.setattr(sampling.loop.acceptance, "coupled_choices", original_rule)
     target = tiny_model("llama", vocab=8)
     processor = MultinomialProcessor(temperature=2.0)
     joint = exact_two_token_distribution(target, INPUTS, processor)

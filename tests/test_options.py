@@ -11,11 +11,11 @@ import torch
 from ngram_assisted import ngram_assisted_speculative_generate
 from ngram_assisted.nasd import NgramOptions
 from sampling import speculative_generate
-from sampling.custom_drafters import CustomOptions
-from sampling.habits import Habits
-from sampling.hybrid import HybridOptions
-from sampling.model_drafting import ModelOptions
-from sampling.options import DecodingOptions, NasdDecodingOptions
+from sampling.drafters.custom_drafters import CustomOptions
+from sampling.drafters.hybrid import HybridOptions
+from sampling.drafters.model_drafting import ModelOptions
+from sampling.loop.habits import Habits
+from sampling.loop.options import DecodingOptions, NasdDecodingOptions
 
 
 def signature_defaults(function):
@@ -54,7 +54,7 @@ def test_every_public_default_is_the_options_own(function, types):
     ("on_step", 3, TypeError, "on_step must be a function taking a Step"),
     ("draft_policy", object(), TypeError, r"draft_policy must be an object with the DraftPolicy protocol.*lacks "
                                           r"budget\(\), update\(\)"),
-    ("habits", None, TypeError, "habits must be a sampling.habits.Habits"),
+    ("habits", None, TypeError, "habits must be a sampling.loop.habits.Habits"),
 ])
 def test_every_shared_field_is_checked_as_it_is_built(field, value, error, message):
     with pytest.raises(error, match=message):

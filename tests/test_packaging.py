@@ -46,4 +46,6 @@ def test_the_built_distribution_carries_only_the_library(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if ".dist-info/" not in name}
     assert top_level == LIBRARY
+    packages = {str(path.parent.relative_to(ROOT)) for name in LIBRARY for path in (ROOT / name).rglob("__init__.py")}
+    assert packages == {name.rsplit("/", 1)[0] for name in names if name.endswith("/__init__.py")}  # subpackages too
 

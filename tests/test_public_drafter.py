@@ -17,7 +17,7 @@ from sampling import (
     speculative_generate,
     speculative_generate_encoder_decoder,
 )
-from sampling.custom_drafters import first_branch
+from sampling.drafters.custom_drafters import first_branch
 from tests.models import DECODER_ONLY, VOCAB, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor

@@ -1,4 +1,4 @@
-"""The self-drafter (`sampling.quantized_drafter`, sampling/self_drafting.py) and the quantized linears under
+"""The self-drafter (`sampling.quantized_drafter`, sampling/drafters/self_drafting.py) and the quantized linears under
 it (utils/quantize.py): the kernels against the float layers, the fallback where int4 cannot run, the
 shared tensors, exactness (greedy identity with plain greedy decoding for chains, adaptive drafting,
 ragged batches, trees, the cascade and the static buffer; the sampling law; seeds), the drafter's own
@@ -14,7 +14,7 @@ from torch import nn
 
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, quantized_drafter, speculative_generate
-from sampling.self_bits import expected_speedup
+from sampling.drafters.self_bits import expected_speedup
 from tests.cost_tables import BF16_15B, fix_costs
 from tests.models import prompt, tiny_model
 from tests.saved_model import save_tiny_chat_model
@@ -214,7 +214,7 @@ def test_auto_bits_is_measured_once_and_follows_the_rule(monkeypatch, tmp_path):
     drafter = quantized_drafter(target, bits="auto")
     bits = drafter.config.specdec_self_drafter["bits"]
     assert bits in (4, 8)
-    monkeypatch.setattr("sampling.self_bits.measure", lambda *args: pytest.fail("measured twice"))
+    monkeypatch.setattr("sampling.drafters.self_bits.measure", lambda *args: pytest.fail("measured twice"))
     assert quantized_drafter(target, bits="auto").config.specdec_self_drafter["bits"] == bits
     # The rule: what agrees more pays when it costs alike; what costs less pays when it agrees alike.
     assert expected_speedup(0.9, 0.3) > expected_speedup(0.7, 0.3)

@@ -1,6 +1,6 @@
 """Seeded sampling that speculation cannot change: with the same generator seed, NASD (chains and
 trees, any gamma, branching, cost table) returns the very tokens of plain sampling, and every
-method reproduces itself (random numbers belong to positions, `sampling.randomness`)."""
+method reproduces itself (random numbers belong to positions, `sampling.loop.randomness`)."""
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from sampling import (
     speculative_generate,
     speculative_generate_encoder_decoder,
 )
-from sampling.randomness import CHUNK, PositionUniforms, inverse_cdf
+from sampling.loop.randomness import CHUNK, PositionUniforms, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from utils.logits_processors import (
     MultinomialProcessor,

@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-import sampling.acceptance
+import sampling.loop.acceptance
 from sampling import (
     SpeculativeStats,
     autoregressive_generate,
@@ -11,7 +11,7 @@ from sampling import (
     speculative_generate,
     speculative_generate_encoder_decoder,
 )
-from sampling.randomness import TARGET, inverse_cdf
+from sampling.loop.randomness import TARGET, inverse_cdf
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils import calibration
@@ -136,14 +136,14 @@ def test_speculative_sampling_follows_the_target_distribution(processor):
 def test_the_statistical_test_catches_a_wrong_acceptance_rule(monkeypatch):
     """Resampling from p (instead of max(0, p - q)) after a rejection is biased: the test must see it."""
 
-    right_rows = sampling.acceptance.speculative_rows
+    right_rows = sampling.loop.acceptance.speculative_rows
 
     def wrong_rows(p, starts, trees, qs, uniforms, positions):  # the batched rule, the residual replaced by p
         n, _ = right_rows(p, starts, trees, qs, uniforms, positions)
         u = torch.tensor([u_b(t + int(n_b), TARGET) for u_b, t, n_b in zip(uniforms, positions, n, strict=True)])
         return n, inverse_cdf(p[torch.tensor(starts) + n], u)
 
-    monkeypatch.setattr(sampling.acceptance, "speculative_rows", wrong_rows)
+    monkeypatch.setattr(sampling.loop.acceptance, "speculative_rows", wrong_rows)
     target, drafter = close_pair()
     processor = SAMPLERS[0]
     joint = exact_two_token_distribution(target, INPUTS, processor)

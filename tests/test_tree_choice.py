@@ -1,4 +1,4 @@
-"""Tree or chain (`sampling/tree_choice.py`): the planner under cost tables written here (the drafter's
+"""Tree or chain (`sampling/policy/tree_choice.py`): the planner under cost tables written here (the drafter's
 tree passes at their measured, padded widths against the chain's timed drafting), the shape record's
 warm-up, choice, exploration share and return to chains, and branching=None end to end under a fake
 clock: greedy output token-identical to plain greedy decoding, the target's law in sampling."""
@@ -7,11 +7,12 @@ import copy
 
 import pytest
 
-from sampling import SpeculativeStats, autoregressive_generate, speculative_generate, tree_choice
-from sampling.draft_policy import CostAwareDraftLength
-from sampling.drafters import ModelDrafter
-from sampling.model_tree import ModelTreeDrafter
-from sampling.tree_choice import RANK_PRIOR, ShapeRecord, TreeAcceptance, TreePlanner, shape_record
+from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
+from sampling.drafters.model_drafter import ModelDrafter
+from sampling.drafters.model_tree import ModelTreeDrafter
+from sampling.policy import tree_choice
+from sampling.policy.draft_policy import CostAwareDraftLength
+from sampling.policy.tree_choice import RANK_PRIOR, ShapeRecord, TreeAcceptance, TreePlanner, shape_record
 from tests.cost_tables import AVX2_FP32, BF16_05B, BF16_15B, fix_costs
 from tests.models import prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens

@@ -13,7 +13,7 @@ from ngram_assisted import (
     ngram_assisted_speculative_generate_encoder_decoder,
 )
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
-from sampling.acceptance import greedy_accept_tree
+from sampling.loop.acceptance import greedy_accept_tree
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import GreedyProcessor, MultinomialProcessor

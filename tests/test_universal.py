@@ -1,4 +1,4 @@
-"""A drafter with another tokenizer (sampling/universal.py): two byte-level BPE tokenizers trained
+"""A drafter with another tokenizer (sampling/drafters/universal.py): two byte-level BPE tokenizers trained
 here on a small corpus (the small one's vocabulary is the big one's first ids: BPE learns merges in
 order), tiny random models with those vocabularies."""
 
@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor
 
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate, speculative_generate_encoder_decoder
-from sampling.universal import LOOKBEHIND
-from sampling.vocabularies import intersection
+from sampling.drafters.universal import LOOKBEHIND
+from sampling.loop.vocabularies import intersection
 from tests.models import tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import GreedyProcessor, MultinomialProcessor, TopKProcessor, TransformersProcessor

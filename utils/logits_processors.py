@@ -150,7 +150,7 @@ class LogitsProcessor:
 
     def sample(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Draw one token per row of `probs` (..., vocab) -> (...,) int64 (inverse CDF of one
-        uniform number per row; the decoding loops draw theirs by position, `sampling.randomness`)."""
+        uniform number per row; the decoding loops draw theirs by position, `sampling.loop.randomness`)."""
         device = generator.device if generator is not None else torch.device("cpu")
         u = torch.rand(probs.shape[:-1], generator=generator, device=device,
                        dtype=torch.float64 if supports_float64(device) else torch.float32)

@@ -1,5 +1,5 @@
 """A drafter model that runs over the TARGET's cache: a self-drafter (the target's own weights, quantized;
-`sampling/self_drafting.py`) has the target's architecture, so its attention can read the target's keys
+`sampling/drafters/self_drafting.py`) has the target's architecture, so its attention can read the target's keys
 and values for the verified prefix and it never makes a prompt pass of its own.
 
 `SharedCacheRunner` is a `Runner` for the drafter whose passes go through the target's runner with the

@@ -1,5 +1,5 @@
 """Two tokenizers side by side: which tokens spell the same bytes, and the checks a pair must pass
-before a drafter with one tokenizer can draft for a target with another (`sampling/universal.py`).
+before a drafter with one tokenizer can draft for a target with another (`sampling/drafters/universal.py`).
 Whether each tokenizer is lossless is judged there, on the texts in play, not here on a fixed text:
 two tokenizers that lack an emoji's bytes still serve every text without one.
 

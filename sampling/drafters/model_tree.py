@@ -11,7 +11,7 @@ target verifies the whole tree in one pass with the tree mask.
 - **Greedy**: children are the drafter's top-k; the target walks the argmax path: the output is
   greedy decoding's, token for token.
 - **Sampling** (the standard rule): children are drawn from q without replacement and verified by
-  recursive rejection sampling (`sampling/tree_sampling.py`, Jeon et al. 2024). For that rule to
+  recursive rejection sampling (`sampling/loop/tree_sampling.py`, Jeon et al. 2024). For that rule to
   keep the target's law, whether a child is in the tree must not depend on its own value nor on its
   later siblings': so in sampling a child's score factor is the rank-th largest probability of q
   (known before it is drawn), not q of the drawn token, and the tree is cut only to the budget
@@ -28,7 +28,7 @@ block, `forward_rows` with parents): a node must see its own ancestors and no ot
 protocol's cache shows a new block everything it holds. After verification `keep_path_row` keeps
 the accepted nodes the last block holds.
 
-Shape and size (with `adaptive_gamma`, `sampling/tree_choice.py`): the planner proposes a tree
+Shape and size (with `adaptive_gamma`, `sampling/policy/tree_choice.py`): the planner proposes a tree
 where its expected accepted tokens per unit of cost (the drafter's passes priced at their measured
 widths, the target's pass over 1 + n tokens) beat the best chain's by a margin, and the shape record
 lets it run only where trees have measured to pay there; else the step is the chain drafter's (its
@@ -43,12 +43,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sampling import tree_choice
-from sampling.draft_policy import best_tree_size
-from sampling.drafters import DraftTree, ModelDrafter
-from sampling.randomness import DRAFT
-from sampling.tree_choice import ShapeRecord, TreeAcceptance, TreePlanner
-from sampling.tree_sampling import step_generator
+from sampling.drafters.model_drafter import ModelDrafter
+from sampling.loop.drafts import DraftTree
+from sampling.loop.randomness import DRAFT
+from sampling.loop.tree_sampling import step_generator
+from sampling.policy import tree_choice
+from sampling.policy.draft_policy import best_tree_size
+from sampling.policy.tree_choice import ShapeRecord, TreeAcceptance, TreePlanner
 from utils.logits_processors import inverse_cdf
 from utils.runners.passes import synchronize
 
@@ -105,7 +106,7 @@ class RowTree:
 class ModelTreeDrafter:
     """A `Drafter` that drafts token trees with a `ModelDrafter`'s model and runner (module
     docstring), and chain steps with the `ModelDrafter` itself where the planner says a tree does
-    not pay or the record says trees did not (`sampling/tree_choice.py`). `planner` None: a tree of
+    not pay or the record says trees did not (`sampling/policy/tree_choice.py`). `planner` None: a tree of
     `max_drafts` nodes every step (a fixed gamma); `record` None: the planner alone chooses."""
 
     def __init__(self, chain: ModelDrafter, branching: int, planner: TreePlanner | None,

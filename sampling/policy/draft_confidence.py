@@ -19,8 +19,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from sampling.draft_policy import CostAwarePolicy, best_tree_size
-from sampling.estimators import DecayedRate
+from sampling.policy.draft_policy import CostAwarePolicy, best_tree_size
+from sampling.policy.estimators import DecayedRate
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # bucket b holds c in [EDGES[b-1], EDGES[b])
 

@@ -7,8 +7,8 @@ as transformers' processors do):
 - `DecodingOptions`: what every speculative call takes (`gamma`, the processor, the lengths, the
   seed, the stats, `draft_policy`...); its field defaults are the public signatures' defaults;
 - the drafter kind's own options: a small frozen dataclass in the kind's file (`ModelOptions` in
-  `sampling/model_drafting.py`, `NgramOptions` in `ngram_assisted/nasd.py`...). A keyword that is not
-  a shared option goes to the kind the drafter belongs to (`sampling/registry.py`), so a new option
+  `sampling/drafters/model_drafting.py`, `NgramOptions` in `ngram_assisted/nasd.py`...). A keyword that is not
+  a shared option goes to the kind the drafter belongs to (`sampling/drafters/registry.py`), so a new option
   of a kind is a field of its dataclass and nothing else.
 
 The one path of every call (`sampling.speculative.run_drafting`) then asks the kind to check its
@@ -24,11 +24,11 @@ from typing import Protocol
 
 import torch
 
-from sampling.common import Generation, OnStep, Request
-from sampling.draft_policy import DraftPolicy, check_policy
-from sampling.drafters import Drafter
-from sampling.habits import Habits
-from sampling.loop import SpeculativeStats
+from sampling.loop.common import Generation, OnStep, Request
+from sampling.loop.drafts import Drafter
+from sampling.loop.habits import Habits
+from sampling.loop.speculative_loop import SpeculativeStats
+from sampling.policy.draft_policy import DraftPolicy, check_policy
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.validation import MODEL_EOS, check_bool, check_end_tokens_form, check_int, check_processor
 
@@ -47,7 +47,7 @@ def check_generator_form(value: object) -> None:
 class DecodingOptions:
     """What every speculative call takes besides its inputs, drafter and target (the public
     functions' docstrings say what each means). `draft_policy`: your own `DraftPolicy` (None: the
-    kind's own, `sampling/draft_policy.py`)."""
+    kind's own, `sampling/policy/draft_policy.py`)."""
 
     gamma: int = 5
     logits_processor: LogitsProcessor = GREEDY
@@ -77,7 +77,7 @@ class DecodingOptions:
         if self.draft_policy is not None:
             check_policy(self.draft_policy)
         if not isinstance(self.habits, Habits):
-            raise TypeError(f"habits must be a sampling.habits.Habits, got {self.habits!r}")
+            raise TypeError(f"habits must be a sampling.loop.habits.Habits, got {self.habits!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +104,7 @@ class Drafting:
 
 class DrafterKind(Protocol):
     """A kind of drafter: one file with its drafter, its options and this object, registered once
-    (`sampling.registry.register_kind`). Kinds claim disjoint drafters: two claimants are a TypeError.
+    (`sampling.drafters.registry.register_kind`). Kinds claim disjoint drafters: two claimants are a TypeError.
 
     `Options`: the kind's frozen options dataclass; its fields are the keywords the kind takes,
     its defaults are theirs. `what`: the drafter it takes, in words, for error messages.

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sampling.draft_policy import best_draft_length
-from sampling.estimators import DecayedRate
+from sampling.policy.draft_policy import best_draft_length
+from sampling.policy.estimators import DecayedRate
 
 MAX_MATCH = 8  # longest suffix looked up (longer matches are as good as 8 for choosing)
 

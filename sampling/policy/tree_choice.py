@@ -1,4 +1,4 @@
-"""Tree or chain: the shape a drafter model's step takes (`sampling/model_tree.py` drafts it).
+"""Tree or chain: the shape a drafter model's step takes (`sampling/drafters/model_tree.py` drafts it).
 
 Two checks, both needed for a tree to run:
 
@@ -29,9 +29,9 @@ import heapq
 import time
 import weakref
 
-from sampling.draft_confidence import ConfidenceAcceptance
-from sampling.draft_policy import CostAwarePolicy, best_draft_length
-from sampling.estimators import RunningAverage
+from sampling.policy.draft_confidence import ConfidenceAcceptance
+from sampling.policy.draft_policy import CostAwarePolicy, best_draft_length
+from sampling.policy.estimators import RunningAverage
 from utils.cost_model import PassCosts
 
 AUTO_BRANCHING = 3  # branching=None with adaptive_gamma: up to this many children per node, where trees pay

@@ -17,7 +17,7 @@ and must stay in the tree (dropping it changes the residuals). Without replaceme
 a new token, the siblings of `DraftTree` are distinct, and Jeon et al. show it accepts more.
 
 Exactness needs one more thing of the tree's shape: whether child c_i is in the tree must not
-depend on c_i's own value (nor on its later siblings'). `sampling/model_tree.py` ranks children
+depend on c_i's own value (nor on its later siblings'). `sampling/drafters/model_tree.py` ranks children
 by scores known before they are drawn (the i-th largest probability of q); see its docstring.
 
 Random numbers: a tree step starting at generated position t draws every number it needs from a
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sampling.drafters import DraftTree, children_of
-from sampling.randomness import ACCEPT, PositionUniforms, inverse_cdf
+from sampling.loop.drafts import DraftTree, children_of
+from sampling.loop.randomness import ACCEPT, PositionUniforms, inverse_cdf
 
 SEED_SCALE = 2**53  # a uniform number in [0, 1) -> a generator seed
 

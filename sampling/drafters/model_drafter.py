@@ -1,100 +1,23 @@
-"""Drafters: where speculative decoding gets its guesses. The loop in `sampling/loop.py`
-only talks to this interface, so a small model and an n-gram pool (`ngram_assisted/`) plug into the
-same draft -> verify -> accept loop."""
+"""The drafter model kind's drafter: a small language model drafts a chain (`ModelDrafter`)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from sampling.cascade import Cascade
-from sampling.draft_confidence import ConfidenceStop
-from sampling.estimators import RunningAverage
-from sampling.randomness import DRAFT, TARGET, PositionUniforms
+from sampling.drafters.cascade import Cascade
+from sampling.loop.drafts import DraftTree
+from sampling.loop.randomness import DRAFT, TARGET, PositionUniforms
+from sampling.policy.draft_confidence import ConfidenceStop
+from sampling.policy.estimators import RunningAverage
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor, inverse_cdf
 from utils.runners import make_runner
 from utils.runners.passes import synchronize
-
-
-def children_of(parents: list[int]) -> dict[int, list[int]]:
-    """A tree given by its parents (-1: the root) -> each node's children, in node order."""
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
-    return children
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """Drafted tokens as a tree: node i proposes `tokens[i]` after its parent, `parents[i]` < i
-    (-1: after the last accepted token). Siblings propose distinct tokens. A chain, what a model
-    drafter proposes, has parents [-1, 0, 1, ...]."""
-
-    tokens: list[int]
-    parents: list[int]
-
-    @classmethod
-    def chain(cls, tokens: list[int]) -> DraftTree:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(parent == node - 1 for node, parent in enumerate(self.parents))
-
-    def path_to(self, node: int) -> list[int]:
-        """The tokens from the root's first child down to `node` (none for -1)."""
-        path = []
-        while node >= 0:
-            path.append(self.tokens[node])
-            node = self.parents[node]
-        return path[::-1]
-
-    def depth(self) -> int:
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 + (depths[parent] if parent >= 0 else 0))
-        return max(depths, default=0)
-
-
-class Drafter(Protocol):
-    """What the speculative loop needs from a source of drafts, for the rows of a batch (one row:
-    one sequence). Lists go by row, in the order of the rows still decoding.
-
-    `sequences[b]` is always row b's whole accepted sequence (decoder prefix + generated tokens).
-    """
-
-    forward_passes: int  # model forward passes spent drafting (0 for an n-gram pool)
-
-    def start(self, sequences: list[list[int]]) -> None:
-        """A new generation begins with these prompts."""
-
-    def draft(self, sequences: list[list[int]], max_drafts: int, max_depths: list[int]) -> list[tuple[DraftTree, Tensor | None]]:
-        """For each row, up to `max_drafts` (possibly 0) nodes, no path deeper than `max_depths[b]`
-        (what fits before `max_gen_len`) -> (tree, q) per row.
-
-        q: (len(tree), V) the processed distributions a chain's drafts were sampled from, or None
-        when the drafts are deterministic (q one-hot) or the processor is greedy. Only deterministic
-        drafters propose trees that are not chains.
-        """
-
-    def update(self, sequences: list[list[int]], paths: list[list[int]], target_logits: list[Tensor],
-               p: list[Tensor | None]) -> None:
-        """Row b's target accepted the nodes `paths[b]` (root to leaf) of its last tree; its sequence
-        now ends with their tokens and the target's own. `target_logits[b]`: (1 + len(tree), V), the
-        target's scores at the root (row 0) and after every node i (row 1 + i), accepted or not;
-        `p[b]`: the same rows processed (None when greedy)."""
-
-    def select_rows(self, keep: list[int]) -> None:
-        """Only the rows `keep` go on decoding."""
 
 
 class DraftReading(Protocol):
@@ -106,33 +29,6 @@ class DraftReading(Protocol):
     def sample(self, q: Tensor, row: int, position: int) -> int: ...
 
 
-class PerRow:
-    """A batch `Drafter` made of one single-row drafter per row (the n-gram drafters: each row
-    drafts from its own pool, or all from one shared pool, and teaches it)."""
-
-    def __init__(self, drafters: list) -> None:
-        self.drafters = drafters
-
-    @property
-    def forward_passes(self) -> int:
-        return sum(drafter.forward_passes for drafter in self.drafters)
-
-    def start(self, sequences: list[list[int]]) -> None:
-        for drafter, sequence in zip(self.drafters, sequences, strict=True):
-            drafter.start(sequence)
-
-    def draft(self, sequences, max_drafts, max_depths):
-        return [drafter.draft(sequence, max_drafts, max_depth)
-                for drafter, sequence, max_depth in zip(self.drafters, sequences, max_depths, strict=True)]
-
-    def update(self, sequences, paths, target_logits, p) -> None:
-        for drafter, *row in zip(self.drafters, sequences, paths, target_logits, p, strict=True):
-            drafter.update(*row)
-
-    def select_rows(self, keep: list[int]) -> None:
-        self.drafters = [self.drafters[b] for b in keep]
-
-
 DRAFT_TIME_WEIGHT = 0.2  # weight of one drafting step's timing in the running average
 
 
@@ -140,7 +36,7 @@ class ModelDrafter:
     """A small language model as drafter (Leviathan et al. 2023): drafts are sampled from q, the
     drafter's distribution under the same logits processor as the target's p. The rows of a batch
     draft in lockstep, one drafter pass per drafted token for all rows (fewer with a `cascade`:
-    several drafts from one pass, `sampling/cascade.py`).
+    several drafts from one pass, `sampling/drafters/cascade.py`).
 
     Each row's cache always holds a prefix of its accepted sequence: what it has not seen yet (the
     target's token, and the last draft when all were accepted) is fed at the next `draft`.
@@ -150,7 +46,7 @@ class ModelDrafter:
     with, and the chain is verified as deterministic drafts: accepted iff F_p^{-1}(u_t) equals it.
     Every emitted token is then F_p^{-1}(u_t), plain sampling's own, whatever was drafted.
 
-    `stop` (adaptive drafting): the per-token rule that ends each chain (`sampling.draft_confidence`);
+    `stop` (adaptive drafting): the per-token rule that ends each chain (`sampling.policy.draft_confidence`);
     None: every row drafts the `max_drafts` it is given.
     """
 
@@ -182,14 +78,14 @@ class ModelDrafter:
         self.coupled = coupled
         self._accepted_lengths = [0] * rows  # len(sequence) of each row when the last draft started
         # With adaptive drafting, when to stop: the drafter's confidence in each draft (q of the
-        # drafted token) against the measured costs (`sampling.draft_confidence`); None: fixed gamma.
+        # drafted token) against the measured costs (`sampling.policy.draft_confidence`); None: fixed gamma.
         self.stop = stop
         self._confidences: list[list[float]] = [[] for _ in range(rows)]  # of each row's last chain
-        # Cascade drafting (`sampling.cascade`): a proposer whose tokens the drafter checks in one
+        # Cascade drafting (`sampling.drafters.cascade`): a proposer whose tokens the drafter checks in one
         # pass of its own; None: one pass per drafted token.
         self.cascade = cascade
         # How a pass's logits become q and a draft (None: in the target's vocabulary, `distribution`
-        # and `sample`); a drafter with another tokenizer reads them its own way (`sampling.universal`).
+        # and `sample`); a drafter with another tokenizer reads them its own way (`sampling.drafters.universal`).
         self.reading = reading if reading is not None else self
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
@@ -247,7 +143,7 @@ class ModelDrafter:
         synchronize(*self.runner.devices)  # the clock starts once the queued work is done
         start = time.perf_counter()
         # Each drafting row feeds what it has not seen (the target's token...), then its last draft;
-        # with a cascade, proposals after it (`sampling.cascade`): one pass may give several drafts.
+        # with a cascade, proposals after it (`sampling.drafters.cascade`): one pass may give several drafts.
         pending = [sequence[self.runner.row_length(b) :] if k else []
                    for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True))]
         # A cold catch-up (the prompt, or a long stretch the drafter skipped) is paid once, not per

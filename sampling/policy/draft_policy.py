@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from sampling.estimators import DecayedRate
+from sampling.policy.estimators import DecayedRate
 from utils.cost_model import PassCosts
 
 MAX_ADAPTIVE_GAMMA = 16  # with adaptive_gamma, each step drafts 0 .. max(gamma, this) tokens
@@ -45,7 +45,7 @@ def best_draft_length(estimates: Sequence[float], cost: Callable[[int], float]) 
 
 
 class DraftPolicy(Protocol):
-    """How many nodes the loop lets each row draft in a step (`sampling.loop.speculative_loop`):
+    """How many nodes the loop lets each row draft in a step (`sampling.loop.speculative_loop.speculative_loop`):
     all the loop reads, and all your own policy needs (`speculative_generate(..., draft_policy=...)`).
 
     `budget(num_rows)` is asked once per step, before drafting, with the number of rows verified
@@ -59,8 +59,8 @@ class DraftPolicy(Protocol):
 
 class CostAwarePolicy(DraftPolicy, Protocol):
     """A `DraftPolicy` that prices steps: what the drafters that size their drafts by cost read
-    (the confidence stop, `sampling/draft_confidence.py`; the tree planner, `sampling/model_tree.py`;
-    the hybrid, `sampling/hybrid.py`), each through these members only. Costs are in one-token target
+    (the confidence stop, `sampling/policy/draft_confidence.py`; the tree planner, `sampling/drafters/model_tree.py`;
+    the hybrid, `sampling/drafters/hybrid.py`), each through these members only. Costs are in one-token target
     passes, for the rows of the step being drafted (the last `budget`)."""
 
     max_budget: int  # the most nodes per row `budget` ever gives
@@ -87,7 +87,7 @@ def check_policy(policy: object) -> None:
     """A TypeError naming every missing part, unless `policy` has the `DraftPolicy` protocol."""
     missing = [f"{name}()" for name in ("budget", "update") if not callable(getattr(policy, name, None))]
     if missing:
-        raise TypeError(f"draft_policy must be an object with the DraftPolicy protocol (sampling.draft_policy."
+        raise TypeError(f"draft_policy must be an object with the DraftPolicy protocol (sampling.policy.draft_policy."
                         f"DraftPolicy: budget(num_rows), update(num_drafts, num_accepted)) or None; "
                         f"{type(policy).__name__} lacks {', '.join(missing)}")
 
@@ -184,7 +184,7 @@ class CostAwareDraftLength:
             return 1
         if k:
             self.probe_after = self.PROBE_AFTER
-        # With a per-token stop (`sampling.draft_confidence`) the drafter's confidence sizes the
+        # With a per-token stop (`sampling.policy.draft_confidence`) the drafter's confidence sizes the
         # chain: the single rate only decides whether to start one.
         return self.max_budget if k and self.per_token_stop else k
 

@@ -17,12 +17,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from sampling.common import Generation, Request
-from sampling.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength
-from sampling.drafters import DRAFT_TIME_WEIGHT, DraftTree
-from sampling.estimators import RunningAverage
-from sampling.options import DecodingOptions, Drafting
-from sampling.registry import register_kind
+from sampling.drafters.model_drafter import DRAFT_TIME_WEIGHT
+from sampling.drafters.registry import register_kind
+from sampling.loop.common import Generation, Request
+from sampling.loop.drafts import DraftTree
+from sampling.loop.options import DecodingOptions, Drafting
+from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength
+from sampling.policy.estimators import RunningAverage
 from utils.runners.model_info import vocab_size
 from utils.validation import check_bool
 
@@ -151,7 +152,7 @@ class CheckedDrafter:
 @dataclass(frozen=True, kw_only=True)
 class CustomOptions:
     """Your own drafter's options. `adaptive_gamma`: each step's budget chosen by the cost-aware
-    rule (`sampling.draft_policy.CostAwareDraftLength`) from the drafter's timed drafting and the
+    rule (`sampling.policy.draft_policy.CostAwareDraftLength`) from the drafter's timed drafting and the
     target's measured passes, its acceptance rate learned online; off: `gamma` every step."""
 
     adaptive_gamma: bool = False

@@ -21,7 +21,7 @@ from itertools import chain
 
 from transformers import PreTrainedModel
 
-from sampling.self_bits import choose_bits
+from sampling.drafters.self_bits import choose_bits
 from utils.quantized_models import check_quantization, install, quantize_linears
 from utils.runners.compiled import compiled_passes
 from utils.runners.shared_cache import SharedCacheRunner, can_share
@@ -64,7 +64,7 @@ def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: 
 
     `bits`: 4 (int4 in groups of `group_size` input columns; a layer the int4 kernel refuses, its
     output width not a multiple of 16 or its input width not of the group, is int8) or 8 (int8, one
-    scale per output channel), or "auto" (`sampling.self_bits.choose_bits`: measured once per model
+    scale per output channel), or "auto" (`sampling.drafters.self_bits.choose_bits`: measured once per model
     and machine). `group_size`: 32, 64, 128 or 256, and it must divide some linear's input width.
     `share_cache`: draft over the target's cache (no prompt pass of its own) where its runner allows.
     `cache`: keep the packed weights under `SPECDEC_CACHE` (True, False, "auto": models of 10M

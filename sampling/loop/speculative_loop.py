@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from sampling.acceptance import accept_rows
-from sampling.common import Generation, OnStep, Step
-from sampling.draft_policy import DraftPolicy
-from sampling.drafters import Drafter, DraftTree
-from sampling.logprobs import step_logits
-from sampling.progress import Progress
-from sampling.step_clock import StepClock
+from sampling.loop.acceptance import accept_rows
+from sampling.loop.common import Generation, OnStep, Step
+from sampling.loop.drafts import Drafter, DraftTree
+from sampling.loop.logprobs import step_logits
+from sampling.loop.progress import Progress
+from sampling.loop.step_clock import StepClock
+from sampling.policy.draft_policy import DraftPolicy
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import model_devices
 from utils.runners.protocol import Runner
@@ -67,13 +67,13 @@ class SpeculativeStats:
     - `tokens_per_target_pass` (property): generated tokens / target forwards (prefill included;
       in a batch it grows with the batch width, not with speculation).
     - `alpha` (property): drafts accepted / drafts proposed.
-    - `cascade_proposed`, `cascade_accepted`: cascade drafting (`sampling/cascade.py`): tokens the
+    - `cascade_proposed`, `cascade_accepted`: cascade drafting (`sampling/drafters/cascade.py`): tokens the
       drafter model's own proposer fed to its passes, and those that were the drafter's own drafts
       with a draft after them in the same pass (each one a drafter pass saved: for one row,
       `drafter_forwards` is the cascade-off count less `cascade_accepted`).
     - `retokenize_seconds`, `lossy_text_rows`: a drafter with another tokenizer: time spent moving
       text between the tokenizers; rows decoded plainly after a text one of them could not
-      encode losslessly (`sampling/universal.py`).
+      encode losslessly (`sampling/drafters/universal.py`).
     - `counters`: name -> value, a drafter kind's own counters that have no field here (`add`).
     - `seconds` (with `timed=True`): phase -> seconds, summed over calls: "prefill", "draft" (the
       drafter's work, its model's passes included), "target" (the verification pass), "accept",
@@ -82,7 +82,7 @@ class SpeculativeStats:
       each phase waits for the device's queued work before it is timed.
     - `logprobs`: one list per row of every call (in call order, a batch's rows in order): for each
       returned token, log softmax of the target's raw logits (before any processor) at that token,
-      read from the verification passes (`sampling/logprobs.py`); `collect_logprobs=False` skips them.
+      read from the verification passes (`sampling/loop/logprobs.py`); `collect_logprobs=False` skips them.
     """
 
     drafts_proposed: int = 0
@@ -126,7 +126,7 @@ class SpeculativeStats:
         return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=False)]
 
     def add(self, counters: dict[str, float]) -> None:
-        """A drafter kind's own counters (`sampling.options.Drafting.counters`): each added to its
+        """A drafter kind's own counters (`sampling.loop.options.Drafting.counters`): each added to its
         field, or to `counters` when it has none."""
         for name, value in counters.items():
             if name in self.__dataclass_fields__ and name not in ("timed", "seconds", "counters", "collect_logprobs"):
@@ -210,7 +210,7 @@ def speculative_loop(
     Invariant: the target's cache holds every accepted token of a row but the last one, which is
     fed together with the row's drafts, so one forward pass scores the last token and all drafts
     of every row. Each row accepts its own drafts (ragged acceptance); a finished row leaves the
-    batch. Random numbers come from each row's `gen.uniforms` (`sampling.randomness`). `policy`
+    batch. Random numbers come from each row's `gen.uniforms` (`sampling.loop.randomness`). `policy`
     gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome.
     """
     target, rows = gen.runner, Progress(gen, logprobs=stats is not None and stats.collect_logprobs)

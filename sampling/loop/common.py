@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from sampling.habits import Habits, check_gen_len
-from sampling.randomness import PositionUniforms
-from sampling.stopping import StopRules
+from sampling.loop.habits import Habits, check_gen_len
+from sampling.loop.randomness import PositionUniforms
+from sampling.loop.stopping import StopRules
 from utils.calibration import pass_costs
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
@@ -60,7 +60,7 @@ class Generation:
     max_new_tokens: list[int]  # max_gen_len, capped so that each row fits the model's context
     uniforms: list[PositionUniforms]  # each row's random numbers by position
     batched: bool  # the inputs were a batch: results come back as a list, one per row
-    stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/stopping.py)
+    stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/loop/stopping.py)
 
     @property
     def prefix(self) -> list[int]:
@@ -123,7 +123,7 @@ class Request:
     end_tokens: frozenset[int]
     max_gen_len: int
     generators: list[torch.Generator | None]  # one per row
-    stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/stopping.py)
+    stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/loop/stopping.py)
 
     @property
     def num_rows(self) -> int:

@@ -1,7 +1,7 @@
 """A drafter with another tokenizer: universal speculative decoding, exact in greedy and sampling.
 
 The drafter reads the text so far in its own tokens and drafts in its own vocabulary; the target
-only ever sees target tokens, so the loop (`sampling/loop.py`) and its acceptance rules are
+only ever sees target tokens, so the loop (`sampling/loop/speculative_loop.py`) and its acceptance rules are
 those of the same-tokenizer case.
 
 - Text, target -> drafter (every drafting step, per row): decode the target tokens from an anchor
@@ -15,7 +15,7 @@ those of the same-tokenizer case.
   token for token, however the tokenizers split the text (a draft that re-encodes otherwise is
   simply rejected).
 - Sampling: token-level intersection (TLI, Timor et al. 2025). The drafter's scores are restricted
-  to the tokens both vocabularies spell alike (`sampling/vocabularies.py`), moved to the target's
+  to the tokens both vocabularies spell alike (`sampling/loop/vocabularies.py`), moved to the target's
   vocabulary and processed as the target's are; q is that distribution (zero outside the
   intersection), each draft maps to the target token of the same string, and speculative sampling
   (min(1, p/q), residual max(0, p - q)) gives the target's law exactly, whatever q is. TLI is
@@ -47,10 +47,11 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sampling.cascade import Cascade, common_prefix
-from sampling.drafters import DraftTree, ModelDrafter
-from sampling.randomness import PositionUniforms
-from sampling.vocabularies import check_tokenizer, intersection, same_vocabulary
+from sampling.drafters.cascade import Cascade, common_prefix
+from sampling.drafters.model_drafter import ModelDrafter
+from sampling.loop.drafts import DraftTree
+from sampling.loop.randomness import PositionUniforms
+from sampling.loop.vocabularies import check_tokenizer, intersection, same_vocabulary
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import vocab_size
@@ -166,7 +167,7 @@ class UniversalDrafter:
                  drafter_tokenizer: PreTrainedTokenizerBase, target_vocab_size: int,
                  uniforms: list[PositionUniforms], use_cache: bool = True, trees: bool = False,
                  coupled: bool = False, costs: PassCosts | None = None, cascade: Cascade | None = None) -> None:
-        # No confidence stop (`sampling.draft_confidence`): it reads q at the drafter's token id, and q
+        # No confidence stop (`sampling.policy.draft_confidence`): it reads q at the drafter's token id, and q
         # here lives in the target's vocabulary (or, greedy, is raw scores); `adaptive_gamma` still sizes the drafts.
         self.chain = ModelDrafter(model, processor, vocab_size=target_vocab_size, uniforms=uniforms,
                                   use_cache=use_cache, coupled=coupled, stop=None, costs=costs, cascade=cascade,

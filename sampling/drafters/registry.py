@@ -1,10 +1,10 @@
 """The registry of drafter kinds: which kind builds the drafter of a speculative call, and which
 of a call's keywords are that kind's options.
 
-A kind claims the drafters it takes (`DrafterKind.takes`, `sampling/options.py`); claims are
+A kind claims the drafters it takes (`DrafterKind.takes`, `sampling/loop/options.py`); claims are
 disjoint, so the order of registration never matters: a drafter no kind claims, or that two kinds
 claim, is a `TypeError` naming them. Every kind registers here the same way, the library's own
-(`sampling/drafter_kinds.py` imports their files) and those of packages above `sampling/`
+(`sampling/drafters/drafter_kinds.py` imports their files) and those of packages above `sampling/`
 (NASD's pools: `ngram_assisted/nasd.py`). A public function's keywords that are not shared options
 (`DecodingOptions`) go to the kind as its `Options` dataclass: one a kind does not take is refused
 by name, before any model runs.
@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import fields
 
-from sampling.options import DecodingOptions, DrafterKind
+from sampling.loop.options import DecodingOptions, DrafterKind
 
 KINDS: list[DrafterKind] = []
 

@@ -24,13 +24,14 @@ from typing import Protocol
 
 import torch
 
-from sampling.common import Generation, Request
-from sampling.draft_policy import CostAwarePolicy, DraftLength, best_draft_length
-from sampling.drafters import Drafter, ModelDrafter
-from sampling.estimators import RunningAverage
-from sampling.model_drafting import ModelOptions, build_model_drafting, check_model_drafter
-from sampling.options import DecodingOptions, Drafting
-from sampling.registry import KINDS, register_kind
+from sampling.drafters.model_drafter import ModelDrafter
+from sampling.drafters.model_drafting import ModelOptions, build_model_drafting, check_model_drafter
+from sampling.drafters.registry import KINDS, register_kind
+from sampling.loop.common import Generation, Request
+from sampling.loop.drafts import Drafter
+from sampling.loop.options import DecodingOptions, Drafting
+from sampling.policy.draft_policy import CostAwarePolicy, DraftLength, best_draft_length
+from sampling.policy.estimators import RunningAverage
 
 NgramPool = object  # what `ngram=` takes: a pool of a registered kind (ngram_assisted's SimpleDynaGram, MultiDynaGram)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from sampling.common import Generation
-from sampling.logprobs import RowLogprobs
-from sampling.randomness import PositionUniforms
+from sampling.loop.common import Generation
+from sampling.loop.logprobs import RowLogprobs
+from sampling.loop.randomness import PositionUniforms
 from utils.runners.protocol import Runner
 
 

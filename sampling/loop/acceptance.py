@@ -2,7 +2,7 @@
 
 Shapes: k drafts, vocabulary V. `p` holds k + 1 rows: row i scores the token after the accepted
 prefix and the first i drafts, so the last row gives the bonus token when every draft is accepted.
-Random numbers come by position (`sampling.randomness`): the token at generated position t uses
+Random numbers come by position (`sampling.loop.randomness`): the token at generated position t uses
 the numbers of t, whichever step emits it.
 
 Token trees: several candidate continuations per node, verified in one pass. A tree of n nodes is
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from sampling.drafters import DraftTree, children_of
-from sampling.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
-from sampling.tree_sampling import tree_speculative_accept
+from sampling.loop.drafts import DraftTree, children_of
+from sampling.loop.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
+from sampling.loop.tree_sampling import tree_speculative_accept
 from utils.logits_processors import LogitsProcessor, supports_float64
 
 
@@ -145,7 +145,7 @@ def accept_rows(
     every node; `sequences[b]`: its prefix and every token generated so far. Greedy: the argmax
     path. Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q
     its distributions) by speculative sampling, a drafter model's tree (q per node) by recursive
-    rejection sampling (`sampling.tree_sampling`, row by row). An empty tree is a plain decoding step.
+    rejection sampling (`sampling.loop.tree_sampling`, row by row). An empty tree is a plain decoding step.
     The rows' scores are flattened with offsets and decided on the device; the walks down the trees
     read the decided tokens on the host.
     """

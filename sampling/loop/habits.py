@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from sampling.stopping import StopRules, check_stop_strings, check_stopping_criteria, stop_rules
-from sampling.vocabularies import check_tokenizer
+from sampling.loop.stopping import StopRules, check_stop_strings, check_stopping_criteria, stop_rules
+from sampling.loop.vocabularies import check_tokenizer
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import context_length
 from utils.validation import check_int

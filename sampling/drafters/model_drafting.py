@@ -1,7 +1,7 @@
 """The drafter kind of a drafter model: the `ModelDrafter` (or, another tokenizer, the
 `UniversalDrafter`), built whole with its coupling and stop rules, and the cost-aware policy that
-sizes its drafts (`sampling/draft_policy.py`) or, in a hybrid, prices them. Cascade drafting is an
-option of this kind (`sampling/cascade.py`)."""
+sizes its drafts (`sampling/policy/draft_policy.py`) or, in a hybrid, prices them. Cascade drafting is an
+option of this kind (`sampling/drafters/cascade.py`)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sampling.cascade import Cascade
-from sampling.common import Generation, Request, max_tokens
-from sampling.draft_confidence import ConfidenceStop
-from sampling.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength, DraftPolicy
-from sampling.drafters import ModelDrafter
-from sampling.model_tree import ModelTreeDrafter
-from sampling.options import DecodingOptions, Drafting
-from sampling.registry import register_kind
-from sampling.self_drafting import releasing, shared_runner
-from sampling.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
-from sampling.universal import UniversalDrafter, check_tokenizers
+from sampling.drafters.cascade import Cascade
+from sampling.drafters.model_drafter import ModelDrafter
+from sampling.drafters.model_tree import ModelTreeDrafter
+from sampling.drafters.registry import register_kind
+from sampling.drafters.self_drafting import releasing, shared_runner
+from sampling.drafters.universal import UniversalDrafter, check_tokenizers
+from sampling.loop.common import Generation, Request, max_tokens
+from sampling.loop.options import DecodingOptions, Drafting
+from sampling.policy.draft_confidence import ConfidenceStop
+from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength, DraftPolicy
+from sampling.policy.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from utils.calibration import pass_costs
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import vocab_size
@@ -46,10 +46,10 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
                    universal: bool = False, branching: int | None = 1,
                    tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
     """A drafter model over the rows of `gen` (arguments checked; `universal`: it has another
-    tokenizer, `sampling.universal.check_tokenizers`) -> (its drafter, the cost-aware policy of its
+    tokenizer, `sampling.drafters.universal.check_tokenizers`) -> (its drafter, the cost-aware policy of its
     chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step). `cascade`
     (None: on with `adaptive_gamma`): the drafter checks a proposer's tokens in passes of its own
-    (`sampling/cascade.py`), priced by its measured costs. `branching` (checked; `sampling.model_tree`):
+    (`sampling/drafters/cascade.py`), priced by its measured costs. `branching` (checked; `sampling.drafters.model_tree`):
     token trees where both models' runners verify them, else chains."""
     # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
     # closures read the drafter built below: one drafter and one policy, each built whole).
@@ -62,7 +62,7 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
     coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant
     proposer = Cascade(drafter_costs) if (adaptive_gamma if cascade is None else cascade) else None
-    if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/universal.py)
+    if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/drafters/universal.py)
         model_drafter = UniversalDrafter(drafter, logits_processor, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
                                          target_vocab_size=vocab_size(target), uniforms=gen.uniforms, use_cache=use_cache,
                                          trees=gen.runner.supports_trees, coupled=coupled, costs=drafter_costs,
@@ -74,7 +74,7 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
             encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
             costs=drafter_costs, cascade=proposer, max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
         )
-        # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.self_drafting`).
+        # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.drafters.self_drafting`).
         shared = shared_runner(drafter, target, lambda: gen.runner, use_cache=use_cache, costs=drafter_costs)
         if shared is not None:
             model_drafter.runner = shared
@@ -98,7 +98,7 @@ class ModelOptions:
     drafter_tokenizer: object = None
     drafter_invariant: bool | None = None
     cascade: bool | None = None
-    branching: int | None = None  # token trees from the drafter model (sampling/model_tree.py); 1: chains
+    branching: int | None = None  # token trees from the drafter model (sampling/drafters/model_tree.py); 1: chains
 
     def __post_init__(self) -> None:
         check_bool(self.adaptive_gamma, "adaptive_gamma")
@@ -113,7 +113,7 @@ class ModelOptions:
 
 def check_model_drafter(request: Request, shared: DecodingOptions, drafter: object, options: ModelOptions) -> bool:
     """A drafter model and its options, checked before any model runs -> whether it drafts with
-    another tokenizer (`sampling.universal.check_tokenizers`)."""
+    another tokenizer (`sampling.drafters.universal.check_tokenizers`)."""
     check_model(drafter, "drafter", request.encoder_decoder)
     universal = check_tokenizers(shared.habits.tokenizer, options.drafter_tokenizer, drafter, request.model,
                                  encoder_decoder=request.encoder_decoder)
