@@ -58,3 +58,11 @@ def test_a_policy_without_the_protocol_is_refused_by_name():
     target = tiny_model("llama")
     with pytest.raises(TypeError, match=r"draft_policy must be an object with the DraftPolicy protocol.*lacks update\(\)"):
         speculative_generate(prompt(0), target, target, draft_policy=type("Half", (), {"budget": lambda s, n: 1})())
+
+
+@pytest.mark.parametrize("budget", [2.5, -1, None, True])
+def test_a_policy_whose_budget_is_no_count_is_refused_by_name(budget):
+    target = tiny_model("llama")
+    policy = type("Odd", (), {"budget": lambda self, n: budget, "update": lambda self, drafts, accepted: None})()
+    with pytest.raises(TypeError, match=rf"draft_policy.budget\(1\) must return an int >= 0 .*got {budget!r} from Odd"):
+        speculative_generate(prompt(0), target, target, draft_policy=policy, max_gen_len=4)

@@ -36,18 +36,23 @@ class Steps:
         pass
 
 
-def count_reads(monkeypatch, run) -> int:
-    count = [0]
-    for name in READS:
-        original = getattr(torch.Tensor, name)
+def count_reads(run) -> int:
+    """Host reads while `run()` runs; the test's other patches stay as they are."""
+    count, originals = [0], {name: getattr(torch.Tensor, name) for name in READS}
 
-        def counted(self, *args, _original=original, **kwargs):
+    def counted_as(original):
+        def counted(self, *args, **kwargs):
             count[0] += 1
-            return _original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+        return counted
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    run()
-    monkeypatch.undo()
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counted_as(original))
+        run()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
     return count[0]
 
 
@@ -67,19 +72,19 @@ CASES = {  # method -> (run with a counting policy, ceiling of reads per step)
 }
 
 
-def test_plain_decoding_reads_the_host_once_a_token(monkeypatch):
+def test_plain_decoding_reads_the_host_once_a_token():
     target = tiny_model("llama")
     autoregressive_generate(ROWS[0], target, max_gen_len=24)  # calibrated before counting
-    reads = count_reads(monkeypatch, lambda: autoregressive_generate(ROWS[0], target, max_gen_len=24, end_tokens_id=None))
+    reads = count_reads(lambda: autoregressive_generate(ROWS[0], target, max_gen_len=24, end_tokens_id=None))
     assert reads <= 24
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
-def test_host_reads_per_step_stay_within_their_ceiling(monkeypatch, method):
+def test_host_reads_per_step_stay_within_their_ceiling(method):
     target, drafter = tiny_model("llama"), tiny_model("llama", seed=1)
     run, ceiling = CASES[method]
     run(target, drafter, Steps(5))  # calibrated before counting
     policy = Steps(5)
-    reads = count_reads(monkeypatch, lambda: run(target, drafter, policy))
+    reads = count_reads(lambda: run(target, drafter, policy))
     assert policy.steps > 0
     assert reads / policy.steps <= ceiling, f"{method}: {reads} host reads in {policy.steps} steps"

@@ -245,6 +245,17 @@ def test_a_non_model_and_an_encoder_decoder_target_are_refused():
         quantized_drafter(tiny_model("t5"))
 
 
+def test_a_target_off_the_cpu_is_refused_by_name_and_nothing_is_cached(tmp_path, monkeypatch):
+    """The kernels are CPU kernels: a target elsewhere (here the meta device) is refused before any
+    work, never turned into a float 'drafter' (nor cached as one)."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    build = getattr(tiny_model, "__wrapped__", tiny_model)  # a model of its own: the shared one stays on the CPU
+    target = build("llama").to("meta")
+    with pytest.raises(ValueError, match="linears on meta: .* run on the CPU only"):
+        quantized_drafter(target, cache=True)
+    assert not any(tmp_path.rglob("*.pt"))
+
+
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory):
     return save_tiny_chat_model(tmp_path_factory.mktemp("chat"), max_positions=256, hidden=64)

@@ -184,6 +184,9 @@ def test_a_compiled_graph_is_kept_on_disk_per_model(monkeypatch, tmp_path):
     for want, got, _ in (first, again, other):
         assert torch.allclose(got, want, atol=0.05 * float(want.abs().max()))  # bfloat16's rounding
     assert not torch.allclose(other[1], first[1])
+    from torch._inductor import codecache  # inductor's own checks are back for every other compile
+    assert codecache.CacheabilityValidator.check_tensor.__qualname__ == "CacheabilityValidator.check_tensor"
+    assert codecache.FxGraphCachePickler._reduce_tensor.__qualname__ == "FxGraphCachePickler._reduce_tensor"
 
 
 def test_auto_compiles_on_first_use_then_follows_the_measured_verdict(monkeypatch):
@@ -220,10 +223,12 @@ def test_auto_compiles_on_first_use_then_follows_the_measured_verdict(monkeypatc
     assert compile_policy.apply(again, "auto") is True and compiled[-1] == (1, 16)  # a later start: the paying ones
     ratios.update({1: 0.97, 16: 1.2})
     busy[0] = True
-    assert compile_policy.apply(tiny_model("llama"), True) is False  # measured busy: not stored
+    assert compile_policy.apply(tiny_model("llama"), True) is True  # measured busy: not stored
     assert compile_policy.paying_widths(compile_policy.stored_verdict(model)) == (1, 16)
     busy[0] = False
-    assert compile_policy.apply(tiny_model("llama"), True) is False  # asked: every width, measured again: none pays
+    asked = tiny_model("llama")
+    assert compile_policy.apply(asked, True) is True  # asked: compiled as asked, measured again: none pays
+    assert compiled_passes(asked).widths == (1, 4, 16)
     assert compile_policy.paying_widths(compile_policy.stored_verdict(model)) == ()
     before = len(compiled)
     third = tiny_model("llama")

@@ -16,7 +16,8 @@ pass dearer than `SLOWER_ABOVE`, keeps the model eager.
   its first use on a machine, then follows the verdict: the paying widths from the cache, or eager where
   none pays. The built-in SmolLM2-135M and the tiny test models stay eager. `SPECDEC_COMPILE=0` turns it
   off (the test suite sets it).
-- `compile=True` compiles every width and measures the verdict again (e.g. after a kernel change).
+- `compile=True` compiles (`DEFAULT_WIDTHS`) and runs compiled, as asked, whatever the verdict; it measures the
+  verdict again (e.g. after a kernel change), which later `compile="auto"` starts follow.
 - `compile=False` never compiles.
 """
 
@@ -159,13 +160,15 @@ def apply(model: PreTrainedModel, compile: bool | str, *, progress: bool = True)
         return False  # it said why, in one warning
     if not measured:
         return True
-    watch = CoreWatch()
-    verdict = {"widths": measure(model), "compiled": list(passes.widths), "compile_seconds": time.perf_counter() - start,
+    compile_seconds, watch = time.perf_counter() - start, CoreWatch()
+    verdict = {"widths": measure(model), "compiled": list(passes.widths), "compile_seconds": compile_seconds,
                "parameters": _parameters(model)}
     if not watch.busy():
         path = _verdict_path(model)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(verdict, indent=1))
+    if compile is True:
+        return True  # asked for: it runs compiled; "auto" follows the verdict just stored
     kept = paying_widths(verdict)
     if not kept:
         forget(model)

@@ -18,7 +18,9 @@ decoding, for two reasons that have nothing to do with the arithmetic:
 
 Measured on SmolLM2-135M (2 cores, `python -m benchmarks.draft_cost`): a pass over 2 tokens cost
 1.53x a one-token pass at 200 positions of context and 1.86x at 1000; with both it costs 1.05x and
-1.06x. Results are the same products up to float rounding (~1e-6 relative).
+1.06x. Results are the same products up to the dtype's rounding: ~1e-6 relative in float32, ~1e-2 in
+bfloat16 and float16 (there a greedy speculative output can part from plain decoding's at a near-tie,
+as in docs/real_models.md).
 
 Those figures are one CPU's. On another (a Xeon with AVX-512 and AMX) the few-row linear made a
 pass over 2 tokens 1.7x *dearer* than transformers' own path in float32 while the GQA change still

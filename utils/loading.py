@@ -133,9 +133,8 @@ def load_model(
     "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"; `make models`
     installs them). `dtype`: None is float32, except for the offline real models, which take
     float32, or bfloat16 where this CPU computes in it and it runs faster here (`fastest_dtype`).
-    `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory`
-    (e.g. {"cpu": "300MB"}); what does not fit is offloaded to disk, in `offload_folder` (default: a
-    folder under the cache). 8/4-bit loading needs bitsandbytes (`pip install bitsandbytes`).
+    `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory` (e.g.
+    {"cpu": "300MB"}); the rest is offloaded to `offload_folder` (default: under the cache). 8/4-bit: bitsandbytes.
     `compile`: "auto" compiles a decoder-only model's passes over a static KV buffer
     (`utils.runners.compiled`) on its first use on this machine (models of 300M parameters and more;
     minutes, once, with a progress bar), keeps them on disk and loads them at later starts, where
@@ -150,32 +149,15 @@ def load_model(
 
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-    if dtype is None:
-        offline = offline_model(None if name_or_path is None else str(name_or_path))
-        real = offline is not None and offline.name != "smollm2-135m-instruct"
-        dtype = fastest_dtype() if real else torch.float32
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        dtype = _DTYPES[dtype]
+    dtype = _dtype(name_or_path, dtype)
     if load_in_8bit and load_in_4bit:
         raise ValueError("choose one of load_in_8bit and load_in_4bit, not both")
     check_quantize(quantize, load_in_8bit or load_in_4bit, device_map, device)
-    kwargs: dict = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-    if load_in_8bit or load_in_4bit:
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ImportError("8-bit and 4-bit loading need bitsandbytes: run  pip install bitsandbytes")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
-    name_or_path = resolve(name_or_path)  # one clear error at once for a name that cannot load
-    if device_map is not None:
-        kwargs["device_map"] = device_map
-        kwargs["offload_folder"] = str(offload_folder or cache_dir() / "offload" / Path(name_or_path).name)
-        if max_memory is not None:
-            kwargs["max_memory"] = max_memory
-    elif max_memory is not None or offload_folder is not None:
+    if device_map is None and (max_memory is not None or offload_folder is not None):
         raise ValueError("max_memory and offload_folder need a device_map (e.g. device_map='auto')")
+    name_or_path = resolve(name_or_path)  # one clear error at once for a name that cannot load
+    kwargs = _from_pretrained_kwargs(name_or_path, dtype, trust_remote_code, load_in_8bit, load_in_4bit,
+                                     device_map, max_memory, offload_folder)
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     model = auto.from_pretrained(name_or_path, **kwargs)
@@ -190,6 +172,38 @@ def load_model(
     elif device_map is None and "quantization_config" not in kwargs:
         compile_policy.apply(model, compile)
     return model, tokenizer
+
+
+def _dtype(name_or_path: str | None, dtype: str | torch.dtype | None) -> torch.dtype:
+    """`load_model`'s dtype: a name or a torch dtype, checked; None: float32, or for the offline real
+    models the faster of float32 and bfloat16 here (`fastest_dtype`)."""
+    if dtype is None:
+        offline = offline_model(None if name_or_path is None else str(name_or_path))
+        real = offline is not None and offline.name != "smollm2-135m-instruct"
+        return fastest_dtype() if real else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+def _from_pretrained_kwargs(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool, load_in_8bit: bool,
+                            load_in_4bit: bool, device_map, max_memory, offload_folder) -> dict:
+    """`from_pretrained`'s keyword arguments for `load_model`'s (checked) settings."""
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if load_in_8bit or load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ImportError("8-bit and 4-bit loading need bitsandbytes: run  pip install bitsandbytes")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        kwargs["offload_folder"] = str(offload_folder or cache_dir() / "offload" / Path(name_or_path).name)
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
+    return kwargs
 
 
 def check_quantize(quantize, bitsandbytes: bool, device_map, device) -> None:

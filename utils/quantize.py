@@ -61,7 +61,7 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held in 8 or 4 bits (`bits`); `bias` (N,) is the float layer's own,
     shared. Buffers: `weight_q` (int8 (N, K), or the int4 packing) and `scales` ((N,), or
-    scales_and_zeros (K / group_size, N, 2)), in the compute dtype of `dtype`."""
+    scales_and_zeros (K / group_size, N, 2)); `scales` in the compute dtype of `dtype`."""
 
     def __init__(self, bits: int, in_features: int, out_features: int, weight_q: Tensor, scales: Tensor,
                  bias: Tensor | None, *, group_size: int | None, dtype: torch.dtype) -> None:

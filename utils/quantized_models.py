@@ -2,7 +2,7 @@
 under `SPECDEC_CACHE` (`utils.paths.cache_dir`): a later start loads the packed weights instead of
 quantizing again.
 
-The cache key: the model's class, config and a fingerprint of its weights (a strided sample of every
+The cache key: the model's class, config and a fingerprint of its weights (each tensor's sum and a strided sample of every
 tensor, so a fine-tuned copy of the same architecture is another key), the bits and group size, the
 CPU's vector capability and torch's version (the int4 packing is the kernel's own layout), and this
 code's source.
@@ -50,7 +50,13 @@ def check_quantization(model: nn.Module, bits, group_size) -> None:
         already = any(isinstance(module, QuantizedLinear) for module in model.modules())
         raise ValueError(f"{type(model).__name__} has no float linear layer to quantize"
                          + (" (its linears are quantized already: n-grams draft for such a model)" if already else ""))
-    widths = {linear_weight(module).shape[1] for name, module in model.named_modules() if name in set(names)}
+    modules = dict(model.named_modules())
+    elsewhere = sorted({str(linear_weight(modules[name]).device) for name in names} - {"cpu"})
+    if elsewhere:  # torch's int8/int4 weight-only kernels are CPU kernels
+        raise ValueError(f"{type(model).__name__} has linears on {', '.join(elsewhere)}: the 4- and 8-bit kernels "
+                         f"(torch's _weight_int4pack_mm_for_cpu, _weight_int8pack_mm) run on the CPU only; "
+                         f"load the model on the CPU (device='cpu') to quantize it")
+    widths = {linear_weight(modules[name]).shape[1] for name in names}
     if bits == 4 and all(width % group_size for width in widths):
         raise ValueError(f"group_size={group_size} divides no linear's input width ({sorted(widths)}): "
                          f"choose one of {[g for g in GROUP_SIZES if any(w % g == 0 for w in widths)] or 'none'} "
@@ -64,6 +70,7 @@ def _fingerprint(model: nn.Module) -> str:
         sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].float().cpu()
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(sample.numpy().tobytes())
+        digest.update(repr(float(tensor.detach().sum(dtype=torch.float64))).encode())  # every value, once
     return digest.hexdigest()[:20]
 
 

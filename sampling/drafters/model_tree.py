@@ -232,7 +232,9 @@ class ModelTreeDrafter:
         if k <= 0:
             return [], []
         values, tokens = q.topk(min(k, q.shape[-1]))
-        pairs = [(t, v) for t, v in zip(tokens.tolist(), values.tolist(), strict=True) if v > 0]
+        # One host read for both: q is float32 or float64 (`as_float`), where token ids below 2^24 are exact.
+        read = torch.stack([values, tokens.to(values.dtype)]).tolist()
+        pairs = [(int(t), v) for v, t in zip(*read, strict=True) if v > 0]
         return [t for t, _ in pairs], [v for _, v in pairs]
 
     def _tree(self, tree: RowTree, budget: int, cut: bool) -> tuple[DraftTree, Tensor | None]:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -87,13 +89,24 @@ def measure(target: PreTrainedModel, build: Callable[[int], PreTrainedModel]) ->
 def choose_bits(target: PreTrainedModel, group_size: int, build: Callable[[int], PreTrainedModel]) -> int:
     """4 or 8 for `quantized_drafter(target, "auto", group_size)` (module docstring); `build(bits)`
     makes the drafter of that width. Measured once, then read from the cache."""
-    where = f"{quantized_state_key(target, 0, group_size)}{machine()['cpu']}{torch.get_num_threads()}"
+    where = (f"{quantized_state_key(target, 0, group_size)}{machine()['cpu']}{torch.get_num_threads()}"
+             f"{hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}")  # this file's measurement too
     path = cache_dir() / "self_bits" / f"{hashlib.sha256(where.encode()).hexdigest()[:24]}.json"
-    if path.exists():
-        figures = {int(bits): value for bits, value in json.loads(path.read_text()).items()}
-    else:
+    figures = _stored(path)
+    if figures is None:
         figures = measure(target, build)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(figures, indent=1))
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(figures, indent=1))
+        partial.replace(path)  # a reader never sees half a file
     speedups = {bits: expected_speedup(f["agreement"], f["cost"]) for bits, f in figures.items()}
     return 4 if speedups[4] >= speedups[8] else 8
+
+
+def _stored(path: Path) -> dict[int, dict[str, float]] | None:
+    """The figures stored at `path`, None where there are none (or none readable: measured again)."""
+    try:
+        figures = {int(bits): value for bits, value in json.loads(path.read_text()).items()}
+        return figures if all(0 <= figures[b]["agreement"] <= 1 and figures[b]["cost"] > 0 for b in (4, 8)) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from sampling.drafters.self_bits import choose_bits
 from utils.quantized_models import check_quantization, install, quantize_linears
 from utils.runners.compiled import compiled_passes
+from utils.runners.model_info import is_encoder_decoder
 from utils.runners.shared_cache import SharedCacheRunner, can_share
 from utils.validation import check_model
 
@@ -70,6 +71,9 @@ def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: 
     `cache`: keep the packed weights under `SPECDEC_CACHE` (True, False, "auto": models of 10M
     parameters and more), so that a later start loads them instead of quantizing again.
     """
+    if isinstance(target, PreTrainedModel) and is_encoder_decoder(target):
+        raise ValueError(f"target is an encoder-decoder model ({type(target).__name__}): quantized_drafter "
+                         "builds drafters for decoder-only targets")
     check_model(target, "target", False)
     if not isinstance(share_cache, bool):
         raise TypeError(f"share_cache must be a bool, got {share_cache!r}")

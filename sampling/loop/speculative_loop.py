@@ -36,7 +36,7 @@ from sampling.loop.drafts import Drafter, DraftTree
 from sampling.loop.logprobs import step_logits
 from sampling.loop.progress import Progress
 from sampling.loop.step_clock import StepClock
-from sampling.policy.draft_policy import DraftPolicy
+from sampling.policy.draft_policy import DraftPolicy, budget_of
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import model_devices
 from utils.runners.protocol import Runner
@@ -204,15 +204,14 @@ def speculative_loop(
     stats: SpeculativeStats | None = None,
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
-    """The draft -> verify -> accept -> roll back loop, over every row of `gen` (one row: one
-    sequence). Returns (generated ids, alpha), or for a batch a list with one such pair per row.
+    """The draft -> verify -> accept -> roll back loop over every row of `gen` -> (generated ids, alpha),
+    or for a batch a list with one such pair per row.
 
     Invariant: the target's cache holds every accepted token of a row but the last one, which is
     fed together with the row's drafts, so one forward pass scores the last token and all drafts
     of every row. Each row accepts its own drafts (ragged acceptance); a finished row leaves the
     batch. Random numbers come from each row's `gen.uniforms` (`sampling.loop.randomness`). `policy`
-    gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome.
-    """
+    gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome."""
     target, rows = gen.runner, Progress(gen, logprobs=stats is not None and stats.collect_logprobs)
     stats = stats if stats is not None else SpeculativeStats()
     clock = StepClock(stats.seconds if stats.timed else None, model_devices(target.model))
@@ -226,7 +225,7 @@ def speculative_loop(
         active = rows.active()
         # 1. Draft (a chain, or a tree from an n-gram pool) for every row: the step's budget of
         #    nodes at most, no path deeper than the row's `max_depths` (what fits before max_gen_len).
-        drafts = drafter.draft(active, policy.budget(len(rows.live)), rows.max_depths())
+        drafts = drafter.draft(active, budget_of(policy, len(rows.live)), rows.max_depths())
         trees = [tree for tree, _ in drafts]
         clock.lap("draft")
         # 2. Verify: one target pass over each row's last accepted token and every drafted node.

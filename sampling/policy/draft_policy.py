@@ -11,6 +11,7 @@ llama.cpp rule, here with costs measured on the machine in use: `utils/cost_mode
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -90,6 +91,16 @@ def check_policy(policy: object) -> None:
         raise TypeError(f"draft_policy must be an object with the DraftPolicy protocol (sampling.policy.draft_policy."
                         f"DraftPolicy: budget(num_rows), update(num_drafts, num_accepted)) or None; "
                         f"{type(policy).__name__} lacks {', '.join(missing)}")
+
+
+def budget_of(policy: DraftPolicy, num_rows: int) -> int:
+    """`policy.budget(num_rows)`, checked: a policy of your own that answers anything but an int >= 0
+    gets a TypeError naming it, not a failure deep inside a drafter."""
+    budget = policy.budget(num_rows)
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 0:
+        raise TypeError(f"draft_policy.budget({num_rows}) must return an int >= 0 (nodes per row), "
+                        f"got {budget!r} from {type(policy).__name__}")
+    return int(budget)
 
 
 class DraftLength:

@@ -5,7 +5,7 @@ oneDNN (`BypassFxGraphCache("mkldnn tensors unpickleable")`), so every start com
 for a 1.5B model). Yet a frozen weight never has to be pickled: inductor's freezing-aware caching
 stores frozen parameters by name and, on a hit, takes them from the graph being compiled (packed
 again by the freezing passes of that start, in seconds). The refusal is a blanket check that comes
-before that rule. `allow_frozen_onednn_weights()` narrows it: a frozen oneDNN tensor enters the key
+before that rule. `frozen_onednn_weights_cached()` narrows it while one of our models compiles: a frozen oneDNN tensor enters the key
 by its shape and dtype only, as every other frozen parameter does; anything else is checked as before.
 Only two private members of `torch._inductor.codecache` are touched; a torch release without them
 keeps its own behaviour (the cache bypasses, every start compiles, exact either way).
@@ -20,30 +20,30 @@ compiles, it enters the key, so each model has its own entries.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-__all__ = ["allow_frozen_onednn_weights", "model_key", "weights_fingerprint"]
+__all__ = ["frozen_onednn_weights_cached", "model_key", "weights_fingerprint"]
 
 SAMPLES = 4096  # values read from each weight for the fingerprint: a strided sample, not every byte
 
-_installed = False
-
-
-def allow_frozen_onednn_weights() -> bool:
-    """Let inductor's FX-graph cache store graphs whose frozen weights are oneDNN-packed (once per
-    process) -> whether the cache can now hold them (False: this torch release lacks the members)."""
-    global _installed
-    if _installed:
-        return True
+@contextmanager
+def frozen_onednn_weights_cached() -> Iterator[bool]:
+    """While a model of ours compiles (its `model_key` in inductor's config), let inductor's FX-graph
+    cache store and find graphs whose frozen weights are oneDNN-packed -> whether it can (False: this
+    torch release lacks the members). Inductor's own checks are back on exit: another compile in the
+    process (a user's own `torch.compile`, without our weights key) is never keyed by shapes alone."""
     try:
         from torch._inductor import codecache
         from torch._inductor.freezing_utils import is_frozen_param
         validator, pickler, ident = codecache.CacheabilityValidator, codecache.FxGraphCachePickler, codecache._ident
         check, reduce = validator.check_tensor, pickler._reduce_tensor
     except (ImportError, AttributeError):
-        return False
+        yield False
+        return
 
     def check_tensor(tensor: torch.Tensor) -> None:
         if not (tensor.is_mkldnn and is_frozen_param(tensor)):
@@ -54,14 +54,15 @@ def allow_frozen_onednn_weights() -> bool:
             return ident, (("frozen oneDNN weight", tuple(tensor.shape), str(tensor.dtype)),)
         return reduce(self, tensor)
 
-    validator.check_tensor = staticmethod(check_tensor)
-    pickler._reduce_tensor = reduce_tensor
-    _installed = True
-    return True
+    validator.check_tensor, pickler._reduce_tensor = staticmethod(check_tensor), reduce_tensor
+    try:
+        yield True
+    finally:
+        validator.check_tensor, pickler._reduce_tensor = staticmethod(check), reduce
 
 
 def weights_fingerprint(model: nn.Module) -> str:
-    """A hash of `model`'s config and of a strided sample of every weight (name, shape, dtype, values):
+    """A hash of `model`'s config and of every weight's name, shape, dtype, sum and a strided sample of its values:
     different weights give a different fingerprint in practice, in well under a second for a 1.5B model."""
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
@@ -72,6 +73,7 @@ def weights_fingerprint(model: nn.Module) -> str:
         sample = flat[:: max(1, flat.numel() // SAMPLES)].to(torch.float32)
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(sample.cpu().numpy().tobytes())
+        digest.update(repr(float(tensor.detach().sum(dtype=torch.float64))).encode())  # every value, once
     return digest.hexdigest()[:24]
 
 

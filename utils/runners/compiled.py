@@ -27,7 +27,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from utils.paths import cache_dir
-from utils.runners.compile_cache import allow_frozen_onednn_weights, model_key
+from utils.runners.compile_cache import frozen_onednn_weights_cached, model_key
 from utils.runners.model_info import context_length, shares_passes
 from utils.runners.sequence import SequenceRunner
 from utils.runners.static import StaticRunner
@@ -209,7 +209,6 @@ def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bo
     if not passes.widths:
         return
     _use_project_cache()
-    allow_frozen_onednn_weights()
     key = model_key(model)
     bar = tqdm(passes.widths, desc=description, unit="width", disable=not progress, leave=False)
     for width in bar:
@@ -220,6 +219,7 @@ def _compile_widths(model: PreTrainedModel, passes: CompiledPasses, progress: bo
         start = time.perf_counter()
         # The settings as inductor's config while it compiles (torch.compile's `options=` does not
         # reach freezing): the first call compiles this width.
-        with torch._inductor.config.patch(passes.options[width] | {"post_grad_custom_post_pass": key}):
+        with (torch._inductor.config.patch(passes.options[width] | {"post_grad_custom_post_pass": key}),
+              frozen_onednn_weights_cached()):
             runner.forward_rows([([0] * width, None)], [1])
         passes.compile_seconds[width] = time.perf_counter() - start
