@@ -102,19 +102,31 @@ def test_the_record_warms_up_then_keeps_the_faster_shape_and_explores_one_step_i
     clock = FakeClock()
     monkeypatch.setattr(tree_choice, "clock", clock)
     record = ShapeRecord()
-    warm = ShapeRecord.WARMUP
-    chosen = run_steps(record, clock, 2 * warm, {True: 1.0, False: 1.0}, {True: 2, False: 4})
-    assert chosen == [True] * warm + [False] * warm  # the cost model's trees first, then as many chains
+    warm, every = ShapeRecord.WARMUP, ShapeRecord.EXPLORE_EVERY
+    chosen = run_steps(record, clock, warm, {True: 1.0, False: 1.0}, {True: 2, False: 4})
+    assert chosen == [False] * warm  # chains first: trees must earn their place
     chosen = run_steps(record, clock, 320, {True: 1.0, False: 1.0}, {True: 2, False: 4})
-    assert chosen.count(True) == 320 // ShapeRecord.EXPLORE_EVERY  # chains won: trees only to explore
+    assert chosen.count(True) == 320 // every  # chains won: trees only to explore, one step in 32
     assert record.rate(False) == pytest.approx(4.0) and record.rate(True) == pytest.approx(2.0)
+
+
+def test_trees_that_measure_better_take_over_after_their_exploration_steps(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(tree_choice, "clock", clock)
+    record = ShapeRecord()
+    warm, every = ShapeRecord.WARMUP, ShapeRecord.EXPLORE_EVERY
+    chosen = run_steps(record, clock, warm + warm * every, {True: 1.0, False: 1.0}, {True: 6, False: 4})
+    assert chosen.count(True) == warm and record.trees_pay()  # explored WARMUP times, one step in 32: they pay
+    chosen = run_steps(record, clock, 64, {True: 1.0, False: 1.0}, {True: 6, False: 4})
+    assert chosen.count(False) == 64 // every  # trees pay: chains only to explore
 
 
 def test_the_record_goes_back_to_chains_when_trees_measure_worse(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(tree_choice, "clock", clock)
     record = ShapeRecord()
-    chosen = run_steps(record, clock, 64, {True: 1.0, False: 1.0}, {True: 6, False: 4})
+    warm, every = ShapeRecord.WARMUP, ShapeRecord.EXPLORE_EVERY
+    chosen = run_steps(record, clock, warm + warm * every + 64, {True: 1.0, False: 1.0}, {True: 6, False: 4})
     assert chosen[-32:].count(False) == 1  # trees pay: chains only to explore
     chosen = run_steps(record, clock, 64, {True: 2.0, False: 1.0}, {True: 6, False: 4})  # the text changed
     assert chosen[-32:].count(True) <= 1
@@ -158,7 +170,7 @@ def test_branching_none_follows_the_measured_record_and_stays_greedy(monkeypatch
     timed_shapes(monkeypatch, 0.5 if trees_faster else 5.0, 1.0)
     target, drafter = fresh("llama"), fresh("llama", seed=1)
     record = shape_record(drafter, target, ("greedy", 1))
-    for seed in range(4):
+    for seed in range(10):  # trees explored one step in 32 until they have WARMUP steps: enough steps for that
         inputs = prompt(seed)
         stats = SpeculativeStats()
         out, _ = speculative_generate(inputs, drafter, target, adaptive_gamma=True, max_gen_len=40, stats=stats)
@@ -172,10 +184,11 @@ def test_branching_none_follows_the_measured_record_and_stays_greedy(monkeypatch
 @pytest.mark.slow
 def test_branching_none_sampling_follows_the_target_distribution_while_the_record_switches(monkeypatch):
     """The standard rule (drafter_invariant=False) with adaptive gamma, trees and chains mixed by the
-    record (trees measured slower: the warm-up's trees, then chains and exploration): the joint law of the
+    record (trees measured slower: chains, and trees every other step to explore): the joint law of the
     first two tokens is the target's. Fixed seed, p > 1e-3."""
     fix_costs(monkeypatch, FREE, 0.05)
     timed_shapes(monkeypatch, 5.0, 1.0)
+    monkeypatch.setattr(ShapeRecord, "EXPLORE_EVERY", 2)  # a few steps per call: switch often enough to mix both shapes
     target, drafter = fresh("llama", seed=0, vocab=8), fresh("llama", seed=1, vocab=8)
     inputs = [3, 4, 3, 5, 3, 6, 3]
     processor = MultinomialProcessor(temperature=1.5)
