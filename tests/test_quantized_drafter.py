@@ -222,33 +222,6 @@ def test_auto_bits_is_measured_once_and_follows_the_rule(monkeypatch, tmp_path):
     assert expected_speedup(0.0, 0.5) < 1 < expected_speedup(1.0, 0.0) == 6
 
 
-def test_the_policy_of_a_self_drafter_starts_from_its_measured_agreement(monkeypatch, tmp_path):
-    """With adaptive_gamma the draft-length policy's prior is the self-drafter's greedy agreement with its
-    target (measured once, then read from the cache), worth MEASURED_PRIOR_WEIGHT drafts; any other
-    drafter keeps the generic prior. Greedy output stays plain greedy decoding's."""
-    from sampling.drafters.self_drafting import MEASURED_PRIOR_WEIGHT, acceptance_prior
-    from sampling.policy.draft_policy import CostAwareDraftLength
-
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    target = tiny_model("llama")
-    drafter = quantized_drafter(target)
-    rate, weight = acceptance_prior(drafter)
-    assert 0.0 <= rate <= 1.0 and weight == MEASURED_PRIOR_WEIGHT
-    monkeypatch.setattr("sampling.drafters.self_bits._agreement", lambda *args: pytest.fail("measured twice"))
-    assert acceptance_prior(quantized_drafter(target)) == (rate, weight)
-    assert acceptance_prior(tiny_model("llama", seed=1)) is None
-    priors = []
-    init = CostAwareDraftLength.__init__
-
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        priors.append(self.acceptance_rate)
-
-    monkeypatch.setattr(CostAwareDraftLength, "__init__", recording)
-    out, _ = speculative_generate(prompt(2), drafter, target, adaptive_gamma=True, max_gen_len=16)
-    assert priors == [pytest.approx(rate)] and out == autoregressive_generate(prompt(2), target, max_gen_len=16)
-
-
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"bits": 3}, ValueError, "bits must be 4 or 8"),
     ({"bits": "four"}, ValueError, "bits must be 4 or 8"),

@@ -15,7 +15,7 @@ from sampling.drafters.cascade import Cascade
 from sampling.drafters.model_drafter import ModelDrafter
 from sampling.drafters.model_tree import ModelTreeDrafter
 from sampling.drafters.registry import register_kind
-from sampling.drafters.self_drafting import acceptance_prior, releasing, shared_runner
+from sampling.drafters.self_drafting import releasing, shared_runner
 from sampling.drafters.universal import UniversalDrafter, check_tokenizers
 from sampling.loop.common import Generation, Request, max_tokens
 from sampling.loop.options import DecodingOptions, Drafting
@@ -57,8 +57,7 @@ def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Gener
     policy = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, drafter_costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
                                   warm=lambda: model_drafter.is_warm(),
-                                  per_token_stop=not universal,  # the other-tokenizer drafter has no per-token stop
-                                  prior=acceptance_prior(drafter) if adaptive_gamma else None)
+                                  per_token_stop=not universal)  # the other-tokenizer drafter has no per-token stop
     # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
     coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant

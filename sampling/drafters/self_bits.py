@@ -110,23 +110,3 @@ def _stored(path: Path) -> dict[int, dict[str, float]] | None:
         return figures if all(0 <= figures[b]["agreement"] <= 1 and figures[b]["cost"] > 0 for b in (4, 8)) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def agreement(target: PreTrainedModel, drafter: PreTrainedModel, bits: int, group_size: int) -> float:
-    """The `bits`-bit self-drafter's greedy agreement with `target` (a_b of the module docstring):
-    measured once per model (a few seconds: the target's greedy text and two passes over it), then read
-    from the cache. The draft-length policy starts from it instead of a generic prior."""
-    where = f"{quantized_state_key(target, bits, group_size)}{hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}"
-    path = cache_dir() / "self_bits" / f"agreement-{hashlib.sha256(where.encode()).hexdigest()[:24]}.json"
-    try:
-        stored = json.loads(path.read_text())["agreement"]
-        if 0 <= stored <= 1:
-            return float(stored)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    measured = _agreement(drafter, target, _target_text(target))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"agreement": measured}))
-    partial.replace(path)  # a reader never sees half a file
-    return measured

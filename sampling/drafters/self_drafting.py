@@ -21,7 +21,7 @@ from itertools import chain
 
 from transformers import PreTrainedModel
 
-from sampling.drafters.self_bits import agreement, choose_bits
+from sampling.drafters.self_bits import choose_bits
 from utils.quantized_models import check_quantization, install, quantize_linears
 from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import is_encoder_decoder
@@ -46,21 +46,6 @@ class SelfDrafting:
 def self_drafting(drafter) -> SelfDrafting | None:
     """A `quantized_drafter`'s description, None for any other model."""
     return getattr(drafter, "__dict__", {}).get(_ATTRIBUTE)
-
-
-MEASURED_PRIOR_WEIGHT = 8.0  # judged drafts a self-drafter's measured agreement counts for, as the policy's prior
-
-
-def acceptance_prior(drafter) -> tuple[float, float] | None:
-    """A self-drafter's prior for the draft-length policy: (its measured greedy agreement with its
-    target, `MEASURED_PRIOR_WEIGHT`), None for any other drafter (the policy's generic prior). The
-    generic prior (0.6, worth 2 drafts) fell to 0.4 at the first rejected draft and, at a drafter pass
-    of half the target's, stopped the four-bit 1.5B from drafting on 546 of 550 Spec-Bench steps,
-    where it agrees with the target on ~85% of tokens (docs/self_drafting.md)."""
-    info = self_drafting(drafter)
-    if info is None:
-        return None
-    return agreement(info.target, drafter, info.bits, info.group_size), MEASURED_PRIOR_WEIGHT
 
 
 def _sharing_copy(target: PreTrainedModel) -> PreTrainedModel:

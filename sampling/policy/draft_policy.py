@@ -140,8 +140,7 @@ class CostAwareDraftLength:
 
     def __init__(self, max_budget: int, target_costs: PassCosts, drafter_costs: PassCosts | None,
                  draft_seconds: Callable[[], float | None] = lambda: None,
-                 warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False,
-                 prior: tuple[float, float] | None = None) -> None:
+                 warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False) -> None:
         self.max_budget = max_budget
         self.per_token_stop = per_token_stop
         # One probe before the drafter has drafted in this generation: without it a prior that says
@@ -153,8 +152,7 @@ class CostAwareDraftLength:
         self.drafter_costs = drafter_costs
         self.draft_seconds = draft_seconds
         self.warm = warm  # whether the drafter has drafted in this generation (its cache holds the prompt)
-        # `prior`: (rate, weight) measured for this drafter (a self-drafter's agreement), else the generic one.
-        self.acceptance = DecayedRate(*(prior or (self.PRIOR_RATE, self.PRIOR_WEIGHT)))
+        self.acceptance = DecayedRate(self.PRIOR_RATE, self.PRIOR_WEIGHT)
         self.plain_steps = 0
         self.probe_after = self.PROBE_AFTER
         # Rows verified together in the step being drafted (`budget`): its pass covers num_rows x (1 + k) tokens.
