@@ -65,7 +65,7 @@ CASES = {  # method -> (run with a counting policy, ceiling of reads per step)
                                                                  draft_policy=p), 3.0),
     "sd": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, draft_policy=p), 6.5),
     "sd sampled": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, draft_policy=p, **sampled()), 11.0),
-    "trees": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p), 11.5),
+    "trees": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p), 6.5),
     "trees sampled": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p,
                                                            **sampled()), 45.0),
     "batch sd": (lambda t, d, p: speculative_generate(ROWS, d, t, max_gen_len=24, draft_policy=p), 32.0),

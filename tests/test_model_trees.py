@@ -10,6 +10,7 @@ from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate, speculative_generate_encoder_decoder
 from sampling.loop.drafts import DraftTree
 from sampling.loop.tree_sampling import recursive_rejection_walk
+from sampling.policy.tree_choice import ShapeRecord
 from tests.cost_tables import AVX2_FP32, fix_costs
 from tests.models import DECODER_ONLY, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
@@ -149,7 +150,7 @@ def test_a_row_of_a_batch_is_the_single_call(name):
 
 
 def test_the_cost_table_chooses_trees_where_they_pay_and_chains_where_they_do_not(monkeypatch):
-    """branching=None with adaptive_gamma: trees under a flat table, only chains under a steep one
+    """branching=None with adaptive_gamma, the planner: trees under a flat table, only chains under a steep one
     (a pass over 9 tokens 2.08x a one-token pass: with a drafter this good, a chain's next node adds more
     than a second child would), and the greedy output is plain greedy's either way."""
     target = tiny_model("llama")
@@ -160,6 +161,8 @@ def test_the_cost_table_chooses_trees_where_they_pay_and_chains_where_they_do_no
     for name, table in (("flat", FLAT), ("steep", AVX2_FP32)):
         with monkeypatch.context() as patch:
             fix_costs(patch, table, 0.05)
+            # The planner's choice alone: the record (tests/test_tree_choice.py) lets its trees run.
+            patch.setattr(ShapeRecord, "choose", lambda self: True)
             stats = SpeculativeStats()
             out, _ = speculative_generate(inputs, drafter, target, adaptive_gamma=True, max_gen_len=30, stats=stats)
             assert out == reference, name
