@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from utils.lean import lean_decoder
+
 PHASES = ("prefill", "draft", "target", "accept", "rollback", "update", "rest")
 
 
@@ -49,7 +51,10 @@ class ForwardMeter:
                 self.passes[name] += 1
                 self.seconds[name] += time.perf_counter() - started.pop()
 
-            self._handles += [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+            # transformers' passes run the model, ours our own forward where it covers the model
+            for runs in (model, lean_decoder(model)):
+                if runs is not None:
+                    self._handles += [runs.register_forward_pre_hook(before), runs.register_forward_hook(after)]
         return self
 
     def __exit__(self, *exc) -> None:

@@ -109,8 +109,8 @@ def test_ragged_acceptance_keeps_every_accepted_token():
         assert [t for step in steps if step.row == row for t in step.tokens] == single[row]
     assert stats.generated_tokens == sum(map(len, single))
     steps_per_row = [sum(step.row == row for step in steps) for row in range(3)]
-    # Each prompt prefilled alone (no padding to the longest), then one pass per step for all rows.
-    assert stats.target_forwards == len(ROWS) + max(steps_per_row)
+    # The prompts prefilled in one pass (the static buffer's: right-padded), then one pass per step for all rows.
+    assert stats.target_forwards == 1 + max(steps_per_row)
     assert steps_per_row[1] < steps_per_row[0]  # row 1 finished first and left the batch
     # tau: tokens per verification of a sequence (row-steps), not per shared pass.
     assert stats.steps == len(steps) and stats.tau == stats.generated_tokens / len(steps)
@@ -119,13 +119,13 @@ def test_ragged_acceptance_keeps_every_accepted_token():
 
 
 def test_a_batch_that_drafts_nothing_has_tau_one_and_says_so():
-    """One token per row: no room to draft. Tokens per shared pass would be 3 / 4 (prefills
+    """One token per row: no room to draft. Tokens per shared pass would be 3 / 2 (the prefill
     included) or 3 (a pass for 3 rows); tau, per sequence and step, is exactly 1."""
     model = tiny_model("llama")
     stats = SpeculativeStats()
     ngram_assisted_speculative_generate(ROWS, MultiDynaGram(3), model, max_gen_len=1, stats=stats)
     assert stats.tau == 1.0 and stats.steps == stats.steps_without_drafts == len(ROWS) and stats.alpha == 0.0
-    assert stats.target_forwards == len(ROWS) + 1 and stats.tokens_per_target_pass == len(ROWS) / (len(ROWS) + 1)
+    assert stats.target_forwards == 2 and stats.tokens_per_target_pass == len(ROWS) / 2
 
 
 def test_one_pool_shared_by_every_row_learns_from_all_of_them():

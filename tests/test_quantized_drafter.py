@@ -24,6 +24,7 @@ from utils.loading import load_model
 from utils.logits_processors import NucleusProcessor
 from utils.quantize import QuantizedLinear, quantize_int4
 from utils.quantized_models import quantize_linears
+from utils.runners.passes import ModelPasses
 from utils.runners.compiled import compile_model
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
@@ -132,10 +133,16 @@ def test_the_hybrid_with_the_self_drafter_is_plain_greedy(monkeypatch, name):
         assert [ids for ids, _ in batch] == references
 
 
-def _pass_widths(drafter) -> list[int]:
-    widths = []
-    drafter.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
-                                      with_kwargs=True)
+def _pass_widths(monkeypatch, drafter) -> list[int]:
+    """The new tokens of each pass of `drafter`, whichever forward runs it (ours or the Hugging Face one)."""
+    widths, run = [], ModelPasses.run
+
+    def counted(self, ids, kwargs, **options):
+        if self.model is drafter:
+            widths.append(ids.shape[1])
+        return run(self, ids, kwargs, **options)
+
+    monkeypatch.setattr(ModelPasses, "run", counted)
     return widths
 
 
@@ -144,7 +151,7 @@ def test_over_the_targets_cache_the_drafter_makes_no_prompt_pass(monkeypatch, sh
     fix_costs(monkeypatch, BF16_15B, 0.25)  # no calibration: every pass of the drafter counted is a drafting one
     target = tiny_model("llama")
     drafter = quantized_drafter(target, share_cache=share_cache)
-    widths = _pass_widths(drafter)
+    widths = _pass_widths(monkeypatch, drafter)
     stats = SpeculativeStats()
     speculative_generate(prompt(0, length=20), drafter, target, gamma=4, max_gen_len=20, stats=stats)
     assert stats.drafts_accepted > 0 and stats.drafter_forwards == len(widths)

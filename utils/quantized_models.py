@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from utils.lean import forget
 from utils.paths import cache_dir
 from utils.quantize import BITS, QuantizedLinear, linear_weight, quantized_linear
 
@@ -148,6 +149,7 @@ def install(model: nn.Module, layers: dict[str, QuantizedLinear | None]) -> None
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    forget(model)  # a lean forward built over the float linears is stale
 
 
 def quantize_model(model: nn.Module, kind: str, *, cache: bool | str = "auto") -> nn.Module:

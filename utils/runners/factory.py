@@ -5,8 +5,9 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
+from utils.lean import lean_decoder
 from utils.runners.compiled import compiled_passes
-from utils.runners.model_info import context_length, shares_passes
+from utils.runners.model_info import shares_passes
 from utils.runners.per_row import PerRowRunner
 from utils.runners.protocol import Runner
 from utils.runners.sequence import SequenceRunner
@@ -26,9 +27,10 @@ def make_runner(
     costs: PassCosts | None = None,
     max_tokens: int | None = None,
 ) -> Runner:
-    """A runner over `rows` sequences of `model`. A model registered by `compile_model` (decoder-only,
-    with a cache) -> a `StaticRunner` over a fixed KV buffer, its compiled widths used where the buffer
-    is the compiled one (`max_tokens`, the most tokens a row may hold before its drafts, fits it);
+    """A runner over `rows` sequences of `model`. A model our own forward runs (`utils.lean`) or one
+    registered by `compile_model` (decoder-only, with a cache) -> a `StaticRunner` over a fixed KV buffer
+    sized for `max_tokens` (the most tokens a row may hold before its drafts), a compiled model's widths
+    used where the buffer is the compiled one;
     else one row -> a `SequenceRunner`; a batch of a model that takes a custom 4D mask with a cache ->
     a `SharedBatchRunner` (one pass for every row); any other batch -> a `PerRowRunner` (one pass
     per row). `encoder_input_ids`: an encoder-decoder's encoder ids, one list per row (None for a
@@ -36,13 +38,15 @@ def make_runner(
     (no CPU shortcuts, no timing)."""
     assert rows >= 1 and (encoder_input_ids is None or len(encoder_input_ids) == rows)
     compiled = compiled_passes(model)
-    if compiled is not None and max_tokens is not None and shares_passes(model, use_cache):
+    lean = use_cache and lean_decoder(model) is not None
+    if (compiled is not None or lean) and max_tokens is not None and shares_passes(model, use_cache):
         needed = max_tokens + DRAFT_ROOM
-        if needed <= compiled.slots:
+        if compiled is not None and needed <= compiled.slots:
             return StaticRunner(model, rows=rows, slots=compiled.slots, costs=costs, compiled=compiled)
-        slots = -(-needed // SLOTS_STEP) * SLOTS_STEP  # a longer request: a larger buffer, eager passes
-        limit = context_length(model)  # never past the model's positions (a row never grows past them)
-        return StaticRunner(model, rows=rows, slots=slots if limit is None else min(slots, limit), costs=costs)
+        # A longer request: a larger buffer, eager passes. Past the model's positions too: a row near the end of
+        # the context still drafts (its positions are clamped; a token past the context is never kept).
+        slots = -(-needed // SLOTS_STEP) * SLOTS_STEP
+        return StaticRunner(model, rows=rows, slots=slots, costs=costs)
     if rows == 1:
         ids = None if encoder_input_ids is None else encoder_input_ids[0]
         return SequenceRunner(model, use_cache=use_cache, encoder_input_ids=ids, costs=costs)

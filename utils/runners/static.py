@@ -28,7 +28,8 @@ from utils.cpu_passes import Shortcuts
 from utils.runners.model_info import context_length, sliding_window
 from utils.runners.passes import ModelPasses, as_float
 from utils.runners.protocol import Blocks
-from utils.runners.static_kv import StaticKV
+from utils.lean import lean_decoder
+from utils.lean.static_kv import PassSlots, StaticKV
 
 
 def block_layout(blocks: Blocks, width: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,6 +73,9 @@ def static_mask(lengths: Tensor, depths: Tensor, ancestry: Tensor, slots: int, w
         visible &= key_positions[:, None, :] > query_positions[:, :, None] - window
     mask = torch.zeros(rows, 1, width, slots, dtype=dtype)
     return mask.masked_fill(~visible[:, None], torch.finfo(dtype).min)
+
+
+USED_STEP = 64  # our own forward reads the buffer's slots up to the longest row, rounded up to this
 
 
 class StaticRunner(ModelPasses):
@@ -119,17 +123,25 @@ class StaticRunner(ModelPasses):
         assert max(lengths) + width <= self.slots, "the static buffer is full (its size is the caller's)"
         ids, depths, ancestry = block_layout(blocks, width)
         length = torch.tensor(lengths)
-        positions = (length[:, None] + depths).clamp(max=self._max_position)
-        self._cache.set_write_index((length[:, None] + torch.arange(width)).to(self.device))
-        mask = static_mask(length, depths, ancestry, self.slots, self._window, self._dtype)
-        kwargs = {self._cache_kwarg: self._cache, "use_cache": True, "attention_mask": mask.to(self.device),
-                  "position_ids": positions.to(self.device)}
+        positions = (length[:, None] + depths).clamp(max=self._max_position).to(self.device)
+        write_index = (length[:, None] + torch.arange(width)).to(self.device)
         first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if tokens)
         compiled = self._compiled_forward(width)
-        if compiled is None and self._logits_to_keep:
-            kwargs["logits_to_keep"] = width - first  # an eager pass (the prompt's): only the logits asked for
+        if lean_decoder(self.model) is not None and compiled is None:
+            # Our own forward reads the buffer up to the longest row (in steps of USED_STEP: few mask shapes).
+            used = min(self.slots, -(-(max(lengths) + width) // USED_STEP) * USED_STEP)
+            mask = static_mask(length, depths, ancestry, used, self._window, self._dtype).to(self.device)
+            kwargs = {"slots": PassSlots(positions, mask, write_index, lengths[0] if len(lengths) == 1 else None),
+                      "kv": self._cache, "num_logits": width - first}
         else:
-            first = 0
+            self._cache.set_write_index(write_index)
+            mask = static_mask(length, depths, ancestry, self.slots, self._window, self._dtype)
+            kwargs = {self._cache_kwarg: self._cache, "use_cache": True, "attention_mask": mask.to(self.device),
+                      "position_ids": positions}
+            if compiled is None and self._logits_to_keep:
+                kwargs["logits_to_keep"] = width - first  # an eager pass (the prompt's): only the logits asked for
+            else:
+                first = 0
         logits = as_float(self._pass(ids.to(self.device), kwargs, compiled))
         for row, (tokens, _) in zip(self.rows, blocks, strict=True):
             row += tokens
@@ -153,6 +165,9 @@ class StaticRunner(ModelPasses):
         return self.run(ids, kwargs, timed=True, shortcuts=shortcuts).logits
 
     def _call(self, ids: Tensor, kwargs: dict):
+        if "slots" in kwargs:  # our own forward (`utils/lean/`): the kernels the shortcuts choose
+            few_rows = self._few_token_pass.choice.few_row_linear
+            return SimpleNamespace(logits=lean_decoder(self.model)(ids, **kwargs, few_rows=few_rows))
         if self._next_forward is None:
             return self.model(input_ids=ids, **kwargs)
         return SimpleNamespace(logits=self._next_forward(ids, kwargs))

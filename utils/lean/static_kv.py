@@ -16,8 +16,21 @@ gives the model its positions and a 4D mask, so the model never asks the cache f
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+
+class PassSlots(NamedTuple):
+    """Where one pass's new tokens sit: their positions (rows, width), the float mask (rows, 1, width, used) over
+    the buffer's first `used` slots (0: seen, the dtype's minimum: hidden), the slots they are written to
+    (rows, width), and for one row its first slot (`start`: a plain copy), else None."""
+
+    positions: Tensor
+    mask: Tensor
+    write_index: Tensor
+    start: int | None
 
 
 class StaticKV:
@@ -49,12 +62,23 @@ class StaticKV:
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Write a pass's new (rows, kv_heads, width, head_dim) keys and values at `write_index`
         -> the layer's whole buffers, (rows, kv_heads, slots, head_dim)."""
+        return self.write(layer_idx, key, value, self.write_index)
+
+    def write(self, layer_idx: int, key: Tensor, value: Tensor, write_index: Tensor,
+              start: int | None = None) -> tuple[Tensor, Tensor]:
+        """`update` with the slots given: `write_index` (rows, width), or for one row `start`, its first slot
+        (a plain copy into consecutive slots)."""
         if layer_idx == len(self.keys):  # the first pass: this layer's buffers, once
             shape = (self.rows, key.shape[1], self.slots, key.shape[3])
             self.keys.append(key.new_zeros(shape))
             self.values.append(value.new_zeros(shape))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        index = self.write_index.to(keys.device)[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        if start is not None:
+            width = key.shape[2]
+            keys[:, :, start : start + width] = key
+            values[:, :, start : start + width] = value
+            return keys, values
+        index = write_index.to(keys.device)[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
         keys.scatter_(2, index, key.to(keys.dtype))
         values.scatter_(2, index, value.to(values.dtype))
         return keys, values

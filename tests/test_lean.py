@@ -1,0 +1,127 @@
+"""Our own forward (`utils/lean/`) against the Hugging Face model it reads: the same logits to float64 rounding for
+every family it covers, over chains, trees and ragged batches in the static buffer; the model's own weights
+unchanged (fused into views, no second copy); the fallback said in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tests.models import SMALL, VOCAB, prompt, tiny_model
+from utils.lean import LEAN_ENV, forget, forward_path, lean_decoder
+from utils.runners.factory import make_runner
+from utils.runners.static import StaticRunner
+
+TOLERANCE = 1e-10  # float64 logits of size ~10: only the summation order may differ
+# The model's eager attention takes its softmax in float32 (the lean forward does the same): over a buffer of
+# another length the float32 sums round differently.
+EAGER_TOLERANCE = 1e-5
+
+
+def _extra_model(name: str, attention: str):
+    """Families and options the suite's tiny models lack: Qwen3's q/k norms, Llama-3 rope scaling, tied heads."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
+                  num_key_value_heads=2, initializer_range=0.3, **SMALL)
+    if name == "qwen3":
+        config = Qwen3Config(head_dim=16, **common)
+        model_class = Qwen3ForCausalLM
+    else:
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+        config = LlamaConfig(rope_scaling=rope, tie_word_embeddings=True, **common)
+        model_class = LlamaForCausalLM
+    config._attn_implementation = attention
+    return model_class(config).to(torch.float64).eval()
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3-tied"]
+
+
+def _model(name: str, attention: str):
+    if name in ("qwen3", "llama3-tied"):
+        return _extra_model(name, attention)
+    return tiny_model(name, attention=attention)
+
+
+def _reference(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chains_equal_the_hugging_face_logits(family, attention):
+    model = _model(family, attention)
+    assert forward_path(model).startswith("lean forward")
+    ids = prompt(1, 30)
+    reference = _reference(model, ids)
+    runner = StaticRunner(model, rows=1, slots=128)
+    pieces = [runner.forward_rows([(ids[a:b], None)], [b - a])[0] for a, b in ((0, 11), (11, 12), (12, 20))]
+    runner.rollback_row(0, 16)  # the rejected tail is overwritten
+    pieces[-1] = pieces[-1][:4]
+    pieces.append(runner.forward_rows([(ids[16:30], None)], [14])[0])
+    assert (torch.cat(pieces) - reference).abs().max() < (EAGER_TOLERANCE if attention == "eager" else TOLERANCE)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_ragged_batch_with_a_tree_equals_each_row_alone(family):
+    """Row 0 verifies a tree (two branches), row 1 a chain; each node's logits are those of its path."""
+    model = tiny_model(family, attention="sdpa")
+    first, second = prompt(2, 9), prompt(3, 14)
+    runner = StaticRunner(model, rows=2, slots=128)
+    runner.forward_rows([(first, None), (second, None)], [1, 1])
+    tree_tokens, parents = [5, 6, 7, 8], [-1, 0, 0, 2]  # 5 -> (6, 7 -> 8)
+    logits = runner.forward_rows([(tree_tokens, parents), ([9, 10, 11], None)], [4, 3])
+    for node, path in ((1, [5, 6]), (3, [5, 7, 8])):
+        assert (logits[0][node] - _reference(model, first + path)[-1]).abs().max() < TOLERANCE
+    assert (logits[1] - _reference(model, second + [9, 10, 11])[-3:]).abs().max() < TOLERANCE
+    runner.keep_path_row(0, len(first), [1, 2])  # keep 5 -> 7 -> 8 (nodes after the root), then go on
+    after = runner.forward_rows([([12], None), ([], None)], [1, 0])[0]
+    assert (after[0] - _reference(model, first + [5, 7, 8, 12])[-1]).abs().max() < TOLERANCE
+
+
+def test_fused_weights_are_the_models_own():
+    """q/k/v and gate/up become one tensor each; the model's parameters are views into it: same values, no copy."""
+    model = _extra_model("llama3-tied", "sdpa")
+    attention = model.model.layers[0].self_attn
+    before = attention.k_proj.weight.detach().clone()
+    reference = _reference(model, prompt(4, 10))
+    bytes_before = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values())
+    lean = lean_decoder(model)
+    assert torch.equal(attention.k_proj.weight, before)
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == lean.layers[0].qkv.weight.untyped_storage().data_ptr()
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(storages.values()) == bytes_before
+    assert torch.equal(_reference(model, prompt(4, 10)), reference)  # the Hugging Face path runs as before
+
+
+def test_quantized_linears_run_unfused_and_a_replaced_linear_is_seen():
+    from utils.quantized_models import quantize_model
+
+    model = _extra_model("qwen3", "sdpa").float()
+    lean_decoder(model)
+    quantize_model(model, "int8", cache=False)  # replaces the linears: the lean forward is built again
+    ids = prompt(5, 12)
+    runner = StaticRunner(model, rows=1, slots=64)
+    got = runner.forward_rows([(ids, None)], [12])[0]
+    assert (got - _reference(model, ids)).abs().max() < 1e-4  # float32 model; the same int8 kernel on both paths
+
+
+def test_the_fallback_is_said_and_kept(monkeypatch):
+    gpt2 = tiny_model("gpt2")
+    assert forward_path(gpt2).startswith("Hugging Face forward (model type 'gpt2'")
+    assert lean_decoder(gpt2) is None
+    monkeypatch.setenv(LEAN_ENV, "0")
+    llama = _extra_model("qwen3", "eager")
+    assert forward_path(llama) == f"Hugging Face forward ({LEAN_ENV}=0)"
+    assert lean_decoder(llama) is None
+    forget(llama)
+
+
+def test_the_runners_take_it_by_default():
+    model = tiny_model("llama")
+    assert isinstance(make_runner(model, rows=1, max_tokens=40), StaticRunner)
+    assert isinstance(make_runner(model, rows=3, max_tokens=40), StaticRunner)
+    assert not isinstance(make_runner(model, rows=1, use_cache=False, max_tokens=40), StaticRunner)

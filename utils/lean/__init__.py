@@ -1,0 +1,69 @@
+"""Forward passes of our own for the common decoder-only families, over the Hugging Face model's tensors: what
+the static runner (`utils/runners/static.py`) runs for every model a family file covers, the Hugging Face model
+being the reference (tests) and the fallback for every other model.
+
+    lean_decoder(model)   the model's lean forward (built once, kept while the model lives), None: the Hugging Face path
+    forward_path(model)   one line: which path the model's passes take, and why
+
+One file per family group: `llama.py` (Llama and SmolLM2, Qwen2, Qwen3, Mistral). A model dispatched by
+accelerate (offloaded or split over devices) keeps the Hugging Face path: its hooks move weights per layer.
+`SPECDEC_LEAN=0` turns the lean forward off (every model takes the Hugging Face path).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+from torch import nn
+
+from utils.lean import llama
+
+__all__ = ["LEAN_ENV", "forget", "forward_path", "lean_decoder", "unsupported"]
+
+LEAN_ENV = "SPECDEC_LEAN"
+_FAMILIES = (llama,)  # each: unsupported(model) -> reason or None, and its forward class
+_CLASSES = {llama: llama.LeanLlama}
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why `model` takes the Hugging Face path, None when a lean forward runs it."""
+    if os.environ.get(LEAN_ENV) == "0":
+        return f"{LEAN_ENV}=0"
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return "not a decoder-only transformers model"
+    reasons = [family.unsupported(model) for family in _FAMILIES]
+    if None not in reasons:
+        return "; ".join(reasons)
+    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} has no decoder and head to run"
+    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return "dispatched by accelerate (device_map): its hooks move the weights"
+    return None
+
+
+def _family(model: nn.Module):
+    return next(family for family in _FAMILIES if family.unsupported(model) is None)
+
+
+def lean_decoder(model: nn.Module):
+    """`model`'s lean forward, built on first use (the fused weights replace the model's own by views: no
+    second copy), None when `unsupported(model)` says why not."""
+    if model not in _BUILT:  # the answer for a model is kept, a "no" too (it is asked at every pass)
+        _BUILT[model] = _CLASSES[_family(model)](model) if unsupported(model) is None else None
+    return _BUILT[model]
+
+
+def forget(model: nn.Module) -> None:
+    """Drop `model`'s lean forward (its linears were replaced: `utils.quantized_models.install`)."""
+    _BUILT.pop(model, None)
+
+
+def forward_path(model: nn.Module) -> str:
+    """Which forward `model`'s passes take, in one line."""
+    reason = unsupported(model)
+    if reason is None:
+        return f"lean forward ({_family(model).__name__.rpartition('.')[2]}.py)"
+    return f"Hugging Face forward ({reason})"

@@ -1,0 +1,80 @@
+"""The lean forward's linear: one GEMM over several of the Hugging Face model's linears (q/k/v, gate/up), fused
+once at build time without a second copy, and the kernel for the weight's format chosen per pass.
+
+Fusing: the fused weight is one new tensor, and the model's own `nn.Linear` weights become views into it (the
+same values, the same bytes: the Hugging Face model still runs, and memory holds each weight once). A linear that
+is not a plain `nn.Linear` (a 4- or 8-bit `QuantizedLinear`, accelerate's hooked modules) is never fused: its own
+module runs it.
+
+Kernels (float weights): `F.linear`, or the weight-major product `(W @ x.T).T` that streams the weight once for a
+few rows (`utils/cpu_passes.py` says why and when; the calibration measures which is faster here for each pass
+width, and the runner passes that choice in as `few_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from utils.cpu_passes import MAX_ROWS
+
+__all__ = ["Linear", "fused"]
+
+
+def _plain(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and "forward" not in module.__dict__ and not hasattr(module, "_hf_hook")
+
+
+class Linear:
+    """y = x W^T + b over `modules` in one GEMM when they can be fused (their outputs side by side), else each
+    module run in turn and concatenated. `widths`: each module's output width, to split the result."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.widths = [module.out_features for module in modules]
+        if all(_plain(module) for module in modules) and len({m.weight.dtype for m in modules}) == 1:
+            self.weight = fused([module.weight for module in modules], modules, "weight")
+            biases = [module.bias for module in modules]
+            if all(b is None for b in biases):
+                self.bias = None
+            elif all(b is not None for b in biases):
+                self.bias = fused(biases, modules, "bias")
+            else:  # some without a bias: theirs are zeros (small vectors, a copy)
+                self.bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                                       for b, m in zip(biases, modules, strict=True)])
+            self.modules = None
+        else:
+            self.weight, self.bias, self.modules = None, None, modules
+
+    def __call__(self, x: Tensor, few_rows: bool = False) -> Tensor:
+        """(..., in) -> (..., sum of widths)."""
+        if self.modules is not None:
+            outputs = [module(x) for module in self.modules]
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        rows = x.numel() // x.shape[-1]
+        if not few_rows or rows > MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, -1)
+        if rows == 1:  # as two rows: some CPUs' matrix-vector kernel streams far below memory speed
+            flat = torch.cat([flat, flat])
+        out = (self.weight @ flat.T)[:, :rows].T.contiguous()
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+    def split(self, y: Tensor) -> list[Tensor]:
+        return list(y.split(self.widths, dim=-1))
+
+
+def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
+    """`tensors` (each module's parameter `name`) concatenated on dim 0 into one tensor, each module's
+    parameter then a view into it: one copy in memory, the model's own modules unchanged in value."""
+    if len(tensors) == 1:
+        return tensors[0].detach()
+    whole = torch.cat([t.detach() for t in tensors])
+    start = 0
+    for tensor, module in zip(tensors, modules, strict=True):
+        end = start + tensor.shape[0]
+        setattr(module, name, nn.Parameter(whole[start:end], requires_grad=False))
+        start = end
+    return whole

@@ -1,0 +1,157 @@
+"""Our own forward pass for the Llama family (Llama and SmolLM2, Qwen2, Qwen3, Mistral), gpt-fast's `model.py`
+way, over the Hugging Face model's own tensors: q/k/v in one GEMM and gate/up in one (`linear.py`), the rotary
+table computed once by the model's own rotary module (every rope type it knows but the dynamic ones), keys and
+values written in place into the runner's static buffer (`utils/lean/static_kv.py`) and read up to the
+longest row, nothing built per layer per pass.
+
+The Hugging Face model is the reference: each step below is its step, in its order and dtypes (RMSNorm in float32,
+the weight applied in the model's dtype; eager attention's softmax in float32 when the model runs "eager", torch's
+scaled-dot-product kernel when it runs "sdpa"), so the logits are its logits to the dtype's rounding
+(`tests/test_lean.py`, float64, every family covered).
+
+Shapes: ids, positions, write_index (rows, width); mask (rows, 1, width, used) float, 0 where a query sees a slot and
+the dtype's minimum elsewhere; the buffer's keys and values (rows, kv_heads, slots, head_dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from utils.lean.linear import Linear
+from utils.lean.static_kv import PassSlots, StaticKV
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
+ACTIVATIONS = {"silu": F.silu}
+STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # one table for every position
+
+
+def rope_type(config) -> str:
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return parameters.get("rope_type", parameters.get("type", "default"))
+
+
+def unsupported(model) -> str | None:
+    """Why this file cannot run `model`'s passes, None when it can."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r} is not one of {FAMILIES}"
+    if getattr(config, "hidden_act", None) not in ACTIVATIONS:
+        return f"activation {config.hidden_act!r}"
+    if rope_type(config) not in STATIC_ROPE:
+        return f"rope type {rope_type(config)!r} (its table changes with the length)"
+    if len(set(getattr(config, "layer_types", None) or [])) > 1:
+        return "sliding and full attention layers mixed"
+    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
+        return f"attention implementation {config._attn_implementation!r}"
+    return None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The model's RMSNorm: normalised in float32, the weight applied in the input's dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, the model's `apply_rotary_pos_emb` for one tensor: x (rows, heads, width, d)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Layer:
+    """One decoder layer's tensors: attention (q/k/v fused), its norms, the MLP (gate/up fused)."""
+
+    def __init__(self, layer) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.qkv = Linear([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.o = Linear([attention.o_proj])
+        self.gate_up = Linear([mlp.gate_proj, mlp.up_proj])
+        self.down = Linear([mlp.down_proj])
+        self.attention_norm = layer.input_layernorm.weight
+        self.mlp_norm = layer.post_attention_layernorm.weight
+        norm = getattr(attention, "q_norm", None)  # Qwen3: RMSNorm of each head's q and k
+        self.qk_norms = None if norm is None else (norm.weight, attention.k_norm.weight)
+
+
+class LeanLlama(nn.Module):
+    """The passes of a Llama-family model (`unsupported(model)` is None) over a static KV buffer. A module (it
+    holds the model's embedding and rotary modules, no parameter of its own) so that a pass's hooks see it, as
+    they see the Hugging Face model's (`benchmarks/breakdown.py` counts passes so)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        config = model.config
+        self.eps = config.rms_norm_eps
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim**-0.5
+        self.eager = config._attn_implementation == "eager"
+        self.activation = ACTIVATIONS[config.hidden_act]
+        decoder = model.model
+        self.embed = decoder.embed_tokens
+        self.layers = [Layer(layer) for layer in decoder.layers]
+        self.norm = decoder.norm.weight
+        self.head = Linear([model.lm_head])
+        self._rotary = decoder.rotary_emb
+        self._dtype = self.norm.dtype
+        self._cos = self._sin = torch.empty(0)
+
+    def _rope(self, positions: Tensor, slots: int) -> tuple[Tensor, Tensor]:
+        """cos and sin at `positions` (rows, width) -> each (rows, 1, width, head_dim), from a table computed
+        once by the model's rotary module for a buffer's `slots` positions (a position never passes them)."""
+        if slots > self._cos.shape[0]:
+            probe = torch.empty(0, dtype=self._dtype, device=self.norm.device)
+            cos, sin = self._rotary(probe, torch.arange(slots, device=self.norm.device)[None])
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    @torch.no_grad()
+    def forward(self, ids: Tensor, slots: PassSlots, kv: StaticKV, num_logits: int, few_rows: bool = False) -> Tensor:
+        """The logits of each row's last `num_logits` new tokens, (rows, num_logits, vocab); `kv`: the
+        runner's buffer, written and read where `slots` says."""
+        cos, sin = self._rope(slots.positions, kv.slots)
+        h = self.embed(ids)
+        for index, layer in enumerate(self.layers):
+            h = h + self._attention(layer, rms_norm(h, layer.attention_norm, self.eps), cos, sin, slots, kv, index,
+                                    few_rows)
+            x = rms_norm(h, layer.mlp_norm, self.eps)
+            gate, up = layer.gate_up.split(layer.gate_up(x, few_rows))
+            h = h + layer.down(self.activation(gate) * up, few_rows)
+        h = rms_norm(h[:, h.shape[1] - num_logits :], self.norm, self.eps)
+        return self.head(h, few_rows)
+
+    def _attention(self, layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: PassSlots, kv: StaticKV,
+                   index: int, few_rows: bool) -> Tensor:
+        rows, width, _ = x.shape
+        q, k, v = layer.qkv.split(layer.qkv(x, few_rows))
+        q = q.view(rows, width, self.heads, self.head_dim)
+        k = k.view(rows, width, self.kv_heads, self.head_dim)
+        if layer.qk_norms is not None:
+            q, k = rms_norm(q, layer.qk_norms[0], self.eps), rms_norm(k, layer.qk_norms[1], self.eps)
+        q = rotate(q.transpose(1, 2), cos, sin)
+        k = rotate(k.transpose(1, 2), cos, sin)
+        v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        keys, values = kv.write(index, k, v, slots.write_index, slots.start)
+        mask = slots.mask
+        used = mask.shape[-1]
+        keys, values = keys[:, :, :used], values[:, :, :used]
+        if self.eager:
+            out = self._eager_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                                 enable_gqa=self.heads != self.kv_heads)
+        return layer.o(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim), few_rows)
+
+    def _eager_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """The model's eager attention: scores in its dtype, softmax in float32."""
+        groups = self.heads // self.kv_heads
+        keys = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys
+        values = values.repeat_interleave(groups, dim=1) if groups > 1 else values
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling + mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, values)
