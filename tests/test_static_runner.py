@@ -100,7 +100,8 @@ def test_a_request_past_the_compiled_buffer_runs_eager_over_a_larger_one():
     want = speculative_generate(ids, drafter, target, gamma=5, max_gen_len=106, end_tokens_id=None)  # to the context's end
     compile_model(target, widths=(), slots=200), compile_model(drafter, widths=(), slots=200)
     runner = make_runner(target, max_tokens=256)
-    assert isinstance(runner, StaticRunner) and runner.slots == 256 and runner._compiled is None  # the context's size
+    # past the context by the drafts' room: a row near its end still drafts (positions clamped, nothing kept past it)
+    assert isinstance(runner, StaticRunner) and runner.slots == 256 + 256 and runner._compiled is None
     assert speculative_generate(ids, drafter, target, gamma=5, max_gen_len=106, end_tokens_id=None) == want
 
 
@@ -192,12 +193,17 @@ def test_a_compiled_graph_is_kept_on_disk_per_model(monkeypatch, tmp_path):
 def test_auto_compiles_on_first_use_then_follows_the_measured_verdict(monkeypatch):
     """compile="auto" compiles a model on its first use on a machine and measures each width against
     eager (here a stand-in measurement); a later start compiles (loads) only the widths that paid, and
-    none where none paid; compile=True measures again; SPECDEC_COMPILE=0 and compile=False never compile."""
+    none where none paid; compile=True measures again; SPECDEC_COMPILE=0 and compile=False never compile.
+    A model our own forward runs (utils/lean/) is never compiled by "auto": here the Hugging Face path is asked for."""
     from utils import compile_policy
+    from utils.lean import LEAN_ENV
     from utils.runners.compiled import CompiledPasses, register
 
-    monkeypatch.delenv(compile_policy.COMPILE_ENV, raising=False)
     monkeypatch.setattr(compile_policy, "AUTO_MIN_PARAMETERS", 0)
+    assert compile_policy._wanted(tiny_model("llama"), "auto") == ()
+    monkeypatch.setenv(LEAN_ENV, "0")
+
+    monkeypatch.delenv(compile_policy.COMPILE_ENV, raising=False)
     compiled = []  # the widths of each compile
 
     def stand_in(model, *, widths, progress, description):

@@ -51,6 +51,7 @@ from transformers import PreTrainedModel
 from utils import cpu_passes, threads
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
+from utils.lean import lean_decoder
 from utils.machine import calibration_key
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
@@ -196,6 +197,8 @@ def _runner(model: PreTrainedModel, context: list[int]):
     passes = compiled_passes(model)
     if passes is not None:
         runner = StaticSequence(model, slots=passes.slots, compiled=passes)
+    elif lean_decoder(model) is not None:  # our own forward, over the static buffer generation gives it
+        runner = StaticSequence(model, slots=len(context) + max(DRAFT_SIZES) + 1)
     else:
         runner = SequenceRunner(model, encoder_input_ids=context if is_encoder_decoder(model) else None)
     runner.forward(context)
@@ -220,8 +223,11 @@ def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch |
     """Measure `model`'s pass costs here -> (costs, spread of the one-token pass's repeats).
     With a `watch`, raises `MachineBusy` as soon as it says the cores were not ours."""
     passes = compiled_passes(model)
-    # A compiled graph is its own kernel choice: no shortcut is patched into it.
+    # A compiled graph is its own kernel choice: no shortcut is patched into it. Our own forward takes the
+    # weight-major product or not, and always attends without repeating keys (`utils/lean/`).
     choices = [Shortcuts()] if passes is not None else cpu_passes.available_shortcuts(model)
+    if passes is None and lean_decoder(model) is not None:
+        choices = [choice for choice in choices if not choice.gqa_without_repeat]
     times = time_passes(model, choices, repeats, watch)
     relative, shortcuts = {}, {}
     for k in (0, *DRAFT_SIZES):

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from utils import lean
 from utils.calibration import CoreWatch
 from utils.cpu_passes import Shortcuts, available_shortcuts
 from utils.machine import calibration_key
@@ -140,8 +141,8 @@ def _wanted(model: PreTrainedModel, compile: bool | str) -> tuple[int, ...]:
         return DEFAULT_WIDTHS
     if compile is False or os.environ.get(COMPILE_ENV) == "0" or is_encoder_decoder(model):
         return ()
-    if _parameters(model) < AUTO_MIN_PARAMETERS:
-        return ()
+    if _parameters(model) < AUTO_MIN_PARAMETERS or lean.unsupported(model) is None:
+        return ()  # small, or run by our own forward (utils/lean/): nothing to compile on first use
     verdict = stored_verdict(model)
     return DEFAULT_WIDTHS if verdict is None else paying_widths(verdict)
 

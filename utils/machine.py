@@ -12,7 +12,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from utils import cost_model, cpu_passes
+from utils import cost_model, cpu_passes, lean
+from utils.lean import forward_path
 from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import input_device
 
@@ -52,7 +53,8 @@ def calibration_key(model: PreTrainedModel) -> dict:
     """Everything a measured cost depends on; any change means a new calibration."""
     device = input_device(model)
     parameter = next(model.parameters())
-    sources = (cpu_passes.__file__, cost_model.__file__, Path(__file__).with_name("calibration.py"))  # what times them
+    sources = (cpu_passes.__file__, cost_model.__file__, Path(__file__).with_name("calibration.py"),  # what times them
+               *sorted(Path(lean.__file__).parent.glob("*.py")))
     kernels = hashlib.sha256(b"".join(Path(source).read_bytes() for source in sources)).hexdigest()[:12]
     return {
         "model": type(model).__name__,
@@ -69,4 +71,5 @@ def calibration_key(model: PreTrainedModel) -> dict:
         "attention": getattr(model.config, "_attn_implementation", None),
         "kernels": kernels,
         "compiled": None if (passes := compiled_passes(model)) is None else [list(passes.widths), passes.slots],
+        "forward": forward_path(model),  # our own forward or the Hugging Face one (utils/lean/)
     }

@@ -1,0 +1,143 @@
+"""Every pass against the memory bound: the target, its drafter and its four-bit self-drafter, then plain decoding
+against transformers' eager `generate`.
+
+    python -m benchmarks.passes --target qwen2.5-coder-1.5b-instruct --drafter qwen2.5-coder-0.5b-instruct
+
+For each model: the bytes a one-token pass reads (its weights, the input embedding's other rows left out), the read
+bandwidth of a memory-bound `sum` measured in the same process, so the bound; then per pass width (1, 4, 8, 16 new
+tokens after `CONTEXT` cached ones, the runner generation gives the model, the kernels its calibration chose) the
+median time, its fraction of the bound (bound / time: 1.0 is at the bound) and the share of the pass spent in
+GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total). Then plain greedy
+decoding of even HumanEval prompts, ours and transformers' eager `generate` interleaved, medians of tokens/s, every
+output checked against transformers' (near-ties told from defects, `benchmarks/exactness.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import cli
+from benchmarks.draft_cost import weight_bytes
+from benchmarks.exactness import Classifier, counts, describe, transformers_greedy
+from benchmarks.prompts import encode, load_humaneval
+from sampling import autoregressive_generate, quantized_drafter
+from utils.calibration import pass_costs
+from utils.lean import forward_path
+from utils.loading import end_token_ids, load_model
+from utils.machine import machine
+from utils.runners.static import StaticSequence
+
+CONTEXT = 256  # tokens cached while a pass is timed
+WIDTHS = (1, 4, 8, 16)
+GEMMS = ("aten::linear", "aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+
+
+def read_bandwidth(gigabytes: float = 2.0, repeats: int = 5) -> float:
+    """Bytes per second a memory-bound `sum` reads here (the best of `repeats`)."""
+    data = torch.ones(int(gigabytes * 2**30 // 4))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def _pass(runner: StaticSequence, costs, width: int) -> float:
+    start = time.perf_counter()
+    runner.forward(list(range(10, 10 + width)), num_logits=1, shortcuts=costs.shortcuts_for(width - 1))
+    seconds = time.perf_counter() - start
+    runner.rollback(CONTEXT)
+    return seconds
+
+
+def gemm_share(runner: StaticSequence, costs, width: int) -> float:
+    """The share of one pass's time spent in GEMM kernels (torch's profiler, self times)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _pass(runner, costs, width)
+    events = profile.key_averages()
+    total = sum(event.self_cpu_time_total for event in events)
+    gemm = sum(event.self_cpu_time_total for event in events if event.key in GEMMS or "gemm" in event.key.lower())
+    return gemm / total if total else 0.0
+
+
+def pass_report(model, label: str, bandwidth: float, repeats: int) -> dict:
+    """The bound and every width's pass of `model`."""
+    costs = pass_costs(model)
+    runner = StaticSequence(model, slots=CONTEXT + max(WIDTHS) + 64, costs=None)
+    runner.forward(list(range(3, 3 + CONTEXT)))
+    bound = weight_bytes(model) / bandwidth
+    times: dict[int, list[float]] = {width: [] for width in WIDTHS}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for width in WIDTHS:
+            seconds = _pass(runner, costs, width)
+            if round_:
+                times[width].append(seconds)
+    one = statistics.median(times[1])
+    return {"model": label, "path": forward_path(model), "weight_gb": weight_bytes(model) / 1e9, "bound_ms": 1000 * bound,
+            "widths": {width: {"ms": 1000 * statistics.median(values), "of_bound": bound / statistics.median(values),
+                               "relative": statistics.median(values) / one, "gemm_share": gemm_share(runner, costs, width)}
+                       for width, values in times.items()}}
+
+
+def plain_decoding(model, tokenizer, prompts: list[list[int]], tokens: int, repeats: int) -> dict:
+    """Ours and transformers' eager greedy decoding, interleaved prompt by prompt -> tokens/s medians, ratio."""
+    eos = end_token_ids(model, tokenizer)
+    rates: dict[str, list[float]] = {"ours": [], "hf_eager": []}
+    classifier, differences = Classifier(model), []
+    for _ in range(repeats):
+        for prompt in prompts:
+            start = time.perf_counter()
+            ours = autoregressive_generate(prompt, model, max_gen_len=tokens, end_tokens_id=eos)
+            rates["ours"].append(len(ours) / (time.perf_counter() - start))
+            start = time.perf_counter()
+            theirs = transformers_greedy(model, prompt, tokens, eos)
+            rates["hf_eager"].append(len(theirs) / (time.perf_counter() - start))
+            differences.append(classifier(prompt, theirs, ours))
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    return {"tokens_per_s": medians, "ratio": medians["ours"] / medians["hf_eager"],
+            "spread": {name: (max(v) - min(v)) / statistics.median(v) for name, v in rates.items()},
+            "outputs": describe(counts(differences))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = cli.benchmark_parser(__doc__)
+    cli.add_models(parser, drafter="a drafter model whose passes are measured too")
+    parser.add_argument("--no-self-drafter", action="store_true", help="leave out the four-bit self-drafter")
+    parser.add_argument("--prompts", type=int, default=3, help="even HumanEval prompts decoded (ids 0, 2, 4, ...)")
+    cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("benchmarks/results/passes"))
+    args = cli.parse(parser, argv)
+    console = Console(stderr=True)
+    target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    models = {"target": target}
+    if args.drafter:
+        models["drafter"] = load_model(args.drafter, dtype=args.dtype, device=args.device)[0]
+    if not args.no_self_drafter:
+        models["self-drafter (int4)"] = quantized_drafter(target, bits=4)
+    bandwidth = read_bandwidth()
+    passes = [pass_report(model, label, bandwidth, args.repeats) for label, model in models.items()]
+    prompts = [encode(tokenizer, text) for _, text in (load_humaneval(1, 2 * i)[0] for i in range(args.prompts))]
+    decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
+    result = {"machine": machine(), "read_gb_per_s": bandwidth / 1e9, "passes": passes, "plain_decoding": decoding}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    table = Table(title=f"Passes against the read bound ({bandwidth / 1e9:.1f} GB/s)")
+    for column in ("model", "path", "bound ms", *(f"{w} tok: ms / of bound / gemm" for w in WIDTHS)):
+        table.add_column(column)
+    for report in passes:
+        table.add_row(report["model"], report["path"], f"{report['bound_ms']:.1f}",
+                      *(f"{r['ms']:.1f} / {r['of_bound']:.2f} / {r['gemm_share']:.2f}" for r in report["widths"].values()))
+    console.print(table)
+    console.print(f"plain decoding: ours {decoding['tokens_per_s']['ours']:.2f} tok/s, transformers' eager "
+                  f"{decoding['tokens_per_s']['hf_eager']:.2f} (ours {decoding['ratio']:.2f}x); outputs: {decoding['outputs']}")
+
+
+if __name__ == "__main__":
+    main()
