@@ -46,15 +46,17 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights one token's pass reads: all but the input embedding's rows of other
-    tokens (a tied embedding counts once: the head reads it whole)."""
+    """Bytes of the weights one token's pass reads: every parameter and buffer (a quantized linear's packed
+    weights and scales) but the input embedding's rows of other tokens (a tied embedding counts once: the head
+    reads it whole)."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == embedding.weight.data_ptr()
+    head_weight = getattr(head, "weight", None)
+    tied = head_weight is not None and head_weight.data_ptr() == embedding.weight.data_ptr()
     seen, total = set() if tied else {embedding.weight.data_ptr()}, 0
-    for parameter in model.parameters():
-        if parameter.data_ptr() not in seen:
-            seen.add(parameter.data_ptr())
-            total += parameter.numel() * parameter.element_size()
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
     return total
 
 
