@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.drafters.drafter_kinds import KINDS, drafter_kind
-from sampling.drafters.hybrid import HybridOptions, NgramPool
+from sampling.drafters.hybrid import HybridOptions
 from sampling.drafters.registry import kind_options, route
 from sampling.loop.common import OnStep, check_request, measured_costs, start_generation
 from sampling.loop.drafts import Drafter
@@ -78,7 +78,7 @@ def speculative_generate(
     on_step: OnStep | None = SHARED.on_step,
     drafter_tokenizer=MODEL.drafter_tokenizer,
     drafter_invariant: bool | None = MODEL.drafter_invariant,
-    ngram: NgramPool | list[NgramPool] | None = MODEL.ngram,
+    ngram: object | list[object] | None = MODEL.ngram,
     cascade: bool | None = MODEL.cascade,
     stop_strings: str | list[str] | None = Habits.stop_strings,
     stopping_criteria: Criterion | list[Criterion] | None = Habits.stopping_criteria,

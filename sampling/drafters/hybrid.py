@@ -33,9 +33,6 @@ from sampling.loop.options import DecodingOptions, Drafting
 from sampling.policy.draft_policy import CostAwarePolicy, DraftLength, best_draft_length
 from sampling.policy.estimators import RunningAverage
 
-NgramPool = object  # what `ngram=` takes: a pool of a registered kind (ngram_assisted's SimpleDynaGram, MultiDynaGram)
-
-
 class PoolDrafter(Drafter, Protocol):
     """What the hybrid needs from a pool's drafter over the rows, beyond the `Drafter` protocol."""
 
@@ -46,17 +43,14 @@ class PoolDrafter(Drafter, Protocol):
         """The last trees of `rows` are not verified: forget them (their next `update` has an empty path)."""
 
 
-class PoolKind(Protocol):
-    """A registered drafter kind whose drafters are n-gram pools (NASD's: `ngram_assisted/nasd.py`):
-    the hybrid finds it in the registry by the pool it is given."""
-
-    def pool_rows(self, ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
+def pool_rows(self, ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
         """Check `ngram` (before any model runs) -> the builder of its drafter over the request's
         rows, at the pool's defaults."""
 
 
 def pool_rows(ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
-    """`ngram=`, a pool of a registered pool kind (or one per row of a batch) -> its rows' builder."""
+    """`ngram=`, a pool of a registered kind that builds pool rows (NASD's, `ngram_assisted/nasd.py`;
+    or one pool per row of a batch) -> its rows' builder, at the pool's defaults."""
     first = ngram[0] if isinstance(ngram, (list, tuple)) and ngram else ngram
     kinds = [kind for kind in KINDS if hasattr(kind, "pool_rows") and kind.takes(first, {})]
     if not kinds:
@@ -69,7 +63,7 @@ def pool_rows(ngram: object, request: Request, *, greedy: bool) -> Callable[[Gen
 class HybridOptions(ModelOptions):
     """A drafter model's options and the pool beside it (`ngram=`)."""
 
-    ngram: NgramPool | list[NgramPool] | None = None
+    ngram: object = None  # a pool of a registered pool kind (ngram_assisted's SimpleDynaGram, MultiDynaGram), or one per row
 
 
 class HybridKind:

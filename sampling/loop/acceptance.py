@@ -46,12 +46,6 @@ def walk_tree(tokens: list[int], parents: list[int], choose: Callable[[int, int]
         path.append(node)
 
 
-def greedy_accept_tree(target_logits: Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
-    """Greedy verification of a draft tree (`walk_tree` along the argmax). target_logits: (1 + n, V)."""
-    argmax = target_logits.argmax(dim=-1).tolist()
-    return walk_tree(tokens, parents, lambda row, depth: argmax[row])
-
-
 def coupled_choices(p: Tensor, starts: list[int], trees: list[DraftTree], uniforms: list[PositionUniforms],
                     positions: list[int]) -> Tensor:
     """The coupled rule's decisions for trees of deterministic drafts, on the device: the target's
@@ -64,22 +58,6 @@ def coupled_choices(p: Tensor, starts: list[int], trees: list[DraftTree], unifor
                         dtype=torch.long, device=p.device)
     u = torch.cat([u_b.span(t, 1 + max(d), TARGET)[d] for u_b, t, d in zip(uniforms, positions, depths, strict=True)])
     return inverse_cdf(p[rows], u)
-
-
-def speculative_accept(
-    p: Tensor, q: Tensor, drafts: Tensor, uniforms: PositionUniforms, position: int
-) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023) -> (n, next token).
-
-    p: (k + 1, V) the target's processed distributions; q: (k, V) the drafter's, which its drafts
-    were sampled from. Draft x_i (at generated position `position` + i) is accepted with probability
-    min(1, p_i(x_i) / q_i(x_i)); at the first rejection the next token is drawn from
-    normalize(max(0, p_i - q_i)); if all k pass, the bonus token is drawn from p_k. The output then
-    follows p exactly, whatever q is. One row of `speculative_rows`, read with one host sync.
-    """
-    n, token = speculative_rows(p, [0], [DraftTree.chain(drafts.tolist())], [q], [uniforms], [position])
-    n, token = torch.cat([n, token]).tolist()
-    return n, token
 
 
 def row_scores(logits: Tensor, tree: DraftTree, sequence: list[int], processor: LogitsProcessor) -> Tensor:
@@ -104,7 +82,7 @@ def _tree_depths(tree: DraftTree) -> list[int]:
 
 def speculative_rows(p: Tensor, starts: list[int], trees: list[DraftTree], qs: list[Tensor],
                       uniforms: list[PositionUniforms], positions: list[int]) -> tuple[Tensor, Tensor]:
-    """Speculative sampling (`speculative_accept`) for R sampled chains at once, on the device ->
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1) for R sampled chains at once, on the device ->
     (n (R,), next token (R,)), int64.
 
     p: every row's target distributions, flattened (sum of 1 + k_i, V), chain i's from `starts[i]`;
@@ -184,10 +162,3 @@ def accept_rows(
         results[b] = (list(range(n)), token, ps[b])
     return results
 
-
-def accept(
-    logits: Tensor, tree: DraftTree, q: Tensor | None, sequence: list[int], processor: LogitsProcessor,
-    uniforms: PositionUniforms,
-) -> tuple[list[int], int, Tensor | None]:
-    """`accept_rows` for one row: (accepted nodes root to leaf, the target's next token, p or None)."""
-    return accept_rows([logits], [tree], [q], [sequence], processor, [uniforms])[0]
