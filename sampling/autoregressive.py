@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 
 from sampling.loop.acceptance import accept_rows
 from sampling.loop.common import Generation, OnStep, Step, check_request, measured_costs, start_generation
-from sampling.loop.drafts import DraftTree
+from sampling.loop.drafts import Draft, DraftTree
 from sampling.loop.habits import Habits
 from sampling.loop.model_kind import encoder_decoder_twin, of_kind
 from sampling.loop.progress import Progress
@@ -17,7 +17,7 @@ from utils.logits_processors import GreedyProcessor, LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
 from utils.validation import MODEL_EOS, Inputs, transformers_names
 
-NO_DRAFTS = DraftTree.chain([])
+NO_DRAFTS = Draft(DraftTree.chain([]), None)
 
 
 def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep | None,
@@ -31,25 +31,25 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
     passes = runner.forward_passes
     logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
     while True:
-        verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), [None] * len(rows.live), rows.active(),
-                               logits_processor, rows.uniforms())
+        verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), rows.active(), logits_processor, rows.uniforms())
         going_on = []  # positions in `live` of the rows not finished
-        for i, (_, token, _) in enumerate(verdicts):
+        for i, verdict in enumerate(verdicts):
             row = rows.live[i]
-            tokens, finished = rows.extend(i, [token], logits[i] if rows.needs_logits else None)
+            tokens, finished = rows.extend(i, [verdict.token], logits[i] if rows.needs_logits else None)
             going_on += [] if finished else [i]
             if stats is not None:
                 stats.record(0, 0)
             if on_step is not None:
                 on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens), row=row))
-        runner, _ = rows.keep(going_on, runner)
+        if rows.keep(going_on):  # finished rows stop costing compute
+            runner = gen.narrow(going_on)
         if not rows.live:
             if stats is not None:
                 stats.generated_tokens += sum(len(tokens) for tokens in rows.generated)
                 stats.target_forwards += runner.forward_passes - passes
                 stats.logprobs += rows.logprobs.lists()
             return gen.results(rows.generated)
-        logits = runner.forward_rows([([verdicts[i][1]], None) for i in going_on], [1] * len(going_on))  # the cache holds the rest
+        logits = runner.forward_rows([([verdicts[i].token], None) for i in going_on], [1] * len(going_on))  # the cache holds the rest
 
 
 @transformers_names

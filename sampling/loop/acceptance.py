@@ -15,14 +15,26 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from sampling.loop.drafts import DraftTree, children_of
+from sampling.loop.drafts import Draft, DraftTree, children_of
 from sampling.loop.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
 from sampling.loop.tree_sampling import tree_speculative_accept
 from utils.logits_processors import LogitsProcessor, supports_float64
+
+
+class Verdict(NamedTuple):
+    """The target's decision on one row's `Draft`: `path`, the accepted nodes from the root down;
+    `token`, the target's own token after them (the bonus token, or the recovered one at the first
+    rejection); `p`, the target's processed distributions at the verification's rows
+    (1 + len(tree), V), None when greedy."""
+
+    path: list[int]
+    token: int
+    p: Tensor | None
 
 
 def walk_tree(tokens: list[int], parents: list[int], choose: Callable[[int, int], int]) -> tuple[list[int], int]:
@@ -113,13 +125,12 @@ def speculative_rows(p: Tensor, starts: list[int], trees: list[DraftTree], qs: l
 
 
 def accept_rows(
-    logits: list[Tensor], trees: list[DraftTree], qs: list[Tensor | None], sequences: list[list[int]],
-    processor: LogitsProcessor, uniforms: list[PositionUniforms],
-) -> list[tuple[list[int], int, Tensor | None]]:
-    """Step 3 of the loop for every row of a batch at once, with one host transfer -> per row
-    (accepted nodes root to leaf, the target's next token, p or None).
+    logits: list[Tensor], drafts: list[Draft], sequences: list[list[int]], processor: LogitsProcessor,
+    uniforms: list[PositionUniforms],
+) -> list[Verdict]:
+    """Step 3 of the loop for every row of a batch at once, with one host transfer -> a `Verdict` per row.
 
-    logits[b]: (1 + len(trees[b]), V), the target's scores at row b's last accepted token and after
+    logits[b]: (1 + len(drafts[b].tree), V), the target's scores at row b's last accepted token and after
     every node; `sequences[b]`: its prefix and every token generated so far. Greedy: the argmax
     path. Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q
     its distributions) by speculative sampling, a drafter model's tree (q per node) by recursive
@@ -127,13 +138,14 @@ def accept_rows(
     The rows' scores are flattened with offsets and decided on the device; the walks down the trees
     read the decided tokens on the host.
     """
+    trees, qs = [draft.tree for draft in drafts], [draft.q for draft in drafts]
     scores = [row_scores(x, tree, sequence, processor) for x, tree, sequence in zip(logits, trees, sequences, strict=True)]
     sizes = [len(s) for s in scores]
     starts = [0, *itertools.accumulate(sizes)][:-1]
     flat = torch.cat(scores)
     if processor.is_greedy:
         choice = flat.argmax(dim=-1).tolist()
-        return [(*walk_tree(tree.tokens, tree.parents, lambda row, depth, s=start: choice[s + row]), None)
+        return [Verdict(*walk_tree(tree.tokens, tree.parents, lambda row, depth, s=start: choice[s + row]), None)
                 for tree, start in zip(trees, starts, strict=True)]
     p = flat.softmax(dim=-1)
     positions = [len(sequence) - u.prefix_length for sequence, u in zip(sequences, uniforms, strict=True)]
@@ -152,13 +164,13 @@ def accept_rows(
     values = torch.cat(decided).tolist() if decided else []  # the step's one host transfer
     ps, results, at = p.split(sizes), [None] * len(trees), 0
     for b in model_trees:
-        results[b] = (*tree_speculative_accept(ps[b], qs[b], trees[b], uniforms[b], positions[b]), ps[b])
+        results[b] = Verdict(*tree_speculative_accept(ps[b], qs[b], trees[b], uniforms[b], positions[b]), ps[b])
     for b in coupled:
         choice = values[at : at + sizes[b]]
-        results[b] = (*walk_tree(trees[b].tokens, trees[b].parents, lambda row, depth, c=choice: c[row]), ps[b])
+        results[b] = Verdict(*walk_tree(trees[b].tokens, trees[b].parents, lambda row, depth, c=choice: c[row]), ps[b])
         at += sizes[b]
     for i, b in enumerate(sampled):
         n, token = values[at + i], values[at + len(sampled) + i]
-        results[b] = (list(range(n)), token, ps[b])
+        results[b] = Verdict(list(range(n)), token, ps[b])
     return results
 

@@ -53,7 +53,7 @@ class Generation:
     """A checked request over one or more rows: the target's runner, each row's decoder prefix,
     random numbers and length budget, and the stopping rules."""
 
-    runner: Runner  # every row (`utils/runners/`)
+    runner: Runner  # the target's runner over the rows still decoding (`utils/runners/`): see `narrow`
     prefixes: list[list[int]]  # decoder-only: the prompts; encoder-decoder: [decoder_start_token_id] each
     encoder_input_ids: list[list[int]] | None
     end_tokens: frozenset[int]
@@ -67,6 +67,12 @@ class Generation:
         """The one row's prefix (a single-sequence request)."""
         assert len(self.prefixes) == 1
         return self.prefixes[0]
+
+    def narrow(self, keep: list[int]) -> Runner:
+        """Only the running rows at positions `keep` go on: the target's runner over them (the
+        loop's, and the one a drafter over the target's cache reads here, `shared_runner`)."""
+        self.runner = self.runner.select_rows(keep)
+        return self.runner
 
     def trim(self, row: int, tokens: list[int], generated: int, history: list[int] | None = None,
              logits: torch.Tensor | None = None) -> tuple[list[int], bool]:
