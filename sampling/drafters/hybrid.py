@@ -33,6 +33,7 @@ from sampling.loop.options import DecodingOptions, Drafting
 from sampling.policy.draft_policy import CostAwarePolicy, DraftLength, best_draft_length
 from sampling.policy.estimators import RunningAverage
 
+
 class PoolDrafter(Drafter, Protocol):
     """What the hybrid needs from a pool's drafter over the rows, beyond the `Drafter` protocol."""
 
@@ -41,11 +42,6 @@ class PoolDrafter(Drafter, Protocol):
 
     def withdraw(self, rows: list[int]) -> None:
         """The last trees of `rows` are not verified: forget them (their next `update` has an empty path)."""
-
-
-def pool_rows(self, ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
-        """Check `ngram` (before any model runs) -> the builder of its drafter over the request's
-        rows, at the pool's defaults."""
 
 
 def pool_rows(ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
