@@ -18,6 +18,7 @@ rule, a model's with q by speculative sampling), so the output is exact whicheve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -122,23 +123,24 @@ class HybridDrafter:
         self.ngram.start(sequences)
         self.model.start(sequences)
 
-    def _expected_model_rate(self) -> float:
-        """What a model step is expected to yield per unit of cost (the prior: the policy's rate)."""
+    def _expected_model_rate(self, rows: int) -> float:
+        """What a model step over `rows` rows is expected to yield per unit of cost (the prior: the policy's rate)."""
         if self.model_rate.value is not None:
             return self.model_rate.value
         rate = self.policy.acceptance_rate
-        length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_budget, self.policy.cost)
+        cost = functools.partial(self.policy.cost, rows=rows)
+        length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_budget, cost)
         expected = sum(rate ** j for j in range(1, length + 1))
-        return (1.0 + expected) / self.policy.cost(length)
+        return (1.0 + expected) / cost(length)
 
     def draft(self, sequences, max_drafts, max_depths):
-        adaptive = self.policy.budget(len(sequences))  # also prices this step's pass over these rows
+        adaptive = self.policy.budget(len(sequences))
         pool_drafts = self.ngram.draft(sequences, max_drafts, max_depths)
         model_length = self.fixed_gamma or adaptive  # the model's chain this step; 0: it cannot pay now
-        model_rate = self._expected_model_rate() if model_length else 0.0
+        model_rate = self._expected_model_rate(len(sequences)) if model_length else 0.0
         self._chose_model = []
         for reaches, (tree, _) in zip(self.ngram.reaches(), pool_drafts, strict=True):
-            pool_rate = (1.0 + sum(reaches[: len(tree)])) / self.policy.verify_cost(len(tree))
+            pool_rate = (1.0 + sum(reaches[: len(tree)])) / self.policy.verify_cost(len(tree), len(sequences))
             self._chose_model.append(model_length > 0 and model_rate > pool_rate)
         if not any(self._chose_model):
             return pool_drafts
@@ -162,7 +164,7 @@ class HybridDrafter:
             k, n = self._model_drafts[b], len(paths[b])
             self.policy.update(k, n)
             if k:
-                self.model_rate.add((1.0 + n) / self.policy.cost(k))
+                self.model_rate.add((1.0 + n) / self.policy.cost(k, len(sequences)))
         self._chose_model = []
 
     def select_rows(self, keep: list[int]) -> None:
