@@ -10,13 +10,15 @@ from sampling.loop.common import Generation, OnStep, Step, check_request, measur
 from sampling.loop.drafts import Draft, DraftTree
 from sampling.loop.habits import Habits
 from sampling.loop.model_kind import encoder_decoder_twin, of_kind
+from sampling.loop.options import DecodingOptions
 from sampling.loop.progress import Progress
 from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.loop.stopping import Criterion
-from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
-from utils.validation import MODEL_EOS, Inputs, transformers_names
+from utils.validation import Inputs, transformers_names
 
+SHARED = DecodingOptions  # the defaults every decoding function shares (max_gen_len, use_cache, the processor...)
 NO_DRAFTS = Draft(DraftTree.chain([]), None)
 
 
@@ -58,18 +60,18 @@ def autoregressive_generate(
     inputs: Inputs,
     model: PreTrainedModel,
     *,
-    use_cache: bool = True,
-    max_gen_len: int = 40,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    end_tokens_id: int | list[int] | None = MODEL_EOS,
-    pad_token_id: int | None = None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    on_step: OnStep | None = None,
-    stats: SpeculativeStats | None = None,
-    tokenizer=None,
-    stop_strings: str | list[str] | None = None,
-    stopping_criteria: Criterion | list[Criterion] | None = None,
-    num_return_sequences: int = 1,
+    use_cache: bool = SHARED.use_cache,
+    max_gen_len: int = SHARED.max_gen_len,
+    logits_processor: LogitsProcessor = SHARED.logits_processor,
+    end_tokens_id: int | list[int] | None = SHARED.end_tokens_id,
+    pad_token_id: int | None = SHARED.pad_token_id,
+    generator: torch.Generator | list[torch.Generator] | None = SHARED.generator,
+    on_step: OnStep | None = SHARED.on_step,
+    stats: SpeculativeStats | None = SHARED.stats,
+    tokenizer=Habits.tokenizer,
+    stop_strings: str | list[str] | None = Habits.stop_strings,
+    stopping_criteria: Criterion | list[Criterion] | None = Habits.stopping_criteria,
+    num_return_sequences: int = Habits.num_return_sequences,
 ) -> list[int] | list[list[int]]:
     """Generate up to `max_gen_len` tokens after `inputs` with a decoder-only model.
 

@@ -29,7 +29,8 @@ TRANSFORMERS_NAMES = {
     "repetition_penalty": "logits_processor (e.g. TransformersProcessor([RepetitionPenaltyLogitsProcessor(1.2)], "
                           "do_sample=False))",
     "num_beams": "beam_search_generate(inputs, model, num_beams=...)",
-    "length_penalty": "alpha of beam_search_generate (the GNMT length penalty's exponent; here alpha >= 0)",
+    "length_penalty": "length_penalty of beam_search_generate (the GNMT length penalty's exponent, >= 0); the "
+                      "other functions have no length penalty",
     "early_stopping": "nothing: beam_search_generate stops when no live beam can beat the best finished one",
     "no_repeat_ngram_size": "logits_processor (e.g. TransformersProcessor([NoRepeatNGramLogitsProcessor(3)], "
                             "do_sample=False))",
