@@ -6,11 +6,11 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.loop.acceptance import accept_rows
-from sampling.loop.common import Generation, OnStep, Step, check_request, measured_costs, start_generation
+from sampling.loop.common import Generation, OnStep, Step, measured_costs, start_generation
 from sampling.loop.drafts import Draft, DraftTree
 from sampling.loop.habits import Habits
 from sampling.loop.model_kind import encoder_decoder_twin, of_kind
-from sampling.loop.options import DecodingOptions
+from sampling.loop.options import DecodingOptions, check_request
 from sampling.loop.progress import Progress
 from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.loop.stopping import Criterion
@@ -89,13 +89,13 @@ def autoregressive_generate(
     `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
     `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
     (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/loop/stopping.py`);
-    `num_return_sequences=n` returns what the batch of n copies of each prompt returns.
+    `num_return_sequences`=n returns what the batch of n copies of each prompt returns. `logits_processor`
+    (greedy by default) picks each token; `use_cache=False` gives the same tokens, slower.
     """
-    request = check_request(
-        inputs, model, encoder_decoder=is_encoder_decoder(model), use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
-        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
-    )
+    options = DecodingOptions(logits_processor=logits_processor, max_gen_len=max_gen_len, end_tokens_id=end_tokens_id,
+                              pad_token_id=pad_token_id, use_cache=use_cache, generator=generator, stats=stats,
+                              on_step=on_step, habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
+    request = check_request(inputs, model, options, encoder_decoder=is_encoder_decoder(model))
     return _decode(start_generation(request, measured_costs(model)), logits_processor, on_step, stats)
 
 

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from sampling.loop.common import Generation, check_request, measured_costs, start_generation
+from sampling.loop.common import Generation, measured_costs, start_generation
 from sampling.loop.habits import Habits
-from sampling.loop.options import DecodingOptions
+from sampling.loop.options import DecodingOptions, check_request
 from sampling.loop.stopping import Criterion
 from utils.runners import BeamRunner
 from utils.runners.model_info import is_encoder_decoder
@@ -91,9 +91,10 @@ def beam_search_generate(
     if n > num_beams:
         raise ValueError(f"num_return_sequences must be <= num_beams ({num_beams}): the best finished beams are "
                          f"returned, got {n}")
-    request = check_request(inputs, model, encoder_decoder=False, use_cache=use_cache, max_gen_len=max_gen_len,
-                            logits_processor=SHARED.logits_processor, end_tokens_id=end_tokens_id,
-                            pad_token_id=pad_token_id, habits=Habits(tokenizer, stop_strings, stopping_criteria))
+    # num_return_sequences is the n best beams here, not n copies of each row: not one of its habits.
+    options = DecodingOptions(max_gen_len=max_gen_len, end_tokens_id=end_tokens_id, pad_token_id=pad_token_id,
+                              use_cache=use_cache, habits=Habits(tokenizer, stop_strings, stopping_criteria))
+    request = check_request(inputs, model, options, encoder_decoder=False)
     # The beams of one row already fill the batch dimension: a batch's rows are searched one by one.
     costs = measured_costs(model)  # the first call with a model calibrates it
     results = [_search(start_generation(request.row(i), costs), model, top_k, num_beams, min_length, length_penalty=length_penalty,

@@ -1,5 +1,5 @@
 """Speculative decoding (Leviathan et al. 2023) and speculative sampling (Chen et al. 2023): the
-public functions, and `run_drafting`, the one path of every speculative call: its arguments
+public functions, and `run_speculative`, the one path of every speculative call: its arguments
 checked once, its drafter built by the kind its options ask for (`sampling/drafters/drafter_kinds.py`: a
 drafter model, your own `Drafter`, a model beside an n-gram pool), the one loop (`sampling/loop/speculative_loop.py`).
 """
@@ -11,12 +11,12 @@ from transformers import PreTrainedModel
 
 from sampling.drafters.drafter_kinds import KINDS, drafter_kind
 from sampling.drafters.hybrid import HybridOptions
-from sampling.drafters.registry import kind_options, route
-from sampling.loop.common import OnStep, check_request, measured_costs, start_generation
+from sampling.drafters.registry import kind_options
+from sampling.loop.common import OnStep, measured_costs, start_generation
 from sampling.loop.drafts import Drafter
 from sampling.loop.habits import Habits
 from sampling.loop.model_kind import encoder_decoder_twin, of_kind
-from sampling.loop.options import DecodingOptions
+from sampling.loop.options import DecodingOptions, check_request
 from sampling.loop.speculative_loop import SpeculativeStats, speculative_loop
 from sampling.loop.stopping import Criterion
 from sampling.policy.draft_policy import DraftPolicy
@@ -24,19 +24,19 @@ from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
 from utils.validation import Inputs, transformers_names
 
-__all__ = ["SpeculativeStats", "run_drafting", "speculative_generate", "speculative_generate_encoder_decoder",
+__all__ = ["SpeculativeStats", "run_speculative", "speculative_generate", "speculative_generate_encoder_decoder",
            "speculative_loop"]
 
 SHARED, MODEL = DecodingOptions, HybridOptions  # the public signature's defaults: the options' own
 
 
-def run_drafting(inputs: Inputs, target: PreTrainedModel, drafter: object, shared: DecodingOptions,
-                 keywords: dict[str, object], *, name: str = "drafter", function: str = "speculative_generate",
-                 kind: type | None = None):
+def run_speculative(inputs: Inputs, target: PreTrainedModel, drafter: object, shared: DecodingOptions,
+                    keywords: dict[str, object], *, name: str = "drafter", function: str = "speculative_generate",
+                    kind: type | None = None):
     """The one path of every speculative call: the drafter's kind found in the registry
     (`sampling/drafters/registry.py`; `kind`: the class it must be, for a function of one kind), its options
-    built from the call's kind `keywords`, every argument checked before any model runs; then the
-    drafter built, the loop run, the kind's counters added to the stats."""
+    built from the call's kind `keywords` (`kind_options`), every argument checked before any model runs;
+    then the drafter built, the loop run, the kind's counters added to the stats."""
     if kind is None:
         chosen = drafter_kind(drafter, keywords, name)
     else:  # a function of one kind: that registered kind, or a TypeError naming what it takes
@@ -44,10 +44,8 @@ def run_drafting(inputs: Inputs, target: PreTrainedModel, drafter: object, share
         if chosen is None:
             raise TypeError(f"{name} must be {kind.what}, got a {type(drafter).__name__}")
     options = kind_options(chosen, keywords, function)
-    request = check_request(inputs, target, encoder_decoder=is_encoder_decoder(target), use_cache=shared.use_cache,
-                            max_gen_len=shared.max_gen_len, logits_processor=shared.logits_processor,
-                            end_tokens_id=shared.end_tokens_id, generator=shared.generator, model_name="target",
-                            pad_token_id=shared.pad_token_id, habits=shared.habits)
+    request = check_request(inputs, target, shared, encoder_decoder=is_encoder_decoder(target), model_name="target",
+                            tokenizer_used=getattr(options, "drafter_tokenizer", None) is not None)
     build = chosen.check(request, shared, drafter, options)
     gen = start_generation(request, measured_costs(target))  # the first call with a model calibrates it
     drafting = build(gen)
@@ -120,8 +118,10 @@ def speculative_generate(
     `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
     `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
     (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/loop/stopping.py`);
-    `num_return_sequences=n` returns what the batch of n copies of each prompt returns. `stats.logprobs`: each returned token's
-    log-softmax of the target's raw logits, from the verification passes.
+    `num_return_sequences`=n returns what the batch of n copies of each prompt returns. `stats.logprobs`: each returned token's
+    log-softmax of the target's raw logits, from the verification passes. `logits_processor` (greedy by
+    default) makes the target's p and the drafter's q; `generator` (one, or one per row) makes sampling
+    reproducible (docs/seeds.md); `use_cache=False` gives the same tokens, slower.
     `branching` (token trees from the drafter model, `sampling/drafters/model_tree.py`, docs/trees.md): up to this
     many children per node, the tree verified in one target pass, exact (greedy: the argmax path;
     sampling: recursive rejection sampling with the drafter's q); `gamma` counts every node. 1: chains.
@@ -135,8 +135,13 @@ def speculative_generate(
     `**kind_options`: the options of a drafter kind that the signature does not list (each kind's
     `Options` dataclass, `sampling/drafters/registry.py`); one no kind takes is refused by name.
     """
-    habits = Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step, drafter_tokenizer)
-    return run_drafting(inputs, target, drafter, *route(speculative_generate, locals(), habits))
+    shared = DecodingOptions(gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
+                             end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,
+                             generator=generator, stats=stats, on_step=on_step, draft_policy=draft_policy,
+                             habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
+    model = {"adaptive_gamma": adaptive_gamma, "drafter_tokenizer": drafter_tokenizer, "ngram": ngram,
+             "drafter_invariant": drafter_invariant, "cascade": cascade, "branching": branching}
+    return run_speculative(inputs, target, drafter, shared, {**model, **kind_options})
 
 
 speculative_generate_encoder_decoder = encoder_decoder_twin(speculative_generate, "speculative_generate_encoder_decoder", """

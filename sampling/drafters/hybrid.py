@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from sampling.drafters.model_drafter import ModelDrafter
-from sampling.drafters.model_drafting import ModelOptions, build_model_drafting, check_model_drafter
+from sampling.drafters.model_drafting import ModelOptions, build_model_drafter, check_model_drafter
 from sampling.drafters.registry import KINDS, register_kind
 from sampling.loop.common import Generation, Request
 from sampling.loop.drafts import Drafter
@@ -70,7 +70,7 @@ class HybridKind:
     what = "a transformers PreTrainedModel"
 
     def takes(self, drafter: object, given: dict[str, object]) -> bool:
-        return isinstance(drafter, torch.nn.Module) and "ngram" in given
+        return isinstance(drafter, torch.nn.Module) and given.get("ngram") is not None
 
     def check(self, request: Request, shared: DecodingOptions, drafter: object,
               options: HybridOptions) -> Callable[[Generation], Drafting]:
@@ -81,8 +81,8 @@ class HybridKind:
 
         def build(gen: Generation) -> Drafting:
             # The hybrid's model drafts chains: the pool's trees and its chains share one budget.
-            model_drafter, cost_policy, _ = build_model_drafting(request, gen, shared, drafter,
-                                                                 replace(options, branching=1), universal=False)
+            model_drafter, cost_policy, _ = build_model_drafter(drafter, request.model, gen, shared,
+                                                                replace(options, branching=1), universal=False)
             hybrid, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=shared.gamma,
                                             adaptive_gamma=options.adaptive_gamma)
             return Drafting(hybrid, shared.draft_policy or policy, model_drafter.counters)

@@ -23,7 +23,6 @@ from sampling.policy.draft_confidence import ConfidenceStop
 from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.policy.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from utils.calibration import pass_costs
-from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import vocab_size
 from utils.validation import check_bool, check_int, check_model
 
@@ -38,56 +37,6 @@ def check_same_vocabulary(drafter: PreTrainedModel, target: PreTrainedModel) -> 
             f"drafter with another tokenizer pass tokenizer=<the target's tokenizer> and "
             f"drafter_tokenizer=<the drafter's tokenizer>"
         )
-
-
-def model_drafting(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, *,
-                   logits_processor: LogitsProcessor, use_cache: bool,
-                   gamma: int, adaptive_gamma: bool, drafter_invariant: bool | None, cascade: bool | None = None,
-                   universal: bool = False, branching: int | None = 1,
-                   tokenizer=None, drafter_tokenizer=None) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
-    """A drafter model over the rows of `gen` (arguments checked; `universal`: it has another
-    tokenizer, `sampling.drafters.universal.check_tokenizers`) -> (its drafter, the cost-aware policy of its
-    chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step). `cascade`
-    (None: on with `adaptive_gamma`): the drafter checks a proposer's tokens in passes of its own
-    (`sampling/drafters/cascade.py`), priced by its measured costs. `branching` (checked; `sampling.drafters.model_tree`):
-    token trees where both models' runners verify them, else chains."""
-    # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
-    # closures read the drafter built below: one drafter and one policy, each built whole).
-    drafter_costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
-    policy = CostAwareDraftLength(max(gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, drafter_costs,
-                                  draft_seconds=lambda: model_drafter.seconds_per_draft,
-                                  warm=lambda: model_drafter.is_warm(),
-                                  per_token_stop=not universal)  # the other-tokenizer drafter has no per-token stop
-    # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
-    # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
-    coupled = adaptive_gamma if drafter_invariant is None else drafter_invariant
-    proposer = Cascade(drafter_costs) if (adaptive_gamma if cascade is None else cascade) else None
-    if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/drafters/universal.py)
-        model_drafter = UniversalDrafter(drafter, logits_processor, tokenizer=tokenizer, drafter_tokenizer=drafter_tokenizer,
-                                         target_vocab_size=vocab_size(target), uniforms=gen.uniforms, use_cache=use_cache,
-                                         trees=gen.runner.supports_trees, coupled=coupled, costs=drafter_costs,
-                                         cascade=proposer)
-    else:
-        stop = ConfidenceStop(policy) if adaptive_gamma else None
-        model_drafter = ModelDrafter(
-            drafter, logits_processor, vocab_size=vocab_size(target), use_cache=use_cache,
-            encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled, stop=stop,
-            costs=drafter_costs, cascade=proposer, max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
-        )
-        # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.drafters.self_drafting`).
-        shared = shared_runner(drafter, target, lambda: gen.runner, use_cache=use_cache, costs=drafter_costs)
-        if shared is not None:
-            model_drafter.runner = shared
-        width = tree_branching(branching, adaptive_gamma)
-        if width > 1 and gen.runner.supports_trees and model_drafter.runner.supports_trees:
-            acceptance = TreeAcceptance()
-            planner = TreePlanner(policy, drafter_costs, width, acceptance) if adaptive_gamma else None
-            mode = ("greedy" if logits_processor.is_greedy else "coupled" if coupled else "sampled", len(gen.uniforms))
-            tree_drafter = ModelTreeDrafter(model_drafter, width, planner, acceptance,
-                                            shape_record(drafter, target, mode) if adaptive_gamma else None)
-            return releasing(tree_drafter, shared), policy, policy if adaptive_gamma else DraftLength(gamma)
-        return releasing(model_drafter, shared), policy, policy if adaptive_gamma else DraftLength(gamma)
-    return model_drafter, policy, policy if adaptive_gamma else DraftLength(gamma)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,15 +71,53 @@ def check_model_drafter(request: Request, shared: DecodingOptions, drafter: obje
     return universal
 
 
-def build_model_drafting(request: Request, gen: Generation, shared: DecodingOptions, drafter: PreTrainedModel,
-                         options: ModelOptions,
-                         universal: bool) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
-    """`model_drafting` from a speculative call's options."""
-    return model_drafting(drafter, request.model, gen, logits_processor=shared.logits_processor,
-                          use_cache=shared.use_cache, gamma=shared.gamma, adaptive_gamma=options.adaptive_gamma,
-                          drafter_invariant=options.drafter_invariant, cascade=options.cascade, universal=universal,
-                          branching=options.branching, tokenizer=shared.habits.tokenizer,
-                          drafter_tokenizer=options.drafter_tokenizer)
+def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, shared: DecodingOptions,
+                        options: ModelOptions, *,
+                        universal: bool) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
+    """A drafter model over the rows of `gen`, from a speculative call's options (checked;
+    `universal`: it has another tokenizer, `check_model_drafter`) -> (its drafter, the cost-aware
+    policy of its chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step).
+    `cascade` (None: on with `adaptive_gamma`): the drafter checks a proposer's tokens in passes of its
+    own (`sampling/drafters/cascade.py`), priced by its measured costs. `branching`
+    (`sampling.drafters.model_tree`): token trees where both models' runners verify them, else chains."""
+    adaptive = options.adaptive_gamma
+    # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
+    # closures read the drafter built below: one drafter and one policy, each built whole).
+    drafter_costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
+    policy = CostAwareDraftLength(max(shared.gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, drafter_costs,
+                                  draft_seconds=lambda: model_drafter.seconds_per_draft,
+                                  warm=lambda: model_drafter.is_warm(),
+                                  per_token_stop=not universal)  # the other-tokenizer drafter has no per-token stop
+    loop_policy = policy if adaptive else DraftLength(shared.gamma)
+    # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
+    # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
+    coupled = adaptive if options.drafter_invariant is None else options.drafter_invariant
+    proposer = Cascade(drafter_costs) if (adaptive if options.cascade is None else options.cascade) else None
+    if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/drafters/universal.py)
+        model_drafter = UniversalDrafter(drafter, shared.logits_processor, tokenizer=shared.habits.tokenizer,
+                                         drafter_tokenizer=options.drafter_tokenizer, target_vocab_size=vocab_size(target),
+                                         uniforms=gen.uniforms, use_cache=shared.use_cache, trees=gen.runner.supports_trees,
+                                         coupled=coupled, costs=drafter_costs, cascade=proposer)
+        return model_drafter, policy, loop_policy
+    model_drafter = ModelDrafter(
+        drafter, shared.logits_processor, vocab_size=vocab_size(target), use_cache=shared.use_cache,
+        encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled,
+        stop=ConfidenceStop(policy) if adaptive else None, costs=drafter_costs, cascade=proposer,
+        max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
+    )
+    # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.drafters.self_drafting`).
+    shared_cache = shared_runner(drafter, target, lambda: gen.runner, use_cache=shared.use_cache, costs=drafter_costs)
+    if shared_cache is not None:
+        model_drafter.runner = shared_cache
+    width = tree_branching(options.branching, adaptive)
+    if width == 1 or not (gen.runner.supports_trees and model_drafter.runner.supports_trees):
+        return releasing(model_drafter, shared_cache), policy, loop_policy
+    acceptance = TreeAcceptance()
+    mode = ("greedy" if shared.logits_processor.is_greedy else "coupled" if coupled else "sampled", len(gen.uniforms))
+    tree_drafter = ModelTreeDrafter(model_drafter, width,  # the policy's closures still read the chain drafter
+                                    TreePlanner(policy, drafter_costs, width, acceptance) if adaptive else None,
+                                    acceptance, shape_record(drafter, target, mode) if adaptive else None)
+    return releasing(tree_drafter, shared_cache), policy, loop_policy
 
 
 class ModelDrafterKind:
@@ -140,14 +127,14 @@ class ModelDrafterKind:
     what = "a transformers PreTrainedModel"
 
     def takes(self, drafter: object, given: dict[str, object]) -> bool:
-        return isinstance(drafter, torch.nn.Module) and "ngram" not in given
+        return isinstance(drafter, torch.nn.Module) and given.get("ngram") is None
 
     def check(self, request: Request, shared: DecodingOptions, drafter: object,
               options: ModelOptions) -> Callable[[Generation], Drafting]:
         universal = check_model_drafter(request, shared, drafter, options)
 
         def build(gen: Generation) -> Drafting:
-            model_drafter, _, policy = build_model_drafting(request, gen, shared, drafter, options, universal)
+            model_drafter, _, policy = build_model_drafter(drafter, request.model, gen, shared, options, universal=universal)
             return Drafting(model_drafter, shared.draft_policy or policy, model_drafter.counters)
 
         return build

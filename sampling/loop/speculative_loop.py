@@ -233,16 +233,16 @@ def speculative_loop(
         # 4. Roll back the target: keep the accepted paths, forget the rest.
         roll_back(target, active, drafts, verdicts)
         clock.lap("rollback")
-        # 5. Each row gains its tokens; the policy, the stats and `on_step` hear of its step.
+        # 5. Learn: each row gains its tokens; the policy, the stats and `on_step` hear of its step.
         gains = gain(rows, drafts, verdicts, logits)
         learn(policy, stats, rows, drafts, verdicts)
         if on_step is not None:
             stream(on_step, rows.live, drafts, verdicts, gains)
         clock.lap("rest")
-        # 6. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
+        # 6. Update the drafter: what was accepted (it rolls back its cache, an n-gram pool learns).
         drafter.update(active, [verdict.path for verdict in verdicts], logits, [verdict.p for verdict in verdicts])
         clock.lap("update")
-        # 7. Finished rows leave the batch: the target's runner and the drafter keep the others.
+        # 7. Narrow: finished rows leave the batch; the target's runner and the drafter keep the others.
         going_on = [i for i, (_, finished) in enumerate(gains) if not finished]
         if rows.keep(going_on):
             target = gen.narrow(going_on)
