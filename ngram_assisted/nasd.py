@@ -20,8 +20,8 @@ from ngram_assisted.dynagram import DynaGram
 from ngram_assisted.rows import NgramOptions, ngram_rows
 from sampling.drafters.registry import register_kind
 from sampling.loop.common import Generation, OnStep, Request
+from sampling.loop.encoder_decoder import encoder_decoder_twin, of_kind
 from sampling.loop.habits import Habits
-from sampling.loop.model_kind import encoder_decoder_twin, of_kind
 from sampling.loop.options import DecodingOptions, Drafting, NasdDecodingOptions
 from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.loop.stopping import Criterion

@@ -8,8 +8,8 @@ from transformers import PreTrainedModel
 from sampling.loop.acceptance import accept_rows
 from sampling.loop.common import Generation, OnStep, Step, measured_costs, start_generation
 from sampling.loop.drafts import Draft, DraftTree
+from sampling.loop.encoder_decoder import encoder_decoder_twin, of_kind
 from sampling.loop.habits import Habits
-from sampling.loop.model_kind import encoder_decoder_twin, of_kind
 from sampling.loop.options import DecodingOptions, check_request
 from sampling.loop.progress import Progress
 from sampling.loop.speculative_loop import SpeculativeStats

@@ -14,8 +14,8 @@ from sampling.drafters.hybrid import HybridOptions
 from sampling.drafters.registry import kind_options
 from sampling.loop.common import OnStep, measured_costs, start_generation
 from sampling.loop.drafts import Drafter
+from sampling.loop.encoder_decoder import encoder_decoder_twin, of_kind
 from sampling.loop.habits import Habits
-from sampling.loop.model_kind import encoder_decoder_twin, of_kind
 from sampling.loop.options import DecodingOptions, check_request
 from sampling.loop.speculative_loop import SpeculativeStats, speculative_loop
 from sampling.loop.stopping import Criterion

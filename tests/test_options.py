@@ -16,7 +16,7 @@ from ngram_assisted.nasd import NgramOptions
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.drafters.custom_drafters import CustomOptions
 from sampling.drafters.hybrid import HybridOptions
-from sampling.drafters.model_drafting import ModelOptions
+from sampling.drafters.model_kind import ModelOptions
 from sampling.loop.habits import Habits
 from sampling.loop.options import DecodingOptions, NasdDecodingOptions
 from sampling.policy.draft_policy import DraftLength

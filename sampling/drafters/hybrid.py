@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from sampling.drafters.model_drafter import ModelDrafter
-from sampling.drafters.model_drafting import ModelOptions, build_model_drafter, check_model_drafter
+from sampling.drafters.model_kind import ModelOptions, build_model_drafter, check_model_drafter
 from sampling.drafters.registry import KINDS, register_kind
 from sampling.loop.common import Generation, Request
 from sampling.loop.drafts import Drafter

@@ -1,7 +1,9 @@
-"""The drafter kind of a drafter model: the `ModelDrafter` (or, another tokenizer, the
-`UniversalDrafter`), built whole with its coupling and stop rules, and the cost-aware policy that
-sizes its drafts (`sampling/policy/draft_policy.py`) or, in a hybrid, prices them. Cascade drafting is an
-option of this kind (`sampling/drafters/cascade.py`)."""
+"""The drafter kind of a drafter model (`ModelOptions`, `ModelDrafterKind`): the `ModelDrafter` (or,
+another tokenizer, the `UniversalDrafter`; trees, the `ModelTreeDrafter`), built whole from the call's
+options with its coupling and stop rules, and the cost-aware policy that sizes its drafts
+(`sampling/policy/draft_policy.py`) or, in a hybrid, prices them. Cascade drafting is an option of this
+kind (`sampling/drafters/cascade.py`); the drafter model's pass costs are measured here (`pass_costs`),
+the target's by `sampling.loop.common.measured_costs`."""
 
 from __future__ import annotations
 
