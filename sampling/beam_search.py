@@ -39,6 +39,25 @@ def seed_name_alpha(function: Callable) -> Callable:
     return renamed
 
 
+def check_beam_arguments(top_k: int, num_beams: int, min_length: int, length_penalty: float, alpha: float | None,
+                         num_return_sequences: int) -> float:
+    """Beam search's own arguments, checked before any model runs -> the length penalty (`alpha`, the
+    seed's name of it, when given)."""
+    check_int(top_k, "top_k", 1)
+    check_int(num_beams, "num_beams", 1)
+    check_int(min_length, "min_length", 0)
+    name, length_penalty = ("length_penalty", length_penalty) if alpha is None else ("alpha", alpha)
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+        raise TypeError(f"{name} must be a number >= 0 (the length penalty's exponent), got {length_penalty!r}")
+    if not length_penalty >= 0:
+        raise ValueError(f"{name} must be >= 0 (the length penalty's exponent; 0: no penalty), got {length_penalty}")
+    n = check_int(num_return_sequences, "num_return_sequences", 1)
+    if n > num_beams:
+        raise ValueError(f"num_return_sequences must be <= num_beams ({num_beams}): the best finished beams are "
+                         f"returned, got {n}")
+    return length_penalty
+
+
 @transformers_names
 @seed_name_alpha
 def beam_search_generate(
@@ -79,18 +98,8 @@ def beam_search_generate(
     """
     if is_encoder_decoder(model):
         raise ValueError(f"beam_search_generate supports decoder-only models; model is {type(model).__name__}, an encoder-decoder")
-    check_int(top_k, "top_k", 1)
-    check_int(num_beams, "num_beams", 1)
-    check_int(min_length, "min_length", 0)
-    name, length_penalty = ("length_penalty", length_penalty) if alpha is None else ("alpha", alpha)
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
-        raise TypeError(f"{name} must be a number >= 0 (the length penalty's exponent), got {length_penalty!r}")
-    if not length_penalty >= 0:
-        raise ValueError(f"{name} must be >= 0 (the length penalty's exponent; 0: no penalty), got {length_penalty}")
-    n = check_int(num_return_sequences, "num_return_sequences", 1)
-    if n > num_beams:
-        raise ValueError(f"num_return_sequences must be <= num_beams ({num_beams}): the best finished beams are "
-                         f"returned, got {n}")
+    length_penalty = check_beam_arguments(top_k, num_beams, min_length, length_penalty, alpha, num_return_sequences)
+    n = num_return_sequences
     # num_return_sequences is the n best beams here, not n copies of each row: not one of its habits.
     options = DecodingOptions(max_gen_len=max_gen_len, end_tokens_id=end_tokens_id, pad_token_id=pad_token_id,
                               use_cache=use_cache, habits=Habits(tokenizer, stop_strings, stopping_criteria))

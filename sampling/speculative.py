@@ -85,55 +85,28 @@ def speculative_generate(
     draft_policy: DraftPolicy | None = SHARED.draft_policy,
     **kind_options,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
-    """Speculative decoding of a decoder-only `target` with a smaller `drafter` model, or with any
-    object with the `Drafter` protocol (your own drafter: docs/drafters.md).
+    """Speculative decoding (Leviathan et al. 2023) of a decoder-only `target` with a smaller `drafter`
+    model, or any object with the `Drafter` protocol (docs/drafters.md) -> (generated ids, alpha = drafts
+    accepted / drafts proposed), or for a batch (`utils.validation.INPUTS_DOC`) one such pair per row.
+    Greedy output is greedy `autoregressive_generate`'s, token for token; sampled output follows the
+    target's processed distribution exactly. docs/api.md gives every parameter in full.
 
-    Each step the drafter proposes `gamma` tokens, the target scores them in one forward pass, and
-    a prefix is accepted: greedily (output identical to greedy `autoregressive_generate`) or by
-    rejection sampling (output distributed exactly as the target's processed distribution).
-    Returns (generated ids, alpha = drafts accepted / drafts proposed); for a batch (a list of
-    token-id lists, a 2-D tensor, or a tokenizer's output with 2-D `input_ids`, even [1, n]; its
-    attention mask's padding is removed per row: `utils.validation.INPUTS_DOC`) a list with one such
-    pair per row, the rows decoded together; a 1-D tensor is one sequence. With `adaptive_gamma` each
-    step drafts the number of tokens (0 .. max(gamma, 16)) that maximises the expected tokens per
-    unit of measured cost (`sampling.policy.draft_policy`), so a drafter that cannot pay on this machine
-    stops drafting; without it, `gamma` every step. `stats` collects tau, forward passes and
-    acceptance by position; `on_step` streams each step. `pad_token_id`: for a batch without an
-    attention mask, the token stripped from both ends of each row. A drafter with another tokenizer: pass `tokenizer` (the target's) and
-    `drafter_tokenizer` (the drafter's); it drafts in its own vocabulary, inputs and outputs stay
-    target ids, greedy and sampling stay exact (`sampling/drafters/universal.py`; decoder-only models).
-    `drafter_invariant` (sampling): the drafter drafts with the target's own random number of each
-    position and a draft is accepted iff it is the token the target samples there, so the output is
-    plain seeded sampling's (`autoregressive_generate` with the same generator) whatever gamma,
-    adaptive_gamma or timings chose; it accepts less than the standard min(1, p/q) rule. None (the
-    default): on with `adaptive_gamma` (draft lengths follow timings: only this makes a seed give
-    one output), off with a fixed gamma (the standard rule already reproduces itself there).
-    `ngram` (a `MultiDynaGram(8)`, say; one pool shared by a batch's rows, or a list with one per
-    row): hybrid drafting: each step and row drafts from the pool or with the model, whichever is
-    expected to give more tokens per unit of measured cost (`sampling/drafters/hybrid.py`), exact either way.
-    `cascade` (cascade drafting, `sampling/drafters/cascade.py`): a prompt-lookup proposer offers the drafter
-    model tokens that it checks in one pass of its own, so several drafts cost one drafter pass where
-    its measured costs say a wider pass is cheap; its drafts and q are exactly those of one-token
-    passes, so outputs are unchanged. None (the default): on with `adaptive_gamma`, off otherwise.
-    `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
-    `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
-    (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/loop/stopping.py`);
-    `num_return_sequences`=n returns what the batch of n copies of each prompt returns. `stats.logprobs`: each returned token's
-    log-softmax of the target's raw logits, from the verification passes. `logits_processor` (greedy by
-    default) makes the target's p and the drafter's q; `generator` (one, or one per row) makes sampling
-    reproducible (docs/seeds.md); `use_cache=False` gives the same tokens, slower.
-    `branching` (token trees from the drafter model, `sampling/drafters/model_tree.py`, docs/trees.md): up to this
-    many children per node, the tree verified in one target pass, exact (greedy: the argmax path;
-    sampling: recursive rejection sampling with the drafter's q); `gamma` counts every node. 1: chains.
-    None (the default): with `adaptive_gamma`, a tree (up to 3 children per node) on the steps where
-    the measured costs say it gives more than a chain, else a chain; with a fixed gamma, chains.
-    Chains where a runner cannot verify trees (encoder-decoder models, `use_cache=False`, flash
-    attention), with `ngram=` and with a `drafter_tokenizer`.
-    `draft_policy` (your own `sampling.policy.draft_policy.DraftPolicy`: `budget(num_rows)`, `update(num_drafts,
-    num_accepted)`): each step's budget of drafted nodes per row, instead of the kind's own (`gamma`, or
-    with `adaptive_gamma` the cost-aware rule); docs/architecture.md, "Add a policy".
-    `**kind_options`: the options of a drafter kind that the signature does not list (each kind's
-    `Options` dataclass, `sampling/drafters/registry.py`); one no kind takes is refused by name.
+    `gamma`: tokens drafted each step (with `adaptive_gamma`: 0 .. max(gamma, 16), as the measured costs
+    and acceptance say pays, `sampling.policy.draft_policy`); `draft_policy`: your own `DraftPolicy`
+    instead. `logits_processor` (greedy by default) makes p and q; `generator` (one, or one per row)
+    makes sampling reproducible; `use_cache=False` gives the same tokens, slower. `max_gen_len`,
+    `end_tokens_id` (left out: the model's end tokens; None: only `max_gen_len` stops), `stop_strings`
+    (with `tokenizer`, the target's) and `stopping_criteria` stop where plain decoding stops;
+    `num_return_sequences`=n returns what the batch of n copies of each prompt returns; `pad_token_id`:
+    the token stripped from both ends of a batch's rows without an attention mask. `stats` collects
+    tau, passes, acceptance by position and `logprobs`; `on_step` streams each step.
+    `drafter_tokenizer` (with `tokenizer`): a drafter with another vocabulary (`sampling/drafters/universal.py`).
+    `drafter_invariant`: a draft accepted iff it is the token the target samples there (None: on with
+    `adaptive_gamma`). `ngram` (a pool, or one per row): hybrid drafting (`sampling/drafters/hybrid.py`).
+    `cascade`: prompt lookup checked in the drafter's own passes (None: on with `adaptive_gamma`).
+    `branching`: token trees of up to this many children per node, verified in one pass (1: chains;
+    None: trees where the measured costs say so with `adaptive_gamma`, else chains). `**kind_options`:
+    the options of a drafter kind the signature does not list; one no kind takes is refused by name.
     """
     shared = DecodingOptions(gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
                              end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,
