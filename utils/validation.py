@@ -320,11 +320,11 @@ def check_end_tokens_form(value: object) -> None:
 
 
 def check_end_tokens(value: object, model: PreTrainedModel) -> frozenset[int]:
-    """`end_tokens_id`: None, an int, or a list of ints -> the set of end tokens; `MODEL_EOS` (left
-    out): the model's own (`model_end_tokens`)."""
+    """`end_tokens_id` (its form checked already, `check_end_tokens_form`): None, an int, or a list of
+    ints, each in the model's vocabulary -> the set of end tokens; `MODEL_EOS` (left out): the model's
+    own (`model_end_tokens`)."""
     if value is MODEL_EOS:
         return model_end_tokens(model)
-    check_end_tokens_form(value)
     tokens = []
     vocab = vocab_size(model)
     for token in [] if value is None else [value] if isinstance(value, int) else value:

@@ -1,5 +1,6 @@
 """Where each row of a generation stands while a loop advances it: its sequence, its generated
-tokens, and the rows still decoding. The speculative loop and plain decoding keep their rows here."""
+tokens, its drafts proposed and accepted, and the rows still decoding. The speculative loop and plain
+decoding keep their rows here; the target's runner over those rows is the loop's (`Generation.narrow`)."""
 
 from __future__ import annotations
 

@@ -154,8 +154,9 @@ class SpeculativeStats:
 def verification_blocks(sequences: list[list[int]], drafts: list[Draft]) -> list[tuple[list[int], list[int] | None]]:
     """Each row's block for the target's pass: its last accepted token (the root) and its drafted
     nodes; parents None for a chain, else the tree's parents within the block (-1: the root)."""
+    trees = [draft.tree for draft in drafts]
     return [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
-            for sequence, (tree, _) in zip(sequences, drafts, strict=True)]
+            for sequence, tree in zip(sequences, trees, strict=True)]
 
 
 def roll_back(target: Runner, sequences: list[list[int]], drafts: list[Draft], verdicts: list[Verdict]) -> None:
@@ -189,10 +190,10 @@ def learn(policy: DraftPolicy, stats: SpeculativeStats, rows: Progress, drafts: 
 def stream(on_step: OnStep, live: list[int], drafts: list[Draft], verdicts: list[Verdict],
            gains: list[tuple[list[int], bool]]) -> None:
     """Step 5: `on_step` hears each row's step, its accepted drafts first, then the rejected ones."""
-    for row, (tree, _), (path, _, _), (new_tokens, _) in zip(live, drafts, verdicts, gains, strict=True):
-        accepted = [tree.tokens[node] for node in path]
-        rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
-        on_step(Step(drafts=tuple(accepted + rejected), accepted=len(path), tokens=tuple(new_tokens), row=row))
+    for row, draft, verdict, (new_tokens, _) in zip(live, drafts, verdicts, gains, strict=True):
+        accepted = [draft.tree.tokens[node] for node in verdict.path]
+        rejected = [draft.tree.tokens[node] for node in range(len(draft.tree)) if node not in verdict.path]
+        on_step(Step(drafts=tuple(accepted + rejected), accepted=len(verdict.path), tokens=tuple(new_tokens), row=row))
 
 
 def speculative_loop(
