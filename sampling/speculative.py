@@ -44,8 +44,10 @@ def run_speculative(inputs: Inputs, target: PreTrainedModel, drafter: object, sh
         if chosen is None:
             raise TypeError(f"{name} must be {kind.what}, got a {type(drafter).__name__}")
     options = kind_options(chosen, keywords, function)
+    # `tokenizer` serves the stop strings and, with a drafter of another vocabulary, the bridge to it.
+    uses_tokenizer = getattr(options, "drafter_tokenizer", None) is not None
     request = check_request(inputs, target, shared, encoder_decoder=is_encoder_decoder(target), model_name="target",
-                            tokenizer_used=getattr(options, "drafter_tokenizer", None) is not None)
+                            tokenizer_used=uses_tokenizer)
     build = chosen.check(request, shared, drafter, options)
     gen = start_generation(request, measured_costs(target))  # the first call with a model calibrates it
     drafting = build(gen)
