@@ -11,43 +11,24 @@ ANPD / NAPD (Ou et al. 2024) is reproduced by `SimpleDynaGram`, `top_k_filler=1`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from ngram_assisted.drafter import NgramRows
 from ngram_assisted.dynagram import DynaGram
-from ngram_assisted.rows import ngram_rows
-from sampling.drafters.registry import register_kind, route
+from ngram_assisted.rows import NgramOptions, ngram_rows
+from sampling.drafters.registry import register_kind
 from sampling.loop.common import Generation, OnStep, Request
+from sampling.loop.encoder_decoder import encoder_decoder_twin, of_kind
 from sampling.loop.habits import Habits
-from sampling.loop.model_kind import encoder_decoder_twin, of_kind
 from sampling.loop.options import DecodingOptions, Drafting, NasdDecodingOptions
 from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.loop.stopping import Criterion
 from sampling.policy.draft_policy import DraftLength, DraftPolicy
-from sampling.speculative import run_drafting
+from sampling.speculative import run_speculative
 from utils.logits_processors import LogitsProcessor
-from utils.validation import Inputs, check_bool, check_int, transformers_names
-
-
-@dataclass(frozen=True, kw_only=True)
-class NgramOptions:
-    """An n-gram pool's drafting options (`ngram_assisted_speculative_generate` says what each means)."""
-
-    top_k_filler: int = 3
-    stop_if_unknown: bool = True
-    draft_cost: Callable[[int], float] | None = None
-    branching: int | None = None
-
-    def __post_init__(self) -> None:
-        check_int(self.top_k_filler, "top_k_filler", 1)
-        check_bool(self.stop_if_unknown, "stop_if_unknown")
-        if self.draft_cost is not None and not callable(self.draft_cost):
-            raise TypeError(f"draft_cost must be a function of the number of drafts, or None; got {self.draft_cost!r}")
-        if self.branching is not None:
-            check_int(self.branching, "branching", 1)
+from utils.validation import Inputs, transformers_names
 
 
 def first_pool(ngram: object) -> object:
@@ -67,15 +48,12 @@ class NgramKind:
 
     def check(self, request: Request, shared: DecodingOptions, drafter: object,
               options: NgramOptions) -> Callable[[Generation], Drafting]:
-        build_rows = self.pool_rows(drafter, request, greedy=shared.logits_processor.is_greedy, options=options)
+        build_rows = ngram_rows(drafter, request, shared.logits_processor.is_greedy, options)
         return lambda gen: Drafting(build_rows(gen), shared.draft_policy or DraftLength(shared.gamma))
 
-    def pool_rows(self, ngram: object, request: Request, *, greedy: bool,
-                  options: NgramOptions = NgramOptions()) -> Callable[[Generation], NgramRows]:
-        """The builder of the pool's drafter over the request's rows (the hybrid's: at the defaults)."""
-        return ngram_rows(ngram, request, greedy=greedy, top_k_filler=options.top_k_filler,
-                          stop_if_unknown=options.stop_if_unknown, draft_cost=options.draft_cost,
-                          branching=options.branching)
+    def pool_rows(self, ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], NgramRows]:
+        """The builder of the pool's drafter over the request's rows, at the pool's defaults (the hybrid's)."""
+        return ngram_rows(ngram, request, greedy, NgramOptions())
 
 
 register_kind(NgramKind())
@@ -89,7 +67,7 @@ def ngram_assisted_speculative_generate(
     ngram: DynaGram | list[DynaGram],
     target: PreTrainedModel,
     *,
-    tokenizer=None,
+    tokenizer=Habits.tokenizer,
     gamma: int = SHARED.gamma,
     top_k_filler: int = POOL.top_k_filler,
     logits_processor: LogitsProcessor = SHARED.logits_processor,
@@ -130,12 +108,17 @@ def ngram_assisted_speculative_generate(
     target's processed distribution exactly (multi-candidate speculative sampling on trees).
     `pad_token_id`: for a batch without an attention mask, the token stripped from both ends of
     each row. `tokenizer`: the target's, for `stop_strings`. `stop_strings`, `stopping_criteria`,
-    `num_return_sequences` and `end_tokens_id` left out: as in `autoregressive_generate`.
+    `num_return_sequences` and `end_tokens_id` left out: as in `autoregressive_generate`. `logits_processor`,
+    `max_gen_len`, `use_cache`, `generator`, `stats`, `on_step` and `draft_policy`: as in `speculative_generate`.
     """
-    habits = Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step)
-    shared, keywords = route(ngram_assisted_speculative_generate, locals(), habits, NasdDecodingOptions)
-    return run_drafting(inputs, target, ngram, shared, keywords, name="ngram",
-                        function="ngram_assisted_speculative_generate", kind=NgramKind)
+    shared = NasdDecodingOptions(gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
+                                 end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,
+                                 generator=generator, stats=stats, on_step=on_step, draft_policy=draft_policy,
+                                 habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
+    pool = {"top_k_filler": top_k_filler, "stop_if_unknown": stop_if_unknown, "draft_cost": draft_cost,
+            "branching": branching}
+    return run_speculative(inputs, target, ngram, shared, {**pool, **kind_options}, name="ngram",
+                           function="ngram_assisted_speculative_generate", kind=NgramKind)
 
 
 ngram_assisted_speculative_generate_encoder_decoder = encoder_decoder_twin(

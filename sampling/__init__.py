@@ -4,7 +4,8 @@ from sampling.autoregressive import autoregressive_generate, autoregressive_gene
 from sampling.beam_search import beam_search_generate
 from sampling.drafters.self_drafting import quantized_drafter
 from sampling.loop.common import Step
-from sampling.loop.drafts import Drafter, DraftTree
+from sampling.loop.drafts import Draft, Drafter, DraftTree
+from sampling.policy.draft_policy import DraftPolicy
 from sampling.speculative import (
     SpeculativeStats,
     speculative_generate,
@@ -12,6 +13,8 @@ from sampling.speculative import (
 )
 
 __all__ = [
+    "Draft",
+    "DraftPolicy",
     "DraftTree",
     "Drafter",
     "Step",

@@ -6,18 +6,20 @@ import torch
 from transformers import PreTrainedModel
 
 from sampling.loop.acceptance import accept_rows
-from sampling.loop.common import Generation, OnStep, Step, check_request, measured_costs, start_generation
-from sampling.loop.drafts import DraftTree
+from sampling.loop.common import Generation, OnStep, Step, measured_costs, start_generation
+from sampling.loop.drafts import Draft, DraftTree
+from sampling.loop.encoder_decoder import encoder_decoder_twin, of_kind
 from sampling.loop.habits import Habits
-from sampling.loop.model_kind import encoder_decoder_twin, of_kind
+from sampling.loop.options import DecodingOptions, check_request
 from sampling.loop.progress import Progress
 from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.loop.stopping import Criterion
-from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
-from utils.validation import MODEL_EOS, Inputs, transformers_names
+from utils.validation import Inputs, transformers_names
 
-NO_DRAFTS = DraftTree.chain([])
+SHARED = DecodingOptions  # the defaults every decoding function shares (max_gen_len, use_cache, the processor...)
+NO_DRAFTS = Draft(DraftTree.chain([]), None)
 
 
 def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep | None,
@@ -31,25 +33,25 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
     passes = runner.forward_passes
     logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
     while True:
-        verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), [None] * len(rows.live), rows.active(),
-                               logits_processor, rows.uniforms())
+        verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), rows.active(), logits_processor, rows.uniforms())
         going_on = []  # positions in `live` of the rows not finished
-        for i, (_, token, _) in enumerate(verdicts):
+        for i, verdict in enumerate(verdicts):
             row = rows.live[i]
-            tokens, finished = rows.extend(i, [token], logits[i] if rows.needs_logits else None)
+            tokens, finished = rows.extend(i, [verdict.token], logits[i] if rows.needs_logits else None)
             going_on += [] if finished else [i]
             if stats is not None:
                 stats.record(0, 0)
             if on_step is not None:
                 on_step(Step(drafts=(), accepted=0, tokens=tuple(tokens), row=row))
-        runner, _ = rows.keep(going_on, runner)
+        if rows.keep(going_on):  # finished rows stop costing compute
+            runner = gen.narrow(going_on)
         if not rows.live:
             if stats is not None:
                 stats.generated_tokens += sum(len(tokens) for tokens in rows.generated)
                 stats.target_forwards += runner.forward_passes - passes
                 stats.logprobs += rows.logprobs.lists()
             return gen.results(rows.generated)
-        logits = runner.forward_rows([([verdicts[i][1]], None) for i in going_on], [1] * len(going_on))  # the cache holds the rest
+        logits = runner.forward_rows([([verdicts[i].token], None) for i in going_on], [1] * len(going_on))  # the cache holds the rest
 
 
 @transformers_names
@@ -58,18 +60,18 @@ def autoregressive_generate(
     inputs: Inputs,
     model: PreTrainedModel,
     *,
-    use_cache: bool = True,
-    max_gen_len: int = 40,
-    logits_processor: LogitsProcessor = GreedyProcessor(),
-    end_tokens_id: int | list[int] | None = MODEL_EOS,
-    pad_token_id: int | None = None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    on_step: OnStep | None = None,
-    stats: SpeculativeStats | None = None,
-    tokenizer=None,
-    stop_strings: str | list[str] | None = None,
-    stopping_criteria: Criterion | list[Criterion] | None = None,
-    num_return_sequences: int = 1,
+    use_cache: bool = SHARED.use_cache,
+    max_gen_len: int = SHARED.max_gen_len,
+    logits_processor: LogitsProcessor = SHARED.logits_processor,
+    end_tokens_id: int | list[int] | None = SHARED.end_tokens_id,
+    pad_token_id: int | None = SHARED.pad_token_id,
+    generator: torch.Generator | list[torch.Generator] | None = SHARED.generator,
+    on_step: OnStep | None = SHARED.on_step,
+    stats: SpeculativeStats | None = SHARED.stats,
+    tokenizer=Habits.tokenizer,
+    stop_strings: str | list[str] | None = Habits.stop_strings,
+    stopping_criteria: Criterion | list[Criterion] | None = Habits.stopping_criteria,
+    num_return_sequences: int = Habits.num_return_sequences,
 ) -> list[int] | list[list[int]]:
     """Generate up to `max_gen_len` tokens after `inputs` with a decoder-only model.
 
@@ -87,13 +89,13 @@ def autoregressive_generate(
     `end_tokens_id` left out: the model's `generation_config.eos_token_id` (all of them); None: only
     `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
     (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/loop/stopping.py`);
-    `num_return_sequences=n` returns what the batch of n copies of each prompt returns.
+    `num_return_sequences`=n returns what the batch of n copies of each prompt returns. `logits_processor`
+    (greedy by default) picks each token; `use_cache=False` gives the same tokens, slower.
     """
-    request = check_request(
-        inputs, model, encoder_decoder=is_encoder_decoder(model), use_cache=use_cache, max_gen_len=max_gen_len,
-        logits_processor=logits_processor, end_tokens_id=end_tokens_id, generator=generator, pad_token_id=pad_token_id,
-        habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences, on_step),
-    )
+    options = DecodingOptions(logits_processor=logits_processor, max_gen_len=max_gen_len, end_tokens_id=end_tokens_id,
+                              pad_token_id=pad_token_id, use_cache=use_cache, generator=generator, stats=stats,
+                              on_step=on_step, habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
+    request = check_request(inputs, model, options, encoder_decoder=is_encoder_decoder(model))
     return _decode(start_generation(request, measured_costs(model)), logits_processor, on_step, stats)
 
 

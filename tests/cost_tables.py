@@ -22,7 +22,7 @@ def fix_costs(monkeypatch: pytest.MonkeyPatch, relative: dict[int, float], draft
         return PassCosts(relative=dict(relative), one_token_seconds=seconds, measured=True)
 
     monkeypatch.setattr("sampling.loop.common.pass_costs", costs)
-    monkeypatch.setattr("sampling.drafters.model_drafting.pass_costs", lambda model: costs(model, 0.1 * drafter_step_cost))
+    monkeypatch.setattr("sampling.drafters.model_kind.pass_costs", lambda model: costs(model, 0.1 * drafter_step_cost))
     monkeypatch.setattr(PassCosts, "observe", lambda self, k, seconds: None)
     monkeypatch.setattr(PassCosts, "observe_batch", lambda self, rows, width, seconds: None)
     monkeypatch.setattr(CostAwareDraftLength, "drafter_step_cost", lambda self: drafter_step_cost)

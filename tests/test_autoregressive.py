@@ -140,3 +140,10 @@ def test_beam_search_with_enough_beams_finds_the_best_sequence():
         min_length=min_length, alpha=alpha,
     )
     assert found == best
+
+
+def test_beam_search_takes_the_seeds_alpha_as_its_length_penalty():
+    model = tiny_model("llama")
+    for penalty in (0.0, 2.5):
+        assert (beam_search_generate(prompt(1), model, max_gen_len=8, num_beams=3, alpha=penalty)
+                == beam_search_generate(prompt(1), model, max_gen_len=8, num_beams=3, length_penalty=penalty))

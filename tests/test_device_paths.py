@@ -12,13 +12,22 @@ import sampling.loop.randomness
 import utils.logits_processors
 import utils.runners.compat
 import utils.runners.passes
-from sampling.loop.acceptance import speculative_accept
+from sampling.loop.acceptance import speculative_rows
+from sampling.loop.drafts import DraftTree
 from sampling.loop.randomness import ACCEPT, TARGET, PositionUniforms
 from tests.models import prompt, tiny_model
 from utils.logits_processors import NucleusProcessor, inverse_cdf, supports_float64
 from utils.runners import SequenceRunner, make_runner
 from utils.runners.model_info import model_devices
 from utils.runners.passes import synchronize
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniforms: PositionUniforms,
+                       position: int) -> tuple[int, int]:
+    """One chain through the library's batched rule (`speculative_rows`) -> (n, next token)."""
+    n, token = speculative_rows(p, [0], [DraftTree.chain(drafts.tolist())], [q], [uniforms], [position])
+    n, token = torch.cat([n, token]).tolist()
+    return n, token
 
 
 def test_mps_is_the_device_without_float64():

@@ -13,8 +13,16 @@ def linear_cost(slope: float, drafter: float = 0.1):
 
 
 def prices(cost, verify_cost, max_budget):
-    """The members of a `CostAwarePolicy` the stop reads, and nothing else."""
-    return SimpleNamespace(cost=cost, verify_cost=verify_cost, max_budget=max_budget, discard=lambda: None)
+    """The members of a `CostAwarePolicy` the stop reads, and nothing else, priced for one row."""
+
+    def one_row(price):
+        def priced(k, rows):
+            assert rows == 1
+            return price(k)
+        return priced
+
+    return SimpleNamespace(cost=one_row(cost), verify_cost=one_row(verify_cost), max_budget=max_budget,
+                           discard=lambda: None)
 
 
 def test_the_prior_is_the_drafters_own_confidence_and_learning_moves_it():
@@ -28,18 +36,18 @@ def test_the_prior_is_the_drafters_own_confidence_and_learning_moves_it():
 def test_confident_drafts_go_on_and_doubtful_ones_stop():
     cost, verify = linear_cost(0.05)
     stop = ConfidenceStop(prices(cost, verify, max_budget=16))
-    assert stop.keep_drafting([0.99, 0.99, 0.99])
-    assert not stop.keep_drafting([0.99, 0.05])
-    assert not stop.keep_drafting([0.99] * 16)  # the budget
-    assert stop.keep([0.99, 0.99, 0.05]) == 2  # the doubtful last draft is not worth verifying
+    assert stop.keep_drafting([0.99, 0.99, 0.99], 1)
+    assert not stop.keep_drafting([0.99, 0.05], 1)
+    assert not stop.keep_drafting([0.99] * 16, 1)  # the budget
+    assert stop.keep([0.99, 0.99, 0.05], 1) == 2  # the doubtful last draft is not worth verifying
     dear, dear_verify = linear_cost(1.0)  # every token costs a full pass: drafting cannot pay
-    assert not ConfidenceStop(prices(dear, dear_verify, 16)).keep_drafting([0.7])
+    assert not ConfidenceStop(prices(dear, dear_verify, 16)).keep_drafting([0.7], 1)
 
 
 def test_a_flat_step_after_a_dear_one_is_seen():
     table = {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0, 5: 2.0, 6: 2.0, 7: 2.0, 8: 2.0}
     stop = ConfidenceStop(prices(lambda k: table[min(k, 8)], lambda k: table[min(k, 8)], max_budget=8))
-    assert stop.keep_drafting([0.999, 0.999, 0.999])  # the step 2 -> 3 pays over eight drafts
+    assert stop.keep_drafting([0.999, 0.999, 0.999], 1)  # the step 2 -> 3 pays over eight drafts
 
 
 def test_greedy_identity_with_the_per_token_stop():

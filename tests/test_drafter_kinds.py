@@ -12,7 +12,7 @@ from sampling import DraftTree, SpeculativeStats, autoregressive_generate, specu
 from sampling.drafters.custom_drafters import CustomDrafterKind
 from sampling.drafters.drafter_kinds import drafter_kind
 from sampling.drafters.hybrid import HybridKind
-from sampling.drafters.model_drafting import ModelDrafterKind
+from sampling.drafters.model_kind import ModelDrafterKind
 from sampling.drafters.registry import register_kind
 from sampling.loop.options import Drafting
 from sampling.policy.draft_policy import DraftLength

@@ -283,7 +283,8 @@ def test_logprobs_follow_a_stop():
     ("num_return_sequences must be <= num_beams",
      lambda m: beam_search_generate(prompt(0), m, num_beams=2, num_return_sequences=3), ValueError),
     ("alpha must be >= 0", lambda m: beam_search_generate(prompt(0), m, alpha=-1), ValueError),
-    ("this library calls it alpha", lambda m: beam_search_generate(prompt(0), m, length_penalty=1.0), TypeError),
+    ("length_penalty must be >= 0", lambda m: beam_search_generate(prompt(0), m, length_penalty=-1), ValueError),
+    ("pass length_penalty only", lambda m: beam_search_generate(prompt(0), m, length_penalty=1.0, alpha=1.0), ValueError),
     ("logprobs", lambda m: speculative_generate(prompt(0), m, m, output_scores=True), TypeError),
     ("max_gen_len is 1000000000", lambda m: speculative_generate(prompt(0), m, m, max_gen_len=10**9), ValueError),
     ("context holds 256", lambda m: autoregressive_generate(prompt(0), m, max_gen_len=257), ValueError),
@@ -299,7 +300,9 @@ def test_each_habit_is_checked_before_any_model_runs(no_forward, needle, call, e
 @pytest.mark.parametrize("function", [autoregressive_generate, beam_search_generate, speculative_generate,
                                       ngram_assisted_speculative_generate], ids=lambda f: f.__name__)
 def test_more_transformers_names_are_answered_in_every_function(no_forward, function):  # noqa: F811
-    for name, ours in [("length_penalty", "alpha of beam_search_generate"), ("output_logits", "logprobs"),
+    for name, ours in [("length_penalty", "length_penalty of beam_search_generate"), ("output_logits", "logprobs"),
                        ("no_repeat_ngram_size", "logits_processor"), ("generation_config", "from_generation_config")]:
+        if name == "length_penalty" and function is beam_search_generate:
+            continue  # its own parameter (tests/test_autoregressive.py)
         with pytest.raises(TypeError, match=f"got {name}=, transformers' name: this library calls it .*{ours}"):
             function([5, 6], tiny_model("llama"), **{name: 1})

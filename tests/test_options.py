@@ -3,19 +3,25 @@ options is checked as the object is built (argument, value, what is expected), a
 stated once: the public signatures' defaults are the options' own."""
 
 import inspect
+import re
 from dataclasses import fields
 
 import pytest
 import torch
 
+import ngram_assisted.nasd
+import sampling.speculative
 from ngram_assisted import ngram_assisted_speculative_generate
 from ngram_assisted.nasd import NgramOptions
-from sampling import speculative_generate
+from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.drafters.custom_drafters import CustomOptions
 from sampling.drafters.hybrid import HybridOptions
-from sampling.drafters.model_drafting import ModelOptions
+from sampling.drafters.model_kind import ModelOptions
 from sampling.loop.habits import Habits
 from sampling.loop.options import DecodingOptions, NasdDecodingOptions
+from sampling.policy.draft_policy import DraftLength
+from tests.models import tiny_model
+from utils.logits_processors import MultinomialProcessor
 
 
 def signature_defaults(function):
@@ -38,6 +44,64 @@ def test_every_public_default_is_the_options_own(function, types):
         assert owners, f"{function.__name__}'s {name} is in no options dataclass"
         assert all(owner is default or owner == default for owner in owners), (name, default, owners)
     assert defaults["gamma"] == (16 if function is ngram_assisted_speculative_generate else 5)
+
+
+SPECULATIVE = [
+    (speculative_generate, sampling.speculative, DecodingOptions, (ModelOptions, HybridOptions, CustomOptions)),
+    (ngram_assisted_speculative_generate, ngram_assisted.nasd, NasdDecodingOptions, (NgramOptions,)),
+]
+
+
+def keyword_names(function) -> set[str]:
+    return {name for name, p in inspect.signature(function).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def named(name: str, doc: str) -> bool:
+    """Whether a docstring writes `name` in code (`name`, `name=...`)."""
+    return re.search(rf"`{name}[`=]", doc) is not None
+
+
+def field_names(*types) -> set[str]:
+    return {f.name for t in types for f in fields(t)} - {"habits"}
+
+
+@pytest.mark.parametrize("function, module, shared, kinds", SPECULATIVE, ids=lambda x: getattr(x, "__name__", ""))
+def test_the_public_signatures_and_docstrings_are_the_options_fields(function, module, shared, kinds):
+    """Every field of the shared options, the habits and the kinds' options is a keyword of the public
+    function and is named in its docstring, and the function takes nothing else (but `**kind_options`)."""
+    assert keyword_names(function) == field_names(shared, Habits, *kinds)
+    for name in field_names(shared, Habits, *kinds):
+        assert named(name, function.__doc__), f"{function.__name__}'s docstring does not name `{name}`"
+
+
+def test_plain_decoding_takes_the_shared_options_but_those_of_speculation():
+    names = field_names(DecodingOptions, Habits) - {"gamma", "draft_policy"}
+    assert keyword_names(autoregressive_generate) == names
+    assert all(named(name, autoregressive_generate.__doc__) for name in names)
+
+
+SHARED_VALUES = {  # a valid value other than the default, for every shared field
+    "gamma": 3, "logits_processor": MultinomialProcessor(), "max_gen_len": 7, "end_tokens_id": [1], "pad_token_id": 0,
+    "use_cache": False, "stats": SpeculativeStats(), "on_step": print, "draft_policy": DraftLength(2),
+    "generator": torch.Generator(),
+}
+
+
+@pytest.mark.parametrize("function, module, shared, kinds", SPECULATIVE, ids=lambda x: getattr(x, "__name__", ""))
+def test_every_keyword_reaches_its_options(monkeypatch, function, module, shared, kinds):
+    """Each public keyword arrives where it belongs: a shared field in the shared options, a habit in
+    their habits, a kind's option (and any `**kind_options`) among the kind keywords, as it was passed."""
+    calls = []
+    monkeypatch.setattr(module, "run_speculative", lambda inputs, target, drafter, options, keywords, **_:
+                        calls.append((options, keywords)))
+    kind_values = {name: object() for name in field_names(*kinds)}
+    habit_values = {name: object() for name in field_names(Habits)}
+    target = tiny_model("llama")
+    function([1, 2], object(), target, **SHARED_VALUES, **habit_values, **kind_values, extra=5)
+    (options, keywords), = calls
+    assert type(options) is shared and all(getattr(options, name) is value for name, value in SHARED_VALUES.items())
+    assert all(getattr(options.habits, name) is value for name, value in habit_values.items())
+    assert keywords == {**kind_values, "extra": 5}
 
 
 @pytest.mark.parametrize("field, value, error, message", [

@@ -13,7 +13,7 @@ from ngram_assisted import (
     ngram_assisted_speculative_generate_encoder_decoder,
 )
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
-from sampling.loop.acceptance import greedy_accept_tree
+from sampling.loop.acceptance import walk_tree
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import GreedyProcessor, MultinomialProcessor
@@ -21,6 +21,12 @@ from utils.runners import SequenceRunner
 
 TOKENS = [10, 11, 12, 13, 14, 15]
 PARENTS = [-1, -1, 0, 0, 2, 1]  # two children at the root, two under node 0, chains below
+
+
+def greedy_accept_tree(target_logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Greedy verification of a draft tree, the rule by hand: `walk_tree` along the argmax."""
+    argmax = target_logits.argmax(dim=-1).tolist()
+    return walk_tree(tokens, parents, lambda row, depth: argmax[row])
 
 
 def path_tokens(node: int) -> list[int]:

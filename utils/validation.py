@@ -29,7 +29,8 @@ TRANSFORMERS_NAMES = {
     "repetition_penalty": "logits_processor (e.g. TransformersProcessor([RepetitionPenaltyLogitsProcessor(1.2)], "
                           "do_sample=False))",
     "num_beams": "beam_search_generate(inputs, model, num_beams=...)",
-    "length_penalty": "alpha of beam_search_generate (the GNMT length penalty's exponent; here alpha >= 0)",
+    "length_penalty": "length_penalty of beam_search_generate (the GNMT length penalty's exponent, >= 0); the "
+                      "other functions have no length penalty",
     "early_stopping": "nothing: beam_search_generate stops when no live beam can beat the best finished one",
     "no_repeat_ngram_size": "logits_processor (e.g. TransformersProcessor([NoRepeatNGramLogitsProcessor(3)], "
                             "do_sample=False))",
@@ -319,11 +320,11 @@ def check_end_tokens_form(value: object) -> None:
 
 
 def check_end_tokens(value: object, model: PreTrainedModel) -> frozenset[int]:
-    """`end_tokens_id`: None, an int, or a list of ints -> the set of end tokens; `MODEL_EOS` (left
-    out): the model's own (`model_end_tokens`)."""
+    """`end_tokens_id` (its form checked already, `check_end_tokens_form`): None, an int, or a list of
+    ints, each in the model's vocabulary -> the set of end tokens; `MODEL_EOS` (left out): the model's
+    own (`model_end_tokens`)."""
     if value is MODEL_EOS:
         return model_end_tokens(model)
-    check_end_tokens_form(value)
     tokens = []
     vocab = vocab_size(model)
     for token in [] if value is None else [value] if isinstance(value, int) else value:

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from sampling.drafters.model_drafter import DRAFT_TIME_WEIGHT
 from sampling.drafters.registry import register_kind
 from sampling.loop.common import Generation, Request
-from sampling.loop.drafts import DraftTree
+from sampling.loop.drafts import Draft, DraftTree
 from sampling.loop.options import DecodingOptions, Drafting
 from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength
 from sampling.policy.estimators import RunningAverage
@@ -137,7 +137,7 @@ class CheckedDrafter:
             check_draft(tree, q, row=row, max_drafts=max_drafts, max_depth=max(0, max_depths[row]), vocab=self.vocab)
             if not self.trees and not tree.is_chain:
                 tree = first_branch(tree)
-            checked.append((tree, q))
+            checked.append(Draft(tree, q))
         if any(len(tree) for tree, _ in checked):
             self.draft_time.add(seconds / max(len(tree) for tree, _ in checked))
         return checked

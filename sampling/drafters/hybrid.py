@@ -18,6 +18,7 @@ rule, a model's with q by speculative sampling), so the output is exact whicheve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -25,15 +26,13 @@ from typing import Protocol
 import torch
 
 from sampling.drafters.model_drafter import ModelDrafter
-from sampling.drafters.model_drafting import ModelOptions, build_model_drafting, check_model_drafter
+from sampling.drafters.model_kind import ModelOptions, build_model_drafter, check_model_drafter
 from sampling.drafters.registry import KINDS, register_kind
 from sampling.loop.common import Generation, Request
 from sampling.loop.drafts import Drafter
 from sampling.loop.options import DecodingOptions, Drafting
 from sampling.policy.draft_policy import CostAwarePolicy, DraftLength, best_draft_length
 from sampling.policy.estimators import RunningAverage
-
-NgramPool = object  # what `ngram=` takes: a pool of a registered kind (ngram_assisted's SimpleDynaGram, MultiDynaGram)
 
 
 class PoolDrafter(Drafter, Protocol):
@@ -46,17 +45,9 @@ class PoolDrafter(Drafter, Protocol):
         """The last trees of `rows` are not verified: forget them (their next `update` has an empty path)."""
 
 
-class PoolKind(Protocol):
-    """A registered drafter kind whose drafters are n-gram pools (NASD's: `ngram_assisted/nasd.py`):
-    the hybrid finds it in the registry by the pool it is given."""
-
-    def pool_rows(self, ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
-        """Check `ngram` (before any model runs) -> the builder of its drafter over the request's
-        rows, at the pool's defaults."""
-
-
 def pool_rows(ngram: object, request: Request, *, greedy: bool) -> Callable[[Generation], PoolDrafter]:
-    """`ngram=`, a pool of a registered pool kind (or one per row of a batch) -> its rows' builder."""
+    """`ngram=`, a pool of a registered kind that builds pool rows (NASD's, `ngram_assisted/nasd.py`;
+    or one pool per row of a batch) -> its rows' builder, at the pool's defaults."""
     first = ngram[0] if isinstance(ngram, (list, tuple)) and ngram else ngram
     kinds = [kind for kind in KINDS if hasattr(kind, "pool_rows") and kind.takes(first, {})]
     if not kinds:
@@ -69,7 +60,7 @@ def pool_rows(ngram: object, request: Request, *, greedy: bool) -> Callable[[Gen
 class HybridOptions(ModelOptions):
     """A drafter model's options and the pool beside it (`ngram=`)."""
 
-    ngram: NgramPool | list[NgramPool] | None = None
+    ngram: object = None  # a pool of a registered pool kind (ngram_assisted's SimpleDynaGram, MultiDynaGram), or one per row
 
 
 class HybridKind:
@@ -79,7 +70,7 @@ class HybridKind:
     what = "a transformers PreTrainedModel"
 
     def takes(self, drafter: object, given: dict[str, object]) -> bool:
-        return isinstance(drafter, torch.nn.Module) and "ngram" in given
+        return isinstance(drafter, torch.nn.Module) and given.get("ngram") is not None
 
     def check(self, request: Request, shared: DecodingOptions, drafter: object,
               options: HybridOptions) -> Callable[[Generation], Drafting]:
@@ -90,8 +81,8 @@ class HybridKind:
 
         def build(gen: Generation) -> Drafting:
             # The hybrid's model drafts chains: the pool's trees and its chains share one budget.
-            model_drafter, cost_policy, _ = build_model_drafting(request, gen, shared, drafter,
-                                                                 replace(options, branching=1), universal=False)
+            model_drafter, cost_policy, _ = build_model_drafter(drafter, request.model, gen, shared,
+                                                                replace(options, branching=1), universal=False)
             hybrid, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=shared.gamma,
                                             adaptive_gamma=options.adaptive_gamma)
             return Drafting(hybrid, shared.draft_policy or policy, model_drafter.counters)
@@ -132,23 +123,24 @@ class HybridDrafter:
         self.ngram.start(sequences)
         self.model.start(sequences)
 
-    def _expected_model_rate(self) -> float:
-        """What a model step is expected to yield per unit of cost (the prior: the policy's rate)."""
+    def _expected_model_rate(self, rows: int) -> float:
+        """What a model step over `rows` rows is expected to yield per unit of cost (the prior: the policy's rate)."""
         if self.model_rate.value is not None:
             return self.model_rate.value
         rate = self.policy.acceptance_rate
-        length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_budget, self.policy.cost)
+        cost = functools.partial(self.policy.cost, rows=rows)
+        length = self.fixed_gamma or best_draft_length([min(rate, 0.99)] * self.policy.max_budget, cost)
         expected = sum(rate ** j for j in range(1, length + 1))
-        return (1.0 + expected) / self.policy.cost(length)
+        return (1.0 + expected) / cost(length)
 
     def draft(self, sequences, max_drafts, max_depths):
-        adaptive = self.policy.budget(len(sequences))  # also prices this step's pass over these rows
+        adaptive = self.policy.budget(len(sequences))
         pool_drafts = self.ngram.draft(sequences, max_drafts, max_depths)
         model_length = self.fixed_gamma or adaptive  # the model's chain this step; 0: it cannot pay now
-        model_rate = self._expected_model_rate() if model_length else 0.0
+        model_rate = self._expected_model_rate(len(sequences)) if model_length else 0.0
         self._chose_model = []
         for reaches, (tree, _) in zip(self.ngram.reaches(), pool_drafts, strict=True):
-            pool_rate = (1.0 + sum(reaches[: len(tree)])) / self.policy.verify_cost(len(tree))
+            pool_rate = (1.0 + sum(reaches[: len(tree)])) / self.policy.verify_cost(len(tree), len(sequences))
             self._chose_model.append(model_length > 0 and model_rate > pool_rate)
         if not any(self._chose_model):
             return pool_drafts
@@ -172,7 +164,7 @@ class HybridDrafter:
             k, n = self._model_drafts[b], len(paths[b])
             self.policy.update(k, n)
             if k:
-                self.model_rate.add((1.0 + n) / self.policy.cost(k))
+                self.model_rate.add((1.0 + n) / self.policy.cost(k, len(sequences)))
         self._chose_model = []
 
     def select_rows(self, keep: list[int]) -> None:

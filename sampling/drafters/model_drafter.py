@@ -171,7 +171,7 @@ class ModelDrafter:
         synchronize(*self.runner.devices)
         self.draft_time.add((time.perf_counter() - start) / max(lengths))
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
-            kept = [self.stop.keep(c) for c in confidences]
+            kept = [self.stop.keep(c, len(sequences)) for c in confidences]
             for c, k in zip(confidences, kept, strict=True):
                 if c and not k:
                     self.stop.on_discard()
@@ -195,7 +195,7 @@ class ModelDrafter:
             qs[b].append(q)
             if self.stop is not None:
                 confidences[b].append(self._confidence(q, drafts[b][-1]))
-                if not self.stop.keep_drafting(confidences[b]):
+                if not self.stop.keep_drafting(confidences[b], len(lengths)):  # lengths: one per row drafting
                     lengths[b] = i + 1
             same = j < len(proposals) and drafts[b][-1] == proposals[j]
             matched += same

@@ -38,6 +38,7 @@ every step, no cost cut.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +158,7 @@ class ModelTreeDrafter:
             synchronize(*self.chain.runner.devices)
             self.planner.observe_drafting(tree_choice.clock() - start, self._passes, len(sequences))
         cut = self.planner is not None and self._deterministic
-        return [self._tree(tree, budget, cut) for tree in self._trees]
+        return [self._tree(tree, budget, len(sequences) if cut else 0) for tree in self._trees]
 
     @property
     def _deterministic(self) -> bool:
@@ -237,16 +238,18 @@ class ModelTreeDrafter:
         pairs = [(int(t), v) for v, t in zip(*read, strict=True) if v > 0]
         return [t for t, _ in pairs], [v for _, v in pairs]
 
-    def _tree(self, tree: RowTree, budget: int, cut: bool) -> tuple[DraftTree, Tensor | None]:
-        """The row's best `budget` candidates as a `DraftTree` (with `cut`, only as many as pay
-        for the verification pass), nodes in candidate order: parents first, siblings in draw order."""
+    def _tree(self, tree: RowTree, budget: int, cut_rows: int) -> tuple[DraftTree, Tensor | None]:
+        """The row's best `budget` candidates as a `DraftTree` (with `cut_rows`, the rows verified
+        together, only as many as pay for that verification pass; 0: no cut), nodes in candidate
+        order: parents first, siblings in draw order."""
         ranked = tree.ranked()[:budget]
-        if cut and ranked:
+        if cut_rows and ranked:
             reach: dict[int, float] = {-1: 1.0}
             for c in ranked:
                 cand = tree.candidates[c]
                 reach[c] = reach[cand.parent] * self.acceptance(cand.rank, cand.factor)
-            ranked = ranked[: best_tree_size([reach[c] for c in ranked], self.planner.policy.verify_cost)]
+            verify_cost = functools.partial(self.planner.policy.verify_cost, rows=cut_rows)
+            ranked = ranked[: best_tree_size([reach[c] for c in ranked], verify_cost)]
         tree.nodes = sorted(ranked)
         index = {c: i for i, c in enumerate(tree.nodes)}
         candidates = [tree.candidates[c] for c in tree.nodes]

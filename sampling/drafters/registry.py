@@ -6,17 +6,15 @@ disjoint, so the order of registration never matters: a drafter no kind claims, 
 claim, is a `TypeError` naming them. Every kind registers here the same way, the library's own
 (`sampling/drafters/drafter_kinds.py` imports their files) and those of packages above `sampling/`
 (NASD's pools: `ngram_assisted/nasd.py`). A public function's keywords that are not shared options
-(`DecodingOptions`) go to the kind as its `Options` dataclass: one a kind does not take is refused
-by name, before any model runs.
+(`DecodingOptions`) go to the kind as its `Options` dataclass, whole: one a kind does not take is
+refused by name where it asks for something, before any model runs.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from dataclasses import fields
 
-from sampling.loop.options import DecodingOptions, DrafterKind
+from sampling.loop.options import DrafterKind
 
 KINDS: list[DrafterKind] = []
 
@@ -43,42 +41,20 @@ def drafter_kind(drafter: object, given: dict[str, object] | None = None, name: 
     return claimants[0]
 
 
-def given(value: object, default: object) -> bool:
-    """Whether a keyword's value differs from its default (a default is not an option asked for)."""
-    if value is default:
-        return False
+def asks(name: str, value: object) -> bool:
+    """Whether a keyword some kind takes asks for something: its value is not that option's default
+    (a public signature passes every option it lists, asked for or not)."""
+    defaults = [f.default for kind in KINDS for f in fields(kind.Options) if f.name == name]
     simple = (bool, int, float, str)
-    return not (isinstance(default, simple) and type(value) is type(default) and value == default)
-
-
-def kind_keywords(public: Callable, arguments: dict[str, object], shared: type = DecodingOptions,
-                  habits: tuple[str, ...] = ("tokenizer", "stop_strings", "stopping_criteria",
-                                             "num_return_sequences")) -> dict[str, object]:
-    """A public function's keywords that are for the drafter kind (neither shared options nor
-    habits), those given with a value other than their default, and its `**kind_options`."""
-    shared_names = {f.name for f in fields(shared)}
-    chosen = {}
-    for name, parameter in inspect.signature(public).parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            chosen.update(arguments[name])
-        elif (parameter.kind is inspect.Parameter.KEYWORD_ONLY and name not in shared_names and name not in habits
-              and given(arguments[name], parameter.default)):
-            chosen[name] = arguments[name]
-    return chosen
-
-
-def route(public: Callable, arguments: dict[str, object], habits: object,
-          shared: type = DecodingOptions) -> tuple[DecodingOptions, dict[str, object]]:
-    """A public function's arguments (its `locals()`) -> (its shared options, built and checked;
-    the keywords for the drafter's kind, `kind_keywords`)."""
-    names = [f.name for f in fields(shared) if f.name != "habits"]
-    options = shared(**{name: arguments[name] for name in names}, habits=habits)
-    return options, kind_keywords(public, arguments, shared)
+    return not any(value is default or (isinstance(default, simple) and type(value) is type(default) and value == default)
+                   for default in defaults)
 
 
 def kind_options(kind: DrafterKind, keywords: dict[str, object], function: str):
-    """`keywords` as the kind's `Options` (validated as it is built); a keyword it does not take is
-    refused by name: a TypeError when no kind takes it, a ValueError saying why when another does."""
+    """A call's kind `keywords` (those its signature lists, asked for or not, and its `**kind_options`)
+    -> the kind's `Options`, built from every keyword it takes (validated as it is built). A keyword
+    it does not take is refused by name where it asks for something (`asks`): a TypeError when no kind
+    takes it, a ValueError saying why when another does."""
     own = option_names(kind)
     for name, value in keywords.items():
         if name in own:
@@ -87,7 +63,9 @@ def kind_options(kind: DrafterKind, keywords: dict[str, object], function: str):
         if not takers:
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}: no drafter kind takes it "
                             f"(the shared options and each kind's Options list what a call takes)")
+        if not asks(name, value):
+            continue
         reason = getattr(kind, "refusals", {}).get(name, f"it is an option for {' or '.join(dict.fromkeys(takers))}")
         raise ValueError(f"{name}={value!r} is not taken with {kind.what} as the drafter: {reason}; "
                          f"leave {name} out")
-    return kind.Options(**keywords)
+    return kind.Options(**{name: value for name, value in keywords.items() if name in own})

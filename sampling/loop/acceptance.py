@@ -15,14 +15,26 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from sampling.loop.drafts import DraftTree, children_of
+from sampling.loop.drafts import Draft, DraftTree, children_of
 from sampling.loop.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
 from sampling.loop.tree_sampling import tree_speculative_accept
 from utils.logits_processors import LogitsProcessor, supports_float64
+
+
+class Verdict(NamedTuple):
+    """The target's decision on one row's `Draft`: `path`, the accepted nodes from the root down;
+    `token`, the target's own token after them (the bonus token, or the recovered one at the first
+    rejection); `p`, the target's processed distributions at the verification's rows
+    (1 + len(tree), V), None when greedy."""
+
+    path: list[int]
+    token: int
+    p: Tensor | None
 
 
 def walk_tree(tokens: list[int], parents: list[int], choose: Callable[[int, int], int]) -> tuple[list[int], int]:
@@ -46,12 +58,6 @@ def walk_tree(tokens: list[int], parents: list[int], choose: Callable[[int, int]
         path.append(node)
 
 
-def greedy_accept_tree(target_logits: Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
-    """Greedy verification of a draft tree (`walk_tree` along the argmax). target_logits: (1 + n, V)."""
-    argmax = target_logits.argmax(dim=-1).tolist()
-    return walk_tree(tokens, parents, lambda row, depth: argmax[row])
-
-
 def coupled_choices(p: Tensor, starts: list[int], trees: list[DraftTree], uniforms: list[PositionUniforms],
                     positions: list[int]) -> Tensor:
     """The coupled rule's decisions for trees of deterministic drafts, on the device: the target's
@@ -64,22 +70,6 @@ def coupled_choices(p: Tensor, starts: list[int], trees: list[DraftTree], unifor
                         dtype=torch.long, device=p.device)
     u = torch.cat([u_b.span(t, 1 + max(d), TARGET)[d] for u_b, t, d in zip(uniforms, positions, depths, strict=True)])
     return inverse_cdf(p[rows], u)
-
-
-def speculative_accept(
-    p: Tensor, q: Tensor, drafts: Tensor, uniforms: PositionUniforms, position: int
-) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023) -> (n, next token).
-
-    p: (k + 1, V) the target's processed distributions; q: (k, V) the drafter's, which its drafts
-    were sampled from. Draft x_i (at generated position `position` + i) is accepted with probability
-    min(1, p_i(x_i) / q_i(x_i)); at the first rejection the next token is drawn from
-    normalize(max(0, p_i - q_i)); if all k pass, the bonus token is drawn from p_k. The output then
-    follows p exactly, whatever q is. One row of `speculative_rows`, read with one host sync.
-    """
-    n, token = speculative_rows(p, [0], [DraftTree.chain(drafts.tolist())], [q], [uniforms], [position])
-    n, token = torch.cat([n, token]).tolist()
-    return n, token
 
 
 def row_scores(logits: Tensor, tree: DraftTree, sequence: list[int], processor: LogitsProcessor) -> Tensor:
@@ -104,7 +94,7 @@ def _tree_depths(tree: DraftTree) -> list[int]:
 
 def speculative_rows(p: Tensor, starts: list[int], trees: list[DraftTree], qs: list[Tensor],
                       uniforms: list[PositionUniforms], positions: list[int]) -> tuple[Tensor, Tensor]:
-    """Speculative sampling (`speculative_accept`) for R sampled chains at once, on the device ->
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1) for R sampled chains at once, on the device ->
     (n (R,), next token (R,)), int64.
 
     p: every row's target distributions, flattened (sum of 1 + k_i, V), chain i's from `starts[i]`;
@@ -135,13 +125,12 @@ def speculative_rows(p: Tensor, starts: list[int], trees: list[DraftTree], qs: l
 
 
 def accept_rows(
-    logits: list[Tensor], trees: list[DraftTree], qs: list[Tensor | None], sequences: list[list[int]],
-    processor: LogitsProcessor, uniforms: list[PositionUniforms],
-) -> list[tuple[list[int], int, Tensor | None]]:
-    """Step 3 of the loop for every row of a batch at once, with one host transfer -> per row
-    (accepted nodes root to leaf, the target's next token, p or None).
+    logits: list[Tensor], drafts: list[Draft], sequences: list[list[int]], processor: LogitsProcessor,
+    uniforms: list[PositionUniforms],
+) -> list[Verdict]:
+    """Step 3 of the loop for every row of a batch at once, with one host transfer -> a `Verdict` per row.
 
-    logits[b]: (1 + len(trees[b]), V), the target's scores at row b's last accepted token and after
+    logits[b]: (1 + len(drafts[b].tree), V), the target's scores at row b's last accepted token and after
     every node; `sequences[b]`: its prefix and every token generated so far. Greedy: the argmax
     path. Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q
     its distributions) by speculative sampling, a drafter model's tree (q per node) by recursive
@@ -149,13 +138,14 @@ def accept_rows(
     The rows' scores are flattened with offsets and decided on the device; the walks down the trees
     read the decided tokens on the host.
     """
+    trees, qs = [draft.tree for draft in drafts], [draft.q for draft in drafts]
     scores = [row_scores(x, tree, sequence, processor) for x, tree, sequence in zip(logits, trees, sequences, strict=True)]
     sizes = [len(s) for s in scores]
     starts = [0, *itertools.accumulate(sizes)][:-1]
     flat = torch.cat(scores)
     if processor.is_greedy:
         choice = flat.argmax(dim=-1).tolist()
-        return [(*walk_tree(tree.tokens, tree.parents, lambda row, depth, s=start: choice[s + row]), None)
+        return [Verdict(*walk_tree(tree.tokens, tree.parents, lambda row, depth, s=start: choice[s + row]), None)
                 for tree, start in zip(trees, starts, strict=True)]
     p = flat.softmax(dim=-1)
     positions = [len(sequence) - u.prefix_length for sequence, u in zip(sequences, uniforms, strict=True)]
@@ -174,20 +164,13 @@ def accept_rows(
     values = torch.cat(decided).tolist() if decided else []  # the step's one host transfer
     ps, results, at = p.split(sizes), [None] * len(trees), 0
     for b in model_trees:
-        results[b] = (*tree_speculative_accept(ps[b], qs[b], trees[b], uniforms[b], positions[b]), ps[b])
+        results[b] = Verdict(*tree_speculative_accept(ps[b], qs[b], trees[b], uniforms[b], positions[b]), ps[b])
     for b in coupled:
         choice = values[at : at + sizes[b]]
-        results[b] = (*walk_tree(trees[b].tokens, trees[b].parents, lambda row, depth, c=choice: c[row]), ps[b])
+        results[b] = Verdict(*walk_tree(trees[b].tokens, trees[b].parents, lambda row, depth, c=choice: c[row]), ps[b])
         at += sizes[b]
     for i, b in enumerate(sampled):
         n, token = values[at + i], values[at + len(sampled) + i]
-        results[b] = (list(range(n)), token, ps[b])
+        results[b] = Verdict(list(range(n)), token, ps[b])
     return results
 
-
-def accept(
-    logits: Tensor, tree: DraftTree, q: Tensor | None, sequence: list[int], processor: LogitsProcessor,
-    uniforms: PositionUniforms,
-) -> tuple[list[int], int, Tensor | None]:
-    """`accept_rows` for one row: (accepted nodes root to leaf, the target's next token, p or None)."""
-    return accept_rows([logits], [tree], [q], [sequence], processor, [uniforms])[0]

@@ -1,4 +1,6 @@
-"""What every decoding function shares: input checks, the target's runner, end-token handling."""
+"""What every decoding function shares: a checked request (`Request`, made by
+`sampling.loop.options.check_request`), the generation started over it (`Generation`: the target's
+runner, each row's prefix, budget and random numbers, end-token handling), the streamed `Step`."""
 
 from __future__ import annotations
 
@@ -8,25 +10,13 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from sampling.loop.habits import Habits, check_gen_len
 from sampling.loop.randomness import PositionUniforms
 from sampling.loop.stopping import StopRules
 from utils.calibration import pass_costs
 from utils.cost_model import PassCosts
-from utils.logits_processors import LogitsProcessor
 from utils.runners import Runner, make_runner
 from utils.runners.model_info import context_length
-from utils.validation import (
-    Inputs,
-    check_batch,
-    check_decoder_start,
-    check_end_tokens,
-    check_fits,
-    check_int,
-    check_model,
-    check_processor,
-    check_rows_argument,
-)
+from utils.validation import check_decoder_start
 
 
 @dataclass(frozen=True)
@@ -53,7 +43,7 @@ class Generation:
     """A checked request over one or more rows: the target's runner, each row's decoder prefix,
     random numbers and length budget, and the stopping rules."""
 
-    runner: Runner  # every row (`utils/runners/`)
+    runner: Runner  # the target's runner over the rows still decoding (`utils/runners/`): see `narrow`
     prefixes: list[list[int]]  # decoder-only: the prompts; encoder-decoder: [decoder_start_token_id] each
     encoder_input_ids: list[list[int]] | None
     end_tokens: frozenset[int]
@@ -67,6 +57,12 @@ class Generation:
         """The one row's prefix (a single-sequence request)."""
         assert len(self.prefixes) == 1
         return self.prefixes[0]
+
+    def narrow(self, keep: list[int]) -> Runner:
+        """Only the running rows at positions `keep` go on: the target's runner over them (the
+        loop's, and the one a drafter over the target's cache reads here, `shared_runner`)."""
+        self.runner = self.runner.select_rows(keep)
+        return self.runner
 
     def trim(self, row: int, tokens: list[int], generated: int, history: list[int] | None = None,
              logits: torch.Tensor | None = None) -> tuple[list[int], bool]:
@@ -88,26 +84,6 @@ class Generation:
     def results(self, per_row: list):
         """What the caller gets: the one row's result, or the list of every row's."""
         return per_row if self.batched else per_row[0]
-
-
-def row_generators(generator: object, num_rows: int, batched: bool) -> list[torch.Generator | None]:
-    """`generator=`: None, a torch.Generator, or (batches) a list of one per row -> one per row.
-
-    One generator (or None: torch's global one) for a batch gives each row its own stream, seeded
-    from it in row order; a list gives row i exactly the numbers the single call gets from
-    generator[i]."""
-    if isinstance(generator, (list, tuple)):
-        if not batched:
-            raise TypeError("generator must be a torch.Generator or None for one sequence; a list is for a batch")
-        return check_rows_argument(generator, "generator", num_rows, torch.Generator)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, a list of them (a batch) or None, got {generator!r}")
-    if not batched:
-        return [generator]
-    seeds = torch.randint(0, 2**62, (num_rows,), generator=generator,
-                          device=generator.device if generator is not None else "cpu").tolist()
-    device = generator.device if generator is not None else "cpu"
-    return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
 
 @dataclass(frozen=True)
@@ -132,40 +108,6 @@ class Request:
     def row(self, i: int) -> Request:
         """Row i alone, as a one-sequence request (beam search searches a batch row by row)."""
         return replace(self, inputs=[self.inputs[i]], batched=False, generators=[self.generators[i]])
-
-
-def check_request(
-    inputs: Inputs,
-    model: PreTrainedModel,
-    *,
-    encoder_decoder: bool,
-    use_cache: bool,
-    max_gen_len: int,
-    logits_processor: LogitsProcessor,
-    end_tokens_id: int | list[int] | None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    model_name: str = "model",
-    pad_token_id: int | None = None,
-    habits: Habits = Habits(),
-) -> Request:
-    """Validate what every decoding function takes, once per call and before any model runs.
-    `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become lists and padding is
-    removed by the attention mask there (`check_batch`), in this one place for every function.
-    `habits`: stop strings, stopping criteria, num_return_sequences (each row repeated), on_step."""
-    check_model(model, model_name, encoder_decoder)
-    row_ids, batched = check_batch(inputs, "inputs", model, pad_token_id)
-    check_int(max_gen_len, "max_gen_len", 1)
-    check_gen_len(max_gen_len, model)
-    check_processor(logits_processor)
-    if not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
-    end_tokens = check_end_tokens(end_tokens_id, model)
-    stopping = habits.check(model, logits_processor, model_name)
-    row_ids, batched = habits.repeat(row_ids, batched)
-    for i, ids in enumerate(row_ids):
-        check_fits(len(ids), model, f"inputs[{i}]" if batched else "inputs")
-    generators = row_generators(generator, len(row_ids), batched)
-    return Request(model, encoder_decoder, use_cache, row_ids, batched, end_tokens, max_gen_len, generators, stopping)
 
 
 def max_tokens(prefixes: list[list[int]], max_new: list[int]) -> int:

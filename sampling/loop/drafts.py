@@ -1,4 +1,4 @@
-"""What the loop knows of a drafter: the draft tree it proposes, the `Drafter` protocol, and `PerRow`
+"""What the loop knows of a drafter: the draft tree it proposes (a row's `Draft`: its tree and q), the `Drafter` protocol, and `PerRow`
 (a batch drafter made of single-row ones). The loop in `sampling/loop/speculative_loop.py` only talks
 to this interface, so a small model (`sampling/drafters/`) and an n-gram pool (`ngram_assisted/`) plug
 into the same draft -> verify -> accept loop."""
@@ -6,7 +6,7 @@ into the same draft -> verify -> accept loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -54,6 +54,15 @@ class DraftTree:
         return max(depths, default=0)
 
 
+class Draft(NamedTuple):
+    """One row's drafts for a step: `tree` (a chain, or a tree of candidates) and `q`, the drafter's
+    processed distributions (len(tree), V) a sampled chain's drafts were drawn from, or None for
+    deterministic drafts. A plain `(tree, q)` tuple is read the same way (the loop makes it a `Draft`)."""
+
+    tree: DraftTree
+    q: Tensor | None = None
+
+
 class Drafter(Protocol):
     """What the speculative loop needs from a source of drafts, for the rows of a batch (one row:
     one sequence). Lists go by row, in the order of the rows still decoding.
@@ -66,13 +75,15 @@ class Drafter(Protocol):
     def start(self, sequences: list[list[int]]) -> None:
         """A new generation begins with these prompts."""
 
-    def draft(self, sequences: list[list[int]], max_drafts: int, max_depths: list[int]) -> list[tuple[DraftTree, Tensor | None]]:
+    def draft(self, sequences: list[list[int]], max_drafts: int, max_depths: list[int]) -> list[Draft]:
         """For each row, up to `max_drafts` (possibly 0) nodes, no path deeper than `max_depths[b]`
-        (what fits before `max_gen_len`) -> (tree, q) per row.
+        (what fits before `max_gen_len`) -> a `Draft` (or a plain (tree, q) tuple) per row.
 
         q: (len(tree), V) the processed distributions a chain's drafts were sampled from, or None
-        when the drafts are deterministic (q one-hot) or the processor is greedy. Only deterministic
-        drafters propose trees that are not chains.
+        when the drafts are deterministic (q one-hot) or the processor is greedy. A drafter of your
+        own proposes trees of deterministic drafts only (q None); the library's drafter model also
+        proposes sampled trees, row i of q node i's distribution, siblings drawn without replacement
+        (`sampling/drafters/model_tree.py`, verified by `sampling/loop/tree_sampling.py`).
         """
 
     def update(self, sequences: list[list[int]], paths: list[list[int]], target_logits: list[Tensor],

@@ -1,5 +1,5 @@
 """generate's habits, checked before any model runs: `tokenizer=`, `stop_strings=`,
-`stopping_criteria=`, `num_return_sequences=`, `on_step=`, and a `max_gen_len` the model's context can hold.
+`stopping_criteria=`, `num_return_sequences=`, and a `max_gen_len` the model's context can hold.
 
 `num_return_sequences=n` makes every row n rows, each prompt's copies side by side (transformers'
 order), so that one prompt returns exactly what a batch of n copies of it returns: n results, each
@@ -22,24 +22,23 @@ from utils.validation import check_int
 
 @dataclass(frozen=True)
 class Habits:
-    """The habit arguments of one call, as the user gave them (checked by `check`)."""
+    """The habit arguments of one call, as the user gave them (checked by `check`, once the model is
+    known: the tokenizer and the stop strings are checked against it)."""
 
     tokenizer: object = None
     stop_strings: object = None
     stopping_criteria: object = None
     num_return_sequences: object = 1
-    on_step: object = None
-    drafter_tokenizer: object = None  # speculative_generate's: it uses `tokenizer` too
 
-    def check(self, model: PreTrainedModel, processor: LogitsProcessor, model_name: str = "model") -> StopRules | None:
-        """Raise for a bad habit argument; -> the stopping rules (None without any)."""
+    def check(self, model: PreTrainedModel, processor: LogitsProcessor, model_name: str = "model", *,
+              tokenizer_used: bool = False) -> StopRules | None:
+        """Raise for a bad habit argument; -> the stopping rules (None without any). `tokenizer_used`:
+        something besides the stop strings reads `tokenizer` (a drafter with another tokenizer)."""
         check_int(self.num_return_sequences, "num_return_sequences", 1)
-        if self.on_step is not None and not callable(self.on_step):
-            raise TypeError(f"on_step must be a function taking a Step (or None), got {self.on_step!r}")
         strings = check_stop_strings(self.stop_strings, self.tokenizer)
         criteria = check_stopping_criteria(self.stopping_criteria)
         if self.tokenizer is not None:
-            if not strings and self.drafter_tokenizer is None:
+            if not strings and not tokenizer_used:
                 raise ValueError("tokenizer is given but nothing uses it: it is the target's tokenizer for "
                                  "stop_strings= (and, in speculative_generate, for drafter_tokenizer=); pass one "
                                  "of those, or leave tokenizer out")

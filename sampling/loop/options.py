@@ -1,19 +1,23 @@
-"""One speculative call's options, built whole and valid, and what a drafter kind builds from them.
+"""A decoding call's options, built whole and valid, the request checked against them, and what a
+drafter kind builds from them.
 
-A public function gathers its arguments into two frozen objects, each validated field by field
-when it is built (a `TypeError`/`ValueError` naming the argument, the value and what is expected,
-as transformers' processors do):
+A public function gathers its arguments into frozen objects, each validated field by field when it
+is built (a `TypeError`/`ValueError` naming the argument, the value and what is expected, as
+transformers' processors do), each value in one home:
 
-- `DecodingOptions`: what every speculative call takes (`gamma`, the processor, the lengths, the
-  seed, the stats, `draft_policy`...); its field defaults are the public signatures' defaults;
-- the drafter kind's own options: a small frozen dataclass in the kind's file (`ModelOptions` in
-  `sampling/drafters/model_drafting.py`, `NgramOptions` in `ngram_assisted/nasd.py`...). A keyword that is not
-  a shared option goes to the kind the drafter belongs to (`sampling/drafters/registry.py`), so a new option
-  of a kind is a field of its dataclass and nothing else.
+- `DecodingOptions`: what every decoding call takes (the processor, the lengths, the seed, the
+  stats, `on_step`, its `Habits`; a speculative one also `gamma` and `draft_policy`); its field
+  defaults are every public signature's defaults;
+- a speculative call's drafter kind's own options: a small frozen dataclass in the kind's file
+  (`ModelOptions` in `sampling/drafters/model_kind.py`, `NgramOptions` in `ngram_assisted/nasd.py`...), handed
+  down whole to what builds the drafter. The keywords that are not shared options go to the kind the
+  drafter belongs to (`sampling/drafters/registry.py`); `tests/test_options.py` holds the public
+  signatures and docstrings equal to the dataclasses' fields.
 
-The one path of every call (`sampling.speculative.run_drafting`) then asks the kind to check its
-options against the request (before any model runs) and, once the target's runner exists, to build
-its `Drafting`: the drafter, the loop's draft policy and the kind's own counters.
+`check_request` then checks what needs the model (once, before any model runs), and for a
+speculative call the one path (`sampling.speculative.run_speculative`) asks the kind to check its
+options against the request and, once the target's runner exists, to build its `Drafting`: the
+drafter, the loop's draft policy and the kind's own counters.
 """
 
 from __future__ import annotations
@@ -23,14 +27,27 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from transformers import PreTrainedModel
 
 from sampling.loop.common import Generation, OnStep, Request
 from sampling.loop.drafts import Drafter
-from sampling.loop.habits import Habits
+from sampling.loop.habits import Habits, check_gen_len
 from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.policy.draft_policy import DraftPolicy, check_policy
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
-from utils.validation import MODEL_EOS, check_bool, check_end_tokens_form, check_int, check_processor
+from utils.validation import (
+    MODEL_EOS,
+    Inputs,
+    check_batch,
+    check_bool,
+    check_end_tokens,
+    check_end_tokens_form,
+    check_fits,
+    check_int,
+    check_model,
+    check_processor,
+    check_rows_argument,
+)
 
 GREEDY = GreedyProcessor()  # the default processor (stateless: one object serves every call)
 
@@ -45,9 +62,9 @@ def check_generator_form(value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class DecodingOptions:
-    """What every speculative call takes besides its inputs, drafter and target (the public
-    functions' docstrings say what each means). `draft_policy`: your own `DraftPolicy` (None: the
-    kind's own, `sampling/policy/draft_policy.py`)."""
+    """What every decoding call takes besides its inputs and models (the public functions'
+    docstrings say what each means); `gamma` and `draft_policy` (your own `DraftPolicy`, None: the
+    kind's own, `sampling/policy/draft_policy.py`) are read by speculative calls only."""
 
     gamma: int = 5
     logits_processor: LogitsProcessor = GREEDY
@@ -86,6 +103,46 @@ class NasdDecodingOptions(DecodingOptions):
     prompt lookup drafts 10 tokens of; the pool's cost cut keeps only what pays)."""
 
     gamma: int = 16
+
+
+def row_generators(generator: object, num_rows: int, batched: bool) -> list[torch.Generator | None]:
+    """`generator=` (of a form already checked: None, a torch.Generator, or a list of them) -> one per row.
+
+    One generator (or None: torch's global one) for a batch gives each row its own stream, seeded
+    from it in row order; a list gives row i exactly the numbers the single call gets from
+    generator[i]."""
+    if isinstance(generator, (list, tuple)):
+        if not batched:
+            raise TypeError("generator must be a torch.Generator or None for one sequence; a list is for a batch")
+        return check_rows_argument(generator, "generator", num_rows, torch.Generator)
+    if not batched:
+        return [generator]
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=generator,
+                          device=generator.device if generator is not None else "cpu").tolist()
+    device = generator.device if generator is not None else "cpu"
+    return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+
+def check_request(inputs: Inputs, model: PreTrainedModel, options: DecodingOptions, *, encoder_decoder: bool,
+                  model_name: str = "model", tokenizer_used: bool = False) -> Request:
+    """Check a call's inputs and model against its `options` (each of their values checked once
+    already, as they were built: `sampling.loop.options.DecodingOptions`), before any model runs:
+    what needs the model (its kind, the end tokens and the tokenizer it knows, what its context
+    holds) and the rows. `inputs` in any form `utils.validation.INPUTS_DOC` lists: tensors become
+    lists and padding is removed by the attention mask there (`check_batch`), in this one place for
+    every function. `options.habits`: stop strings, stopping criteria, num_return_sequences (each row
+    repeated); `tokenizer_used`: something besides them reads `habits.tokenizer`."""
+    check_model(model, model_name, encoder_decoder)
+    row_ids, batched = check_batch(inputs, "inputs", model, options.pad_token_id)
+    check_gen_len(options.max_gen_len, model)
+    end_tokens = check_end_tokens(options.end_tokens_id, model)
+    stopping = options.habits.check(model, options.logits_processor, model_name, tokenizer_used=tokenizer_used)
+    row_ids, batched = options.habits.repeat(row_ids, batched)
+    for i, ids in enumerate(row_ids):
+        check_fits(len(ids), model, f"inputs[{i}]" if batched else "inputs")
+    generators = row_generators(options.generator, len(row_ids), batched)
+    return Request(model, encoder_decoder, options.use_cache, row_ids, batched, end_tokens, options.max_gen_len,
+                   generators, stopping)
 
 
 Counters = Callable[[], dict[str, float]]

@@ -1,5 +1,6 @@
 """Where each row of a generation stands while a loop advances it: its sequence, its generated
-tokens, and the rows still decoding. The speculative loop and plain decoding keep their rows here."""
+tokens, its drafts proposed and accepted, and the rows still decoding. The speculative loop and plain
+decoding keep their rows here; the target's runner over those rows is the loop's (`Generation.narrow`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from torch import Tensor
 from sampling.loop.common import Generation
 from sampling.loop.logprobs import RowLogprobs
 from sampling.loop.randomness import PositionUniforms
-from utils.runners.protocol import Runner
 
 
 class Progress:
@@ -24,6 +24,7 @@ class Progress:
         self.sequences = [list(prefix) for prefix in gen.prefixes]  # the decoder's ids: what processors see
         self.generated: list[list[int]] = [[] for _ in self.sequences]
         self.live = list(range(len(self.sequences)))
+        self.drafted, self.accepted = [0] * len(self.sequences), [0] * len(self.sequences)
 
     def active(self) -> list[list[int]]:
         """The sequences of the rows still decoding."""
@@ -49,12 +50,18 @@ class Progress:
         self.generated[row] += new_tokens
         return new_tokens, finished
 
-    def keep(self, going_on: list[int], runner: Runner) -> tuple[Runner, bool]:
-        """Only the rows at positions `going_on` of `live` go on -> (the runner to use from now on,
-        whether the rows changed and the drafter should keep the same ones: `select_rows`)."""
+    def count(self, i: int, drafted: int, accepted: int) -> None:
+        """Row `live[i]`'s step drafted `drafted` nodes, `accepted` of them accepted (its alpha's counts)."""
+        self.drafted[self.live[i]] += drafted
+        self.accepted[self.live[i]] += accepted
+
+    def alphas(self) -> list[float]:
+        """Each row's drafts accepted / drafts proposed (0.0 where it drafted nothing)."""
+        return [accepted / drafted if drafted else 0.0 for drafted, accepted in zip(self.drafted, self.accepted, strict=True)]
+
+    def keep(self, going_on: list[int]) -> bool:
+        """Only the rows at positions `going_on` of `live` go on -> whether some rows left and others go
+        on (the target's runner and the drafter should then keep the same ones: `select_rows`)."""
         changed = 0 < len(going_on) < len(self.live)
-        if changed:  # finished rows stop costing compute
-            runner = runner.select_rows(going_on)
-            self.gen.runner = runner  # the target's runner from now on (a self-drafter reads it)
         self.live = [self.live[i] for i in going_on]
-        return runner, changed
+        return changed

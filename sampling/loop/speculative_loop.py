@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from sampling.loop.acceptance import accept_rows
+from sampling.loop.acceptance import Verdict, accept_rows
 from sampling.loop.common import Generation, OnStep, Step
-from sampling.loop.drafts import Drafter, DraftTree
+from sampling.loop.drafts import Draft, Drafter
 from sampling.loop.logprobs import step_logits
 from sampling.loop.progress import Progress
 from sampling.loop.step_clock import StepClock
@@ -151,48 +151,49 @@ class SpeculativeStats:
             self.accepted_by_position[i] += i < num_accepted
 
 
-def verification_blocks(sequences: list[list[int]], trees: list[DraftTree]) -> list[tuple[list[int], list[int] | None]]:
+def verification_blocks(sequences: list[list[int]], drafts: list[Draft]) -> list[tuple[list[int], list[int] | None]]:
     """Each row's block for the target's pass: its last accepted token (the root) and its drafted
     nodes; parents None for a chain, else the tree's parents within the block (-1: the root)."""
+    trees = [draft.tree for draft in drafts]
     return [([sequence[-1], *tree.tokens], None if tree.is_chain else [-1, *(parent + 1 for parent in tree.parents)])
             for sequence, tree in zip(sequences, trees, strict=True)]
 
 
-def streamed_step(tree: DraftTree, path: list[int], new_tokens: list[int], row: int) -> Step:
-    """What `on_step` receives for one row's step: the accepted drafts first, then the rejected ones."""
-    accepted = [tree.tokens[node] for node in path]
-    rejected = [tree.tokens[node] for node in range(len(tree)) if node not in path]
-    return Step(drafts=tuple(accepted + rejected), accepted=len(path), tokens=tuple(new_tokens), row=row)
-
-
-def roll_back(target: Runner, sequences: list[list[int]], trees: list[DraftTree], paths: list[list[int]]) -> None:
+def roll_back(target: Runner, sequences: list[list[int]], drafts: list[Draft], verdicts: list[Verdict]) -> None:
     """Step 4: each row's target cache keeps its accepted path (a chain: its leading drafts) and
     forgets the other drafts; the root of a tree is the row's last accepted token."""
-    for i, (sequence, tree, path) in enumerate(zip(sequences, trees, paths, strict=True)):
-        if tree.is_chain:
-            target.rollback_row(i, len(sequence) + len(path))
+    for i, (sequence, draft, verdict) in enumerate(zip(sequences, drafts, verdicts, strict=True)):
+        if draft.tree.is_chain:
+            target.rollback_row(i, len(sequence) + len(verdict.path))
         else:
-            target.keep_path_row(i, len(sequence) - 1, path)
+            target.keep_path_row(i, len(sequence) - 1, verdict.path)
 
 
-def advance(rows: Progress, trees: list[DraftTree], paths: list[list[int]], tokens: list[int], logits: list[Tensor],
-            policy: DraftPolicy, stats: SpeculativeStats, counts: list[list[int]], on_step: OnStep | None) -> list[int]:
-    """After step 4: each row gains its accepted drafts and the target's token (cut at an end token,
-    its budget or a stopping rule); the policy, the stats and the row's counts learn its outcome;
-    `on_step` hears of it -> the positions in `rows.live` of the rows not finished."""
-    going_on = []
-    for i, (tree, path, token) in enumerate(zip(trees, paths, tokens, strict=True)):
-        row = rows.live[i]
-        block_logits = step_logits(logits[i], path) if rows.needs_logits else None  # what predicted its tokens
-        new_tokens, finished = rows.extend(i, [tree.tokens[node] for node in path] + [token], block_logits)
-        going_on += [] if finished else [i]
-        policy.update(len(tree), len(path))
-        counts[row][0] += len(tree)
-        counts[row][1] += len(path)
-        stats.record(len(tree), len(path), tree.depth())
-        if on_step is not None:
-            on_step(streamed_step(tree, path, new_tokens, row))
-    return going_on
+def gain(rows: Progress, drafts: list[Draft], verdicts: list[Verdict], logits: list[Tensor]) -> list[tuple[list[int], bool]]:
+    """Step 5: each row gains its accepted drafts and the target's token, cut at an end token, its
+    length budget or a stopping rule -> per row (the tokens it gained, whether it is finished)."""
+    gains = []
+    for i, (draft, verdict) in enumerate(zip(drafts, verdicts, strict=True)):
+        block_logits = step_logits(logits[i], verdict.path) if rows.needs_logits else None  # what predicted its tokens
+        gains.append(rows.extend(i, [draft.tree.tokens[node] for node in verdict.path] + [verdict.token], block_logits))
+    return gains
+
+
+def learn(policy: DraftPolicy, stats: SpeculativeStats, rows: Progress, drafts: list[Draft], verdicts: list[Verdict]) -> None:
+    """Step 5: the policy, the stats and each row's own counts learn every row's outcome."""
+    for i, (draft, verdict) in enumerate(zip(drafts, verdicts, strict=True)):
+        policy.update(len(draft.tree), len(verdict.path))
+        rows.count(i, len(draft.tree), len(verdict.path))
+        stats.record(len(draft.tree), len(verdict.path), draft.tree.depth())
+
+
+def stream(on_step: OnStep, live: list[int], drafts: list[Draft], verdicts: list[Verdict],
+           gains: list[tuple[list[int], bool]]) -> None:
+    """Step 5: `on_step` hears each row's step, its accepted drafts first, then the rejected ones."""
+    for row, draft, verdict, (new_tokens, _) in zip(live, drafts, verdicts, gains, strict=True):
+        accepted = [draft.tree.tokens[node] for node in verdict.path]
+        rejected = [draft.tree.tokens[node] for node in range(len(draft.tree)) if node not in verdict.path]
+        on_step(Step(drafts=tuple(accepted + rejected), accepted=len(verdict.path), tokens=tuple(new_tokens), row=row))
 
 
 def speculative_loop(
@@ -205,13 +206,10 @@ def speculative_loop(
     on_step: OnStep | None = None,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """The draft -> verify -> accept -> roll back loop over every row of `gen` -> (generated ids, alpha),
-    or for a batch a list with one such pair per row.
-
-    Invariant: the target's cache holds every accepted token of a row but the last one, which is
-    fed together with the row's drafts, so one forward pass scores the last token and all drafts
-    of every row. Each row accepts its own drafts (ragged acceptance); a finished row leaves the
-    batch. Random numbers come from each row's `gen.uniforms` (`sampling.loop.randomness`). `policy`
-    gives each step's draft budget (`max_drafts`, nodes per row) and learns from each row's outcome."""
+    or for a batch a list with one such pair per row. Invariant: the target's cache holds every
+    accepted token of a row but the last, fed with the row's drafts, so one pass scores the last token
+    and all drafts of every row. Each row accepts its own drafts; a finished row leaves the batch.
+    Random numbers: each row's `gen.uniforms`. `policy`: each step's budget, told each row's outcome."""
     target, rows = gen.runner, Progress(gen, logprobs=stats is not None and stats.collect_logprobs)
     stats = stats if stats is not None else SpeculativeStats()
     clock = StepClock(stats.seconds if stats.timed else None, model_devices(target.model))
@@ -220,32 +218,35 @@ def speculative_loop(
     if any(len(sequence) > 1 for sequence in rows.sequences):  # prefill: all but each row's last token
         target.forward_rows([(s[:-1], None) for s in rows.sequences], [int(len(s) > 1) for s in rows.sequences])
     clock.lap("prefill")
-    counts = [[0, 0] for _ in rows.sequences]  # per row: drafts proposed, drafts accepted
     while rows.live:
         active = rows.active()
         # 1. Draft (a chain, or a tree from an n-gram pool) for every row: the step's budget of
         #    nodes at most, no path deeper than the row's `max_depths` (what fits before max_gen_len).
-        drafts = drafter.draft(active, budget_of(policy, len(rows.live)), rows.max_depths())
-        trees = [tree for tree, _ in drafts]
+        drafts = [Draft(*draft) for draft in drafter.draft(active, budget_of(policy, len(rows.live)), rows.max_depths())]
         clock.lap("draft")
         # 2. Verify: one target pass over each row's last accepted token and every drafted node.
-        blocks = verification_blocks(active, trees)
+        blocks = verification_blocks(active, drafts)
         logits = target.forward_rows(blocks, [len(tokens) for tokens, _ in blocks])
         clock.lap("target")
         # 3. Accept, every row at once: a path of drafts, then one token from the target.
-        verdicts = accept_rows(logits, trees, [q for _, q in drafts], active, logits_processor, rows.uniforms())
-        paths = [path for path, _, _ in verdicts]
+        verdicts = accept_rows(logits, drafts, active, logits_processor, rows.uniforms())
         clock.lap("accept")
         # 4. Roll back the target: keep the accepted paths, forget the rest.
-        roll_back(target, active, trees, paths)
+        roll_back(target, active, drafts, verdicts)
         clock.lap("rollback")
-        going_on = advance(rows, trees, paths, [token for _, token, _ in verdicts], logits, policy, stats, counts, on_step)
+        # 5. Learn: each row gains its tokens; the policy, the stats and `on_step` hear of its step.
+        gains = gain(rows, drafts, verdicts, logits)
+        learn(policy, stats, rows, drafts, verdicts)
+        if on_step is not None:
+            stream(on_step, rows.live, drafts, verdicts, gains)
         clock.lap("rest")
-        # 5. Tell the drafter what was accepted (it rolls back its cache, an n-gram pool learns).
-        drafter.update(active, paths, logits, [p for _, _, p in verdicts])
+        # 6. Update the drafter: what was accepted (it rolls back its cache, an n-gram pool learns).
+        drafter.update(active, [verdict.path for verdict in verdicts], logits, [verdict.p for verdict in verdicts])
         clock.lap("update")
-        target, changed = rows.keep(going_on, target)  # the runner to use from now on
-        if changed:
+        # 7. Narrow: finished rows leave the batch; the target's runner and the drafter keep the others.
+        going_on = [i for i, (_, finished) in enumerate(gains) if not finished]
+        if rows.keep(going_on):
+            target = gen.narrow(going_on)
             drafter.select_rows(going_on)
         clock.lap("rest")
     stats.generated_tokens += sum(len(tokens) for tokens in rows.generated)
@@ -253,5 +254,4 @@ def speculative_loop(
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
     if rows.logprobs is not None:
         stats.logprobs += rows.logprobs.lists()
-    alphas = [accepted / proposed if proposed else 0.0 for proposed, accepted in counts]
-    return gen.results(list(zip(rows.generated, alphas, strict=True)))
+    return gen.results(list(zip(rows.generated, rows.alphas(), strict=True)))

@@ -16,6 +16,7 @@ the measured costs instead:
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
 from collections.abc import Sequence
 
@@ -51,9 +52,10 @@ class ConfidenceAcceptance:
 class ConfidenceStop:
     """The per-token stopping rule of an adaptive model drafter (one instance per generation).
 
-    It reads the step's prices through its `CostAwarePolicy` only: `cost(k)`, a step with k drafts,
-    drafter passes included; `verify_cost(k)`, the target's pass over 1 + k tokens alone (what keeping
-    a drafted token costs); `max_budget`, the longest chain. `on_discard()`: called when a chain was
+    It reads the step's prices through its `CostAwarePolicy` only: `cost(k, rows)`, a step with k drafts
+    per row, drafter passes included; `verify_cost(k, rows)`, the target's pass over 1 + k tokens alone
+    (what keeping a drafted token costs); `max_budget`, the longest chain. `rows`: the rows drafting
+    (and verified) together this step. `on_discard()`: called when a chain was
     drafted and none of it kept (its passes bought nothing: the policy counts it as a rejected draft,
     or it would go on starting chains that never reach the target and never teach it their acceptance).
     """
@@ -73,7 +75,7 @@ class ConfidenceStop:
             reaches.append(survive)
         return reaches
 
-    def keep_drafting(self, confidences: Sequence[float]) -> bool:
+    def keep_drafting(self, confidences: Sequence[float], rows: int) -> bool:
         """Whether one more draft (and a drafter pass for it) can raise the rate (1 + E) / cost,
         supposing the drafts to come as likely to be accepted as the last one."""
         j = len(confidences)
@@ -81,16 +83,16 @@ class ConfidenceStop:
             return False
         reaches = self.reaches(confidences)
         expected = 1.0 + sum(reaches)
-        now = max((1.0 + sum(reaches[:k])) / self.policy.cost(k) for k in range(j + 1))
+        now = max((1.0 + sum(reaches[:k])) / self.policy.cost(k, rows) for k in range(j + 1))
         a, reach = self.acceptance(confidences[-1]), reaches[-1]
         for k in range(j + 1, self.policy.max_budget + 1):  # a cost table can be flat after a step: look past it
             reach *= a
             expected += reach
-            if expected / self.policy.cost(k) > now:
+            if expected / self.policy.cost(k, rows) > now:
                 return True
         return False
 
-    def keep(self, confidences: Sequence[float]) -> int:
+    def keep(self, confidences: Sequence[float], rows: int) -> int:
         """How many of the drafted tokens to send to the target: they are drafted already, so only
         the verification pass's cost decides."""
-        return best_tree_size(self.reaches(confidences), self.policy.verify_cost)
+        return best_tree_size(self.reaches(confidences), functools.partial(self.policy.verify_cost, rows=rows))

@@ -11,6 +11,7 @@ llama.cpp rule, here with costs measured on the machine in use: `utils/cost_mode
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -60,9 +61,10 @@ class DraftPolicy(Protocol):
 
 class CostAwarePolicy(DraftPolicy, Protocol):
     """A `DraftPolicy` that prices steps: what the drafters that size their drafts by cost read
-    (the confidence stop, `sampling/policy/draft_confidence.py`; the tree planner, `sampling/drafters/model_tree.py`;
-    the hybrid, `sampling/drafters/hybrid.py`), each through these members only. Costs are in one-token target
-    passes, for the rows of the step being drafted (the last `budget`)."""
+    (the confidence stop, `sampling/policy/draft_confidence.py`; the tree planner, `sampling/policy/tree_choice.py`,
+    and the model's trees, `sampling/drafters/model_tree.py`; the hybrid, `sampling/drafters/hybrid.py`), each
+    through these members only. Costs are in one-token target passes, for a step verifying `rows` rows
+    together (a pure function of its arguments and what the policy has learned)."""
 
     max_budget: int  # the most nodes per row `budget` ever gives
     target_costs: PassCosts  # the target's measured passes (the tree planner prices drafter passes against them)
@@ -71,14 +73,11 @@ class CostAwarePolicy(DraftPolicy, Protocol):
     def acceptance_rate(self) -> float:
         """P(a drafted token accepted | the drafts before it were), learned online."""
 
-    def cost(self, k: int) -> float:
+    def cost(self, k: int, rows: int) -> float:
         """A step with k drafts per row, the drafter's passes included."""
 
-    def verify_cost(self, k: int) -> float:
-        """The target's pass over 1 + k tokens alone."""
-
-    def drafter_step_cost(self) -> float:
-        """One drafted token's drafter pass."""
+    def verify_cost(self, k: int, rows: int) -> float:
+        """The target's pass over 1 + k tokens per row alone."""
 
     def discard(self) -> None:
         """A chain was drafted and none of it kept: count it as a rejected draft."""
@@ -155,8 +154,6 @@ class CostAwareDraftLength:
         self.acceptance = DecayedRate(self.PRIOR_RATE, self.PRIOR_WEIGHT)
         self.plain_steps = 0
         self.probe_after = self.PROBE_AFTER
-        # Rows verified together in the step being drafted (`budget`): its pass covers num_rows x (1 + k) tokens.
-        self._num_rows = 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -171,25 +168,23 @@ class CostAwareDraftLength:
             return 0.0  # a drafter without a model (your own): free until its drafting is timed
         return drafter / target if target and drafter else 1.0
 
-    def verify_cost(self, k: int) -> float:
-        """The verification pass over 1 + k tokens (every row), in one-token target passes."""
-        return self.cost(k) - k * self.drafter_step_cost()
+    def verify_cost(self, k: int, rows: int) -> float:
+        """The verification pass over 1 + k tokens per row (`rows` rows), in one-token target passes."""
+        return self.cost(k, rows) - k * self.drafter_step_cost()
 
-    def cost(self, k: int) -> float:
-        """A step with k drafts per row, drafter passes included, in one-token target passes; its
-        rows are those of the step being drafted (the last `budget`)."""
-        if self._num_rows == 1:
+    def cost(self, k: int, rows: int) -> float:
+        """A step with k drafts per row over `rows` rows, drafter passes included, in one-token target passes."""
+        if rows == 1:
             return self.target_costs(k) + k * self.drafter_step_cost()
-        plain = self.target_costs(self._num_rows - 1)  # a batch: its pass as timed, relative to a plain one
-        return plain * self.target_costs.batch_ratio(self._num_rows, 1 + k) + k * self.drafter_step_cost()
+        plain = self.target_costs(rows - 1)  # a batch: its pass as timed, relative to a plain one
+        return plain * self.target_costs.batch_ratio(rows, 1 + k) + k * self.drafter_step_cost()
 
     def budget(self, num_rows: int) -> int:
-        """This step's draft length for `num_rows` rows verified together (0: a plain step); `cost`
-        then prices that step until the next call."""
-        self._num_rows = num_rows
-        k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_budget, self.cost)
+        """This step's draft length for `num_rows` rows verified together (0: a plain step)."""
+        cost = functools.partial(self.cost, rows=num_rows)
+        k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_budget, cost)
         if (k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe)
-                and best_draft_length([0.99] * self.max_budget, self.cost)):
+                and best_draft_length([0.99] * self.max_budget, cost)):
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
             self.cold_probe = False
             return 1

@@ -27,6 +27,7 @@ choice reads the past only (timings, judged drafts), never the step's own draws.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import time
 import weakref
@@ -87,7 +88,7 @@ class TreePlanner:
     """Each step's node budget for a tree (0: draft a chain), from the measured costs (module
     docstring, point 1). The positional model: a child of rank r is accepted with
     `acceptance.rate(r)` once its parent is; the best tree of n nodes adds them best-first by
-    reach. Costs are in one-token target passes; the chain's is `policy.cost(k)` with the same
+    reach. Costs are in one-token target passes; the chain's is `policy.cost(k, rows)` with the same
     first-rank rate."""
 
     def __init__(self, policy: CostAwarePolicy, drafter_costs: PassCosts, branching: int,
@@ -152,14 +153,14 @@ class TreePlanner:
     def rates(self, max_drafts: int, rows: int = 1) -> tuple[float, int, float]:
         """(The best chain's expected tokens per unit of cost, the best branched tree's node count, its rate)."""
         top = self.acceptance.rate(0)
-        k = best_draft_length([min(top, 0.99)] * max_drafts, self.policy.cost)
-        chain_rate = (1.0 + sum(top ** j for j in range(1, k + 1))) / self.policy.cost(k)
+        k = best_draft_length([min(top, 0.99)] * max_drafts, functools.partial(self.policy.cost, rows=rows))
+        chain_rate = (1.0 + sum(top ** j for j in range(1, k + 1))) / self.policy.cost(k, rows)
         nodes, reaches = self.shape(max_drafts)
         best, best_rate, branched, expected = 0, 0.0, False, 1.0
         for n, drafting in enumerate(self.drafting_costs(nodes, rows), start=1):
             branched = branched or nodes[n - 1][2] > 0
             expected += reaches[n - 1]
-            rate = expected / (self.policy.verify_cost(n) + drafting)
+            rate = expected / (self.policy.verify_cost(n, rows) + drafting)
             if branched and rate > best_rate:
                 best, best_rate = n, rate
         return chain_rate, best, best_rate
