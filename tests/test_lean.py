@@ -125,3 +125,23 @@ def test_the_runners_take_it_by_default():
     assert isinstance(make_runner(model, rows=1, max_tokens=40), StaticRunner)
     assert isinstance(make_runner(model, rows=3, max_tokens=40), StaticRunner)
     assert not isinstance(make_runner(model, rows=1, use_cache=False, max_tokens=40), StaticRunner)
+
+
+def test_every_kernel_computes_the_same_product_and_the_table_is_kept(monkeypatch, tmp_path):
+    from utils.lean import kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 32)
+        expected = torch.nn.functional.linear(x, weight, bias)
+        for kernel in kernels._candidates(next(b for b in kernels.BUCKETS if b >= rows)):
+            assert torch.allclose(kernels.apply(kernel, x, weight, bias), expected, atol=1e-5), kernel
+    kernels.kernel_table.cache_clear()
+    table = kernels.kernel_table((48, 32), torch.float32)
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 1
+    kernels.kernel_table.cache_clear()
+    monkeypatch.setattr(kernels, "_measure", lambda *a: pytest.fail("measured again"))
+    again = kernels.kernel_table((48, 32), torch.float32)  # a later start reads the stored table
+    assert [again(r) for r in range(40)] == [table(r) for r in range(40)] and table(33) == kernels.LINEAR
+    assert kernels.kernel_table((48, 32), torch.float64)(1) == kernels.LINEAR  # exact tests: transformers' kernel

@@ -223,11 +223,10 @@ def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch |
     """Measure `model`'s pass costs here -> (costs, spread of the one-token pass's repeats).
     With a `watch`, raises `MachineBusy` as soon as it says the cores were not ours."""
     passes = compiled_passes(model)
-    # A compiled graph is its own kernel choice: no shortcut is patched into it. Our own forward takes the
-    # weight-major product or not, and always attends without repeating keys (`utils/lean/`).
-    choices = [Shortcuts()] if passes is not None else cpu_passes.available_shortcuts(model)
-    if passes is None and lean_decoder(model) is not None:
-        choices = [choice for choice in choices if not choice.gqa_without_repeat]
+    # A compiled graph is its own kernel choice, and our own forward (`utils/lean/`) chose its kernels per
+    # shape: no shortcut is patched into either.
+    own = passes is not None or lean_decoder(model) is not None
+    choices = [Shortcuts()] if own else cpu_passes.available_shortcuts(model)
     times = time_passes(model, choices, repeats, watch)
     relative, shortcuts = {}, {}
     for k in (0, *DRAFT_SIZES):

@@ -7,6 +7,8 @@ the target's by `sampling.loop.common.measured_costs`."""
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from sampling.policy.draft_confidence import ConfidenceStop
 from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.policy.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from utils.calibration import pass_costs
+from utils.cost_model import PassCosts
 from utils.runners.model_info import vocab_size
 from utils.validation import check_bool, check_int, check_model
 
@@ -73,6 +76,23 @@ def check_model_drafter(request: Request, shared: DecodingOptions, drafter: obje
     return universal
 
 
+PAYING_COST = 1 / 3  # a drafter whose one-token pass costs more than this share of the target's cannot pay
+_TOLD: set[tuple[int, int]] = set()  # (drafter, target costs) pairs already warned about, in this process
+
+
+def say_if_it_cannot_pay(drafter: PreTrainedModel, drafter_costs: PassCosts | None, target_costs: PassCosts | None) -> None:
+    """One warning, once per pair, when the drafter's measured one-token pass costs more than `PAYING_COST` of the
+    target's here: it is never used silently (adaptive_gamma then drafts only where its costs say it pays)."""
+    mine = drafter_costs.seconds() if drafter_costs is not None and drafter_costs.measured else None
+    theirs = target_costs.seconds() if target_costs is not None and target_costs.measured else None
+    if mine is None or not theirs or mine / theirs <= PAYING_COST or (id(drafter), id(target_costs)) in _TOLD:
+        return
+    _TOLD.add((id(drafter), id(target_costs)))
+    warnings.warn(f"the drafter's one-token pass costs {1000 * mine:.1f} ms here, {mine / theirs:.2f} of the "
+                  f"target's ({1000 * theirs:.1f} ms): over {PAYING_COST:.2f}, it cannot pay on this machine "
+                  f"(adaptive_gamma=True drafts only where its measured costs say it pays)", stacklevel=4)
+
+
 def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, shared: DecodingOptions,
                         options: ModelOptions, *,
                         universal: bool) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
@@ -86,6 +106,7 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
     # closures read the drafter built below: one drafter and one policy, each built whole).
     drafter_costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
+    say_if_it_cannot_pay(drafter, drafter_costs, gen.runner.costs)
     policy = CostAwareDraftLength(max(shared.gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, drafter_costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
                                   warm=lambda: model_drafter.is_warm(),

@@ -6,9 +6,8 @@ same values, the same bytes: the Hugging Face model still runs, and memory holds
 is not a plain `nn.Linear` (a 4- or 8-bit `QuantizedLinear`, accelerate's hooked modules) is never fused: its own
 module runs it.
 
-Kernels (float weights): `F.linear`, or the weight-major product `(W @ x.T).T` that streams the weight once for a
-few rows (`utils/cpu_passes.py` says why and when; the calibration measures which is faster here for each pass
-width, and the runner passes that choice in as `few_rows`).
+Kernels (float weights): the one measured fastest here for the pass's row count (`kernels.py`: `F.linear`, the
+weight-major product, `torch.mv`, padded or not), once per weight shape and machine.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.cpu_passes import MAX_ROWS
+from utils.lean.kernels import LINEAR, apply, kernel_table
 
 __all__ = ["Linear", "fused"]
 
@@ -43,23 +42,22 @@ class Linear:
                 self.bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
                                        for b, m in zip(biases, modules, strict=True)])
             self.modules = None
+            self.kernels = None  # its shape's kernel table, at the first pass (`kernels.prepare` measures them first)
         else:
             self.weight, self.bias, self.modules = None, None, modules
 
-    def __call__(self, x: Tensor, few_rows: bool = False) -> Tensor:
-        """(..., in) -> (..., sum of widths)."""
+    def __call__(self, x: Tensor) -> Tensor:
+        """(..., in) -> (..., sum of widths), by the kernel measured fastest here for this many rows."""
         if self.modules is not None:
             outputs = [module(x) for module in self.modules]
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         rows = x.numel() // x.shape[-1]
-        if not few_rows or rows > MAX_ROWS:
+        if self.kernels is None:
+            self.kernels = kernel_table(tuple(self.weight.shape), self.weight.dtype, self.weight.device.type)
+        kernel = self.kernels(rows)
+        if kernel == LINEAR:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, -1)
-        if rows == 1:  # as two rows: some CPUs' matrix-vector kernel streams far below memory speed
-            flat = torch.cat([flat, flat])
-        out = (self.weight @ flat.T)[:, :rows].T.contiguous()
-        if self.bias is not None:
-            out += self.bias
+        out = apply(kernel, x.reshape(rows, -1), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
     def split(self, y: Tensor) -> list[Tensor]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from utils.lean.kernels import prepare
 from utils.lean.linear import Linear
 from utils.lean.static_kv import PassSlots, StaticKV
 
@@ -97,6 +98,8 @@ class LeanLlama(nn.Module):
         self.layers = [Layer(layer) for layer in decoder.layers]
         self.norm = decoder.norm.weight
         self.head = Linear([model.lm_head])
+        prepare([linear.weight for layer in self.layers[:1] for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                 if linear.weight is not None] + ([self.head.weight] if self.head.weight is not None else []))
         self._rotary = decoder.rotary_emb
         self._dtype = self.norm.dtype
         self._cos = self._sin = torch.empty(0)
@@ -111,24 +114,23 @@ class LeanLlama(nn.Module):
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
     @torch.no_grad()
-    def forward(self, ids: Tensor, slots: PassSlots, kv: StaticKV, num_logits: int, few_rows: bool = False) -> Tensor:
+    def forward(self, ids: Tensor, slots: PassSlots, kv: StaticKV, num_logits: int) -> Tensor:
         """The logits of each row's last `num_logits` new tokens, (rows, num_logits, vocab); `kv`: the
         runner's buffer, written and read where `slots` says."""
         cos, sin = self._rope(slots.positions, kv.slots)
         h = self.embed(ids)
         for index, layer in enumerate(self.layers):
-            h = h + self._attention(layer, rms_norm(h, layer.attention_norm, self.eps), cos, sin, slots, kv, index,
-                                    few_rows)
+            h = h + self._attention(layer, rms_norm(h, layer.attention_norm, self.eps), cos, sin, slots, kv, index)
             x = rms_norm(h, layer.mlp_norm, self.eps)
-            gate, up = layer.gate_up.split(layer.gate_up(x, few_rows))
-            h = h + layer.down(self.activation(gate) * up, few_rows)
+            gate, up = layer.gate_up.split(layer.gate_up(x))
+            h = h + layer.down(self.activation(gate) * up)
         h = rms_norm(h[:, h.shape[1] - num_logits :], self.norm, self.eps)
-        return self.head(h, few_rows)
+        return self.head(h)
 
     def _attention(self, layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: PassSlots, kv: StaticKV,
-                   index: int, few_rows: bool) -> Tensor:
+                   index: int) -> Tensor:
         rows, width, _ = x.shape
-        q, k, v = layer.qkv.split(layer.qkv(x, few_rows))
+        q, k, v = layer.qkv.split(layer.qkv(x))
         q = q.view(rows, width, self.heads, self.head_dim)
         k = k.view(rows, width, self.kv_heads, self.head_dim)
         if layer.qk_norms is not None:
@@ -145,7 +147,7 @@ class LeanLlama(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
                                                  enable_gqa=self.heads != self.kv_heads)
-        return layer.o(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim), few_rows)
+        return layer.o(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
 
     def _eager_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """The model's eager attention: scores in its dtype, softmax in float32."""

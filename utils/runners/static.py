@@ -165,9 +165,8 @@ class StaticRunner(ModelPasses):
         return self.run(ids, kwargs, timed=True, shortcuts=shortcuts).logits
 
     def _call(self, ids: Tensor, kwargs: dict):
-        if "slots" in kwargs:  # our own forward (`utils/lean/`): the kernels the shortcuts choose
-            few_rows = self._few_token_pass.choice.few_row_linear
-            return SimpleNamespace(logits=lean_decoder(self.model)(ids, **kwargs, few_rows=few_rows))
+        if "slots" in kwargs:  # our own forward (`utils/lean/`), its kernels measured for its shapes
+            return SimpleNamespace(logits=lean_decoder(self.model)(ids, **kwargs))
         if self._next_forward is None:
             return self.model(input_ids=ids, **kwargs)
         return SimpleNamespace(logits=self._next_forward(ids, kwargs))
