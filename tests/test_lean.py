@@ -145,3 +145,19 @@ def test_every_kernel_computes_the_same_product_and_the_table_is_kept(monkeypatc
     again = kernels.kernel_table((48, 32), torch.float32)  # a later start reads the stored table
     assert [again(r) for r in range(40)] == [table(r) for r in range(40)] and table(33) == kernels.LINEAR
     assert kernels.kernel_table((48, 32), torch.float64)(1) == kernels.LINEAR  # exact tests: transformers' kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_chosen_give_each_row_the_bits_of_any_other_width(monkeypatch, tmp_path, dtype):
+    """Width invariance: a row's product is the same bits whether the pass holds 1, 3 or 20 rows."""
+    from utils.lean import kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    kernels.kernel_table.cache_clear()
+    weight, x = torch.randn(64, 96).to(dtype), torch.randn(32, 96).to(dtype)
+    table = kernels.kernel_table((64, 96), dtype)
+    reference = kernels.apply(kernels.REFERENCE, x, weight, None)
+    for rows in (1, 2, 3, 5, 8, 13, 20, 32):
+        assert torch.equal(kernels.apply(table(rows), x[:rows], weight, None), reference[:rows]), (rows, table(rows))
+    assert all(price >= 1.0 for price in table.price.values())
+    kernels.kernel_table.cache_clear()

@@ -12,6 +12,13 @@ Kernels, for x (rows, in) and W (out, in):
     ("mv", 0)            torch.mv(W, x[0]): one row
     ("weight_major", p)  (W @ x.T).T with x padded by zero rows to p rows (0: not padded)
 A float64 weight always takes F.linear: the exact tests compare it with the Hugging Face model's own.
+
+Width invariance: in bfloat16 a pass over k tokens must give each token the very bits a one-token pass gives it,
+or greedy speculation parts from plain greedy decoding at near-ties. Each candidate is checked, bit for bit, against
+the same rows in a 32-row weight-major product (`REFERENCE`), and the fastest candidate that agrees is taken; every
+other op of a pass is computed per row already. Measured on the Xeon (bfloat16): `torch.mv` and every padded
+product agree except one-row products over an 8960-wide input, so invariance costs nothing there; in float32 no
+one-row kernel agrees with the multi-row ones (a one-row pass is padded to two).
 """
 
 from __future__ import annotations
@@ -31,13 +38,15 @@ from tqdm import tqdm
 
 from utils.paths import cache_dir
 
-__all__ = ["BUCKETS", "Kernel", "KernelTable", "apply", "kernel_table", "prepare"]
+__all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "kernel_table", "prepare"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows r take the table's entry for the smallest bucket >= r; past 32, F.linear
 PROBE_BYTES = 1 << 29  # matrices timed in turn: beyond the caches, so that the weights come from memory
 REPEATS = 2
 Kernel = tuple[str, int]
 LINEAR: Kernel = ("linear", 0)
+REFERENCE: Kernel = ("weight_major", 32)  # the product every width-invariant kernel agrees with, bit for bit
+INVARIANT_ENV = "SPECDEC_WIDTH_INVARIANT"  # "0": the fastest kernel per width, invariant or not
 
 
 def apply(kernel: Kernel, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -60,14 +69,19 @@ def _candidates(bucket: int) -> list[Kernel]:
     return [LINEAR, ("weight_major", 0), *(("weight_major", p) for p in pads), *([("mv", 0)] if bucket == 1 else [])]
 
 
-def _measure(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[int, Kernel]:
+def _measure(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[int, dict]:
+    """Per bucket: every candidate's best seconds over the probe matrices, and which candidates are width-invariant
+    (each row's output bit for bit the reference's, `REFERENCE`: the same row in a 32-row product)."""
     count = max(1, min(64, PROBE_BYTES // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8)))
     weights = [torch.randn(shape, device=device).to(dtype) for _ in range(count)]
     table = {}
     for bucket in BUCKETS:
         x = torch.randn(bucket, shape[1], device=device).to(dtype)
-        seconds = {}
+        reference = apply(REFERENCE, x, weights[0], None)
+        seconds, invariant = {}, []
         for kernel in _candidates(bucket):
+            if torch.equal(apply(kernel, x, weights[0], None), reference):
+                invariant.append(kernel)
             best = float("inf")
             for _ in range(REPEATS + 1):
                 start = time.perf_counter()
@@ -75,15 +89,27 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[in
                     apply(kernel, x, weight, None)
                 best = min(best, time.perf_counter() - start)
             seconds[kernel] = best
-        table[bucket] = min(seconds, key=seconds.get)
+        table[bucket] = {"fastest": min(seconds, key=seconds.get),
+                         "invariant": min(invariant, key=seconds.get) if invariant else REFERENCE,
+                         "seconds": [[*kernel, t] for kernel, t in seconds.items()]}
     return table
 
 
 class KernelTable:
-    """The kernel for each row count of one weight shape and dtype."""
+    """The kernel for each row count of one weight shape and dtype: the fastest width-invariant one (a row's
+    result the same bits whatever the pass's width: greedy speculation then equals plain greedy decoding to the
+    bit in every dtype), or with `SPECDEC_WIDTH_INVARIANT=0` the fastest of all. `price`: how much slower the
+    invariant choice is, by bucket (1.0: free)."""
 
-    def __init__(self, by_bucket: dict[int, Kernel]) -> None:
+    def __init__(self, measured: dict[int, dict]) -> None:
+        choice = "fastest" if os.environ.get(INVARIANT_ENV) == "0" else "invariant"
+        by_bucket = {bucket: tuple(entry[choice]) for bucket, entry in measured.items()}
         self._by_rows = [LINEAR] + [by_bucket[next(b for b in BUCKETS if b >= rows)] for rows in range(1, BUCKETS[-1] + 1)]
+        self.price = {}
+        for bucket, entry in measured.items():
+            seconds = {(name, pad): t for name, pad, t in entry.get("seconds", [])}
+            if seconds:
+                self.price[bucket] = seconds.get(tuple(entry["invariant"]), min(seconds.values())) / min(seconds.values())
 
     def __call__(self, rows: int) -> Kernel:
         return self._by_rows[rows] if rows < len(self._by_rows) else LINEAR
@@ -94,20 +120,19 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
     """The measured table for weights of `shape` (out, in) in `dtype` here: from this process, from the disk
     cache, or measured now."""
     if dtype == torch.float64 or device != "cpu":
-        return KernelTable(dict.fromkeys(BUCKETS, LINEAR))
+        return KernelTable({bucket: {"fastest": LINEAR, "invariant": LINEAR} for bucket in BUCKETS})
     key = {"shape": list(shape), "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "cpu": torch.backends.cpu.get_cpu_capability(), "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12],
            "machine": _cpu_name()}
     path = cache_dir() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
     try:
-        stored = json.loads(path.read_text())
-        return KernelTable({int(b): tuple(k) for b, k in stored.items()})
-    except (OSError, ValueError, TypeError):
+        return KernelTable({int(bucket): entry for bucket, entry in json.loads(path.read_text()).items()})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
     table = _measure(shape, dtype, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({str(b): list(k) for b, k in table.items()}))
+    partial.write_text(json.dumps({str(bucket): entry for bucket, entry in table.items()}))
     partial.replace(path)
     return KernelTable(table)
 
