@@ -75,7 +75,7 @@ def load(name: str | None, options: dict, console: Console, role: str = "model")
     """Load a model by short name, folder or Hub name, with a spinner (errors raise, from `load_model`)."""
     label = name or "the built-in SmolLM2-135M-Instruct"
     offline = offline_model(name)
-    first = offline is not None and not (cache_dir() / offline.title / "config.json").exists()
+    first = offline is not None and not (offline.folder / "config.json").exists()
     if first:  # `utils.offline_models.model_folder` builds it, with its own progress bars
         console.print(first_load_message(offline), markup=False, highlight=False, soft_wrap=True)
     with console.status(f"Loading {role} {label}..."):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tests.models import SMALL, VOCAB, prompt, tiny_model
 from utils.lean import LEAN_ENV, forget, forward_path, lean_decoder
@@ -160,4 +160,29 @@ def test_the_kernels_chosen_give_each_row_the_bits_of_any_other_width(monkeypatc
     for rows in (1, 2, 3, 5, 8, 13, 20, 32):
         assert torch.equal(kernels.apply(table(rows), x[:rows], weight, None), reference[:rows]), (rows, table(rows))
     assert all(price >= 1.0 for price in table.price.values())
+    kernels.kernel_table.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(family, monkeypatch, tmp_path):
+    """Width invariance (the default): greedy speculation then equals plain greedy decoding to the bit."""
+    from utils.lean import kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "PROBE_BYTES", 1 << 22)  # the bits are what is tested here, not the speed
+    kernels.kernel_table.cache_clear()
+    # Heads of 128 and a context of 200: the sizes at which torch's CPU attention blocks queries by their count.
+    torch.manual_seed(0)
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_class(vocab_size=VOCAB, hidden_size=1536, intermediate_size=256, num_hidden_layers=1,
+                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    model = model_class(config).to(torch.bfloat16).eval()
+    ids, new = prompt(6, 200), [5, 6, 7, 8, 9, 10, 11]
+    runner = StaticRunner(model, rows=1, slots=256)
+    runner.forward_rows([(ids, None)], [1])
+    wide = runner.forward_rows([(new, None)], [len(new)])[0]
+    runner.rollback_row(0, len(ids))
+    ones = torch.cat([runner.forward_rows([([token], None)], [1])[0] for token in new])
+    assert torch.equal(wide, ones)
     kernels.kernel_table.cache_clear()

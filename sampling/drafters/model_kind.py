@@ -76,7 +76,7 @@ def check_model_drafter(request: Request, shared: DecodingOptions, drafter: obje
     return universal
 
 
-PAYING_COST = 1 / 3  # a drafter whose one-token pass costs more than this share of the target's cannot pay
+PAYING_COST = 1 / 3  # past this share of the target's pass, a drafter pays only where nearly every draft is kept
 _TOLD: set[tuple[int, int]] = set()  # (drafter, target costs) pairs already warned about, in this process
 
 
@@ -89,8 +89,8 @@ def say_if_it_cannot_pay(drafter: PreTrainedModel, drafter_costs: PassCosts | No
         return
     _TOLD.add((id(drafter), id(target_costs)))
     warnings.warn(f"the drafter's one-token pass costs {1000 * mine:.1f} ms here, {mine / theirs:.2f} of the "
-                  f"target's ({1000 * theirs:.1f} ms): over {PAYING_COST:.2f}, it cannot pay on this machine "
-                  f"(adaptive_gamma=True drafts only where its measured costs say it pays)", stacklevel=4)
+                  f"target's ({1000 * theirs:.1f} ms): over {PAYING_COST:.2f}, it pays only where nearly all its drafts "
+                  f"are accepted (adaptive_gamma=True drafts only where its measured costs say it pays)", stacklevel=4)
 
 
 def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, shared: DecodingOptions,

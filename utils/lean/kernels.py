@@ -73,7 +73,9 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[in
     """Per bucket: every candidate's best seconds over the probe matrices, and which candidates are width-invariant
     (each row's output bit for bit the reference's, `REFERENCE`: the same row in a 32-row product)."""
     count = max(1, min(64, PROBE_BYTES // (shape[0] * shape[1] * torch.finfo(dtype).bits // 8)))
-    weights = [torch.randn(shape, device=device).to(dtype) for _ in range(count)]
+    # One random matrix for the bits; the others only have to be elsewhere in memory (cheap to fill).
+    weights = [torch.randn(shape, device=device).to(dtype)]
+    weights += [torch.full(shape, 0.01, dtype=dtype, device=device) for _ in range(count - 1)]
     table = {}
     for bucket in BUCKETS:
         x = torch.randn(bucket, shape[1], device=device).to(dtype)

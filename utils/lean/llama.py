@@ -15,16 +15,19 @@ the dtype's minimum elsewhere; the buffer's keys and values (rows, kv_heads, slo
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.lean.kernels import prepare
+from utils.lean.kernels import INVARIANT_ENV, prepare
 from utils.lean.linear import Linear
 from utils.lean.static_kv import PassSlots, StaticKV
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
 ACTIVATIONS = {"silu": F.silu}
+QUERY_BLOCK = 16  # width-invariant attention pads a pass's queries to a multiple of this
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # one table for every position
 
 
@@ -92,6 +95,8 @@ class LeanLlama(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.eager = config._attn_implementation == "eager"
+        # Width invariance pads the attention's queries (`_sdpa`); float64 rounds far below any tie: not there.
+        self.invariant = os.environ.get(INVARIANT_ENV) != "0" and model.get_input_embeddings().weight.dtype != torch.float64
         self.activation = ACTIVATIONS[config.hidden_act]
         decoder = model.model
         self.embed = decoder.embed_tokens
@@ -145,9 +150,21 @@ class LeanLlama(nn.Module):
         if self.eager:
             out = self._eager_attention(q, keys, values, mask)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                                 enable_gqa=self.heads != self.kv_heads)
+            out = self._sdpa(q, keys, values, mask)
         return layer.o(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
+
+    def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """torch's attention kernel. Width-invariant (`kernels.INVARIANT_ENV`): its CPU kernel blocks the queries
+        by their count, so that one query alone and the same query among five get other bits (bfloat16, measured);
+        padded to a multiple of `QUERY_BLOCK` with copies of the first, every count is blocked alike."""
+        width = q.shape[2]
+        padded = -(-width // QUERY_BLOCK) * QUERY_BLOCK if self.invariant else width
+        if padded > width:
+            q = torch.cat([q, q[:, :, :1].expand(-1, -1, padded - width, -1)], dim=2)
+            mask = torch.cat([mask, mask[:, :, :1].expand(-1, -1, padded - width, -1)], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return out[:, :, :width]
 
     def _eager_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """The model's eager attention: scores in its dtype, softmax in float32."""
