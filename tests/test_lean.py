@@ -163,8 +163,8 @@ def test_the_kernels_chosen_give_each_row_the_bits_of_any_other_width(monkeypatc
     kernels.kernel_table.cache_clear()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(family, monkeypatch, tmp_path):
+@pytest.mark.parametrize(("family", "context"), [("llama", 200), ("qwen2", 200), ("qwen2", 570)])
+def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(family, context, monkeypatch, tmp_path):
     """Width invariance (the default): greedy speculation then equals plain greedy decoding to the bit."""
     from utils.lean import kernels
 
@@ -175,11 +175,11 @@ def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(f
     torch.manual_seed(0)
     config_class, model_class = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     config = config_class(vocab_size=VOCAB, hidden_size=1536, intermediate_size=256, num_hidden_layers=1,
-                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=512)
+                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=1024)
     config._attn_implementation = "sdpa"
     model = model_class(config).to(torch.bfloat16).eval()
-    ids, new = prompt(6, 200), [5, 6, 7, 8, 9, 10, 11]
-    runner = StaticRunner(model, rows=1, slots=256)
+    ids, new = prompt(6, context), [5, 6, 7, 8, 9, 10, 11]  # 570: past 512 keys, the wide pass reads further
+    runner = StaticRunner(model, rows=1, slots=1024)
     runner.forward_rows([(ids, None)], [1])
     wide = runner.forward_rows([(new, None)], [len(new)])[0]
     runner.rollback_row(0, len(ids))

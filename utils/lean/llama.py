@@ -28,6 +28,7 @@ from utils.lean.static_kv import PassSlots, StaticKV
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
 ACTIVATIONS = {"silu": F.silu}
 QUERY_BLOCK = 16  # width-invariant attention pads a pass's queries to a multiple of this
+KV_BLOCK = 512  # and reads the keys in whole blocks of torch's CPU attention kernel
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # one table for every position
 
 
@@ -97,6 +98,9 @@ class LeanLlama(nn.Module):
         self.eager = config._attn_implementation == "eager"
         # Width invariance pads the attention's queries (`_sdpa`); float64 rounds far below any tie: not there.
         self.invariant = os.environ.get(INVARIANT_ENV) != "0" and model.get_input_embeddings().weight.dtype != torch.float64
+        # The buffer's slots a pass reads: the longest row's, rounded up to this. torch's CPU attention reduces the
+        # keys in blocks of 512: read in whole blocks, a row's bits do not depend on how far the others reach.
+        self.kv_step = KV_BLOCK if self.invariant else 64
         self.activation = ACTIVATIONS[config.hidden_act]
         decoder = model.model
         self.embed = decoder.embed_tokens

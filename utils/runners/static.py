@@ -9,6 +9,10 @@ its query sees the row's slots below len(rows[b]) and its own ancestors in the b
 included), within the model's sliding window: one float 4D mask (rows, 1, width, slots) and
 per-row position ids. Padding queries see only themselves and their logits are dropped.
 
+A pass runs our own forward (`utils/lean/`) where it covers the model: it reads the buffer only up to the longest
+row, by a mask over those slots. Any other model runs its own forward over the whole buffer (compiled at the widths
+`compiled.py` holds, else eager).
+
 Rollback is `del rows[b][length:]`: slots past a row's length are never seen, and the next pass
 overwrites them. A tree's accepted path is copied into the slots after its root (`keep_path_row`).
 
@@ -75,9 +79,6 @@ def static_mask(lengths: Tensor, depths: Tensor, ancestry: Tensor, slots: int, w
     return mask.masked_fill(~visible[:, None], torch.finfo(dtype).min)
 
 
-USED_STEP = 64  # our own forward reads the buffer's slots up to the longest row, rounded up to this
-
-
 class StaticRunner(ModelPasses):
     """`rows` sequences of a decoder-only model (`model_info.shares_passes`) over a KV buffer of
     `slots` positions per row; passes at the widths `compiled` holds run compiled."""
@@ -127,9 +128,10 @@ class StaticRunner(ModelPasses):
         write_index = (length[:, None] + torch.arange(width)).to(self.device)
         first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if tokens)
         compiled = self._compiled_forward(width)
-        if lean_decoder(self.model) is not None and compiled is None:
-            # Our own forward reads the buffer up to the longest row (in steps of USED_STEP: few mask shapes).
-            used = min(self.slots, -(-(max(lengths) + width) // USED_STEP) * USED_STEP)
+        lean = lean_decoder(self.model)
+        if lean is not None and compiled is None:
+            # Our own forward reads the buffer up to the longest row, in steps of its own (few mask shapes).
+            used = min(self.slots, -(-(max(lengths) + width) // lean.kv_step) * lean.kv_step)
             mask = static_mask(length, depths, ancestry, used, self._window, self._dtype).to(self.device)
             kwargs = {"slots": PassSlots(positions, mask, write_index, lengths[0] if len(lengths) == 1 else None),
                       "kv": self._cache, "num_logits": width - first}
