@@ -41,6 +41,11 @@ class ModelDrafter:
     Each row's cache always holds a prefix of its accepted sequence: what it has not seen yet (the
     target's token, and the last draft when all were accepted) is fed at the next `draft`.
 
+    Host reads: a step's drafts stay on the device (each drawn there and fed to the next pass as a
+    tensor block) and are read once, all rows together, after the last pass; only what needs each
+    draft on the host reads it as it is drafted (`reads_each_draft`: the per-token stop, the cascade,
+    another reading, a history-reading processor).
+
     `coupled` (drafter-invariant sampling, Daliri et al. 2024 with the inverse-CDF coupling): the
     draft at position t is F_q^{-1}(u_t), with the uniform u_t the target samples that position
     with, and the chain is verified as deterministic drafts: accepted iff F_p^{-1}(u_t) equals it.

@@ -8,6 +8,8 @@ compiled for it (the prompt pass, a batch). Row b's new token j is written at sl
 its query sees the row's slots below len(rows[b]) and its own ancestors in the block (itself
 included), within the model's sliding window: one float 4D mask (rows, 1, width, slots) and
 per-row position ids. Padding queries see only themselves and their logits are dropped.
+A block's tokens may be a tensor on the device (a drafter's drafts, `protocol.Blocks`): they are
+written into the pass's ids there, never read back to the host.
 
 Rollback is `del rows[b][length:]`: slots past a row's length are never seen, and the next pass
 overwrites them. A tree's accepted path is copied into the slots after its root (`keep_path_row`).
