@@ -70,6 +70,7 @@ class ModelDrafter:
         cascade: Cascade | None = None,
         reading: DraftReading | None = None,
         max_tokens: int | None = None,
+        timed: bool = True,
     ) -> None:
         rows = len(uniforms)
         # Its costs: its kernels, and its step's cost for adaptive gamma (`utils.calibration.pass_costs`).
@@ -95,6 +96,9 @@ class ModelDrafter:
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
         self.draft_time = RunningAverage(DRAFT_TIME_WEIGHT)
+        # Whether to time it: a timing synchronizes the device twice a step (`passes.synchronize`),
+        # worth it only where something prices drafts by `seconds_per_draft` (the cost-aware policy).
+        self.timed = timed
 
     @property
     def forward_passes(self) -> int:
@@ -173,8 +177,7 @@ class ModelDrafter:
         lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
-        synchronize(*self.runner.devices)  # the clock starts once the queued work is done
-        start = time.perf_counter()
+        start = self._clock()  # once the queued work is done
         # Each drafting row feeds what it has not seen (the target's token...), then its last draft;
         # with a cascade, proposals after it (`sampling.drafters.cascade`): one pass may give several drafts.
         # A row's pending tokens: a list, or its last draft kept on the device (`reads_each_draft`).
@@ -194,8 +197,7 @@ class ModelDrafter:
             logits = self.runner.forward_rows(blocks, [len(extra) + 1 if len(tokens) else 0
                                                        for tokens, extra in zip(pending, proposals, strict=True)])
             if cold:
-                synchronize(*self.runner.devices)
-                start, cold = time.perf_counter(), False
+                start, cold = self._clock(), False
             for b, sequence in enumerate(sequences):
                 if len(pending[b]):
                     pending[b] = self._take(b, sequence, logits[b], proposals[b], drafts, qs, confidences, lengths)
@@ -203,8 +205,8 @@ class ModelDrafter:
         if self.cascade is not None:
             for b, chain in enumerate(drafts):
                 self.cascade.finish(b, chain)
-        synchronize(*self.runner.devices)
-        self.draft_time.add((time.perf_counter() - start) / max(lengths))
+        if self.timed:
+            self.draft_time.add((self._clock() - start) / max(lengths))
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
             kept = [self.stop.keep(c, len(sequences)) for c in confidences]
             for c, k in zip(confidences, kept, strict=True):
@@ -215,6 +217,13 @@ class ModelDrafter:
         deterministic = self.processor.is_greedy or self.coupled
         return [(DraftTree.chain(tokens), None if deterministic or not tokens else torch.stack(q))
                 for tokens, q in zip(drafts, qs, strict=True)]
+
+    def _clock(self) -> float:
+        """The time once the device's queued work is done (0.0, with no wait, when not `timed`)."""
+        if not self.timed:
+            return 0.0
+        synchronize(*self.runner.devices)
+        return time.perf_counter()
 
     def _take(self, b, sequence, logits, proposals, drafts, qs, confidences, lengths) -> list[int] | Tensor:
         """Row b's drafts from one pass: `logits[j]` follows its j-th proposal (row 0: the fed
