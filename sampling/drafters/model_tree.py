@@ -200,8 +200,8 @@ class ModelTreeDrafter:
     def _expand_all(self, expansions: list[tuple[RowTree, int, int, Tensor, torch.Generator | None]]) -> None:
         """Give every (tree, row, parent, logits, generator) of one drafter pass (all rows) its children,
         in order, with few host reads: greedy, every parent's top-k in one read; sampled, the top-k
-        probabilities (the children's score factors, and how many have mass) in one read, the draws
-        on the device, the drawn children in a second read; coupled, per parent (`_expand_coupled`)."""
+        probabilities in one read, the children drawn on the device and read in a second (`_expand_sampled`);
+        coupled, per parent (`_expand_coupled`)."""
         if not expansions:
             return
         chain = self.chain
@@ -215,19 +215,24 @@ class ModelTreeDrafter:
                 self._expand_coupled(tree, b, parent, q)
             return
         tops = self._top_rows(torch.stack(qs), self.branching)
-        if chain.processor.is_greedy:
-            for (tree, _, parent, _, _), (tokens, factors) in zip(expansions, tops, strict=True):
-                self._add_children(tree, parent, tokens, factors)
+        if not chain.processor.is_greedy:
+            self._expand_sampled(expansions, qs, [factors for _, factors in tops])
             return
-        # Sampled without replacement, scored by the order statistics of q (known before drawing).
+        for (tree, _, parent, _, _), (tokens, factors) in zip(expansions, tops, strict=True):
+            self._add_children(tree, parent, tokens, factors)
+
+    def _expand_sampled(self, expansions, qs: list[Tensor], factors: list[list[float]]) -> None:
+        """Sampled children, drawn from each parent's q without replacement and scored by the order
+        statistics of q (`factors`, read before drawing: how many have mass), drawn on the device and
+        read in one transfer for the pass."""
         drawn = []
-        for (tree, _, parent, _, generator), q, (_, factors) in zip(expansions, qs, tops, strict=True):
+        for (tree, _, parent, _, generator), q, row_factors in zip(expansions, qs, factors, strict=True):
             tree.q[parent] = q
-            drawn.append(self._draw_children(q, len(factors), generator))
+            drawn.append(self._draw_children(q, len(row_factors), generator))
         on_device = [token for children in drawn for token in children]
         values = iter(torch.stack(on_device).tolist() if on_device else [])
-        for (tree, _, parent, _, _), children, (_, factors) in zip(expansions, drawn, tops, strict=True):
-            self._add_children(tree, parent, [next(values) for _ in children], factors)
+        for (tree, _, parent, _, _), children, row_factors in zip(expansions, drawn, factors, strict=True):
+            self._add_children(tree, parent, [next(values) for _ in children], row_factors)
 
     def _history(self, tree: RowTree, parent: int) -> list[int] | None:
         """The tokens before candidate `parent`'s children, for a processor that reads them (else None)."""
