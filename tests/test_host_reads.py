@@ -1,13 +1,17 @@
-"""Host reads per step (issue 47): every `Tensor.item`/`tolist`/`cpu`/`numpy` and every tensor made a
+"""Host reads per step (issues 47, 52): every `Tensor.item`/`tolist`/`cpu`/`numpy` and every tensor made a
 Python bool, int, float or index is counted while a method decodes on a tiny model; a step is one
 verification pass of the loop (plain decoding: one token). On a CPU a read costs little; on an
 accelerator each one waits for the queued work, so the figures are held here.
 
 Measured when this test was written (greedy unless said; 24 new tokens, gamma 5, a random drafter):
 plain 1.0, NASD 2.1, SD 5.5, SD sampled 9.9, model trees 10.4, sampled model trees 46.8 (41.8 once
-their acceptance read the walk's verdicts in one transfer), a batch of three rows with a drafter model
-30.3. The goal is at most 2 for every method (docs/architecture.md,
-"Host reads"); the ceilings below hold today's figures so that none grows while that work goes on.
+their acceptance read the walk's verdicts in one transfer), a batch of three rows with a drafter
+model 30.3. Measured since a drafter model's chain keeps its drafts on the device and reads them
+once a step (issue 52): NASD 2.0, SD 1.96, SD sampled 1.95, the batch 2.0 (the step's drafts, then
+the acceptance's verdict; the batch's figure includes one read a generation, its rows' seeds),
+model trees 3.75, sampled model trees 6.7 (a tree reads once per drafter pass, twice when sampled,
+to choose what the next pass expands: docs/architecture.md, "Host reads"). The ceilings below hold
+these figures; the goal of at most 2 a step is reached except for trees.
 """
 
 import pytest
@@ -62,13 +66,13 @@ def sampled():
 
 CASES = {  # method -> (run with a counting policy, ceiling of reads per step)
     "nasd": (lambda t, d, p: ngram_assisted_speculative_generate(ROWS[0], MultiDynaGram(2), t, gamma=5, max_gen_len=24,
-                                                                 draft_policy=p), 3.0),
-    "sd": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, draft_policy=p), 6.5),
-    "sd sampled": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, draft_policy=p, **sampled()), 11.0),
-    "trees": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p), 6.5),
+                                                                 draft_policy=p), 2.0),
+    "sd": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, draft_policy=p), 2.0),
+    "sd sampled": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, draft_policy=p, **sampled()), 2.0),
+    "trees": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p), 4.0),
     "trees sampled": (lambda t, d, p: speculative_generate(ROWS[0], d, t, max_gen_len=24, branching=3, draft_policy=p,
-                                                           **sampled()), 45.0),
-    "batch sd": (lambda t, d, p: speculative_generate(ROWS, d, t, max_gen_len=24, draft_policy=p), 32.0),
+                                                           **sampled()), 7.0),
+    "batch sd": (lambda t, d, p: speculative_generate(ROWS, d, t, max_gen_len=24, draft_policy=p), 2.0),
 }
 
 

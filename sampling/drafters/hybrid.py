@@ -82,7 +82,8 @@ class HybridKind:
         def build(gen: Generation) -> Drafting:
             # The hybrid's model drafts chains: the pool's trees and its chains share one budget.
             model_drafter, cost_policy, _ = build_model_drafter(drafter, request.model, gen, shared,
-                                                                replace(options, branching=1), universal=False)
+                                                                replace(options, branching=1), universal=False,
+                                                                priced=True)
             hybrid, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=shared.gamma,
                                             adaptive_gamma=options.adaptive_gamma)
             return Drafting(hybrid, shared.draft_policy or policy, model_drafter.counters)

@@ -41,6 +41,11 @@ class ModelDrafter:
     Each row's cache always holds a prefix of its accepted sequence: what it has not seen yet (the
     target's token, and the last draft when all were accepted) is fed at the next `draft`.
 
+    Host reads: a step's drafts stay on the device (each drawn there and fed to the next pass as a
+    tensor block) and are read once, all rows together, after the last pass; only what needs each
+    draft on the host reads it as it is drafted (`reads_each_draft`: the per-token stop, the cascade,
+    another reading, a history-reading processor).
+
     `coupled` (drafter-invariant sampling, Daliri et al. 2024 with the inverse-CDF coupling): the
     draft at position t is F_q^{-1}(u_t), with the uniform u_t the target samples that position
     with, and the chain is verified as deterministic drafts: accepted iff F_p^{-1}(u_t) equals it.
@@ -65,6 +70,7 @@ class ModelDrafter:
         cascade: Cascade | None = None,
         reading: DraftReading | None = None,
         max_tokens: int | None = None,
+        timed: bool = True,
     ) -> None:
         rows = len(uniforms)
         # Its costs: its kernels, and its step's cost for adaptive gamma (`utils.calibration.pass_costs`).
@@ -90,6 +96,9 @@ class ModelDrafter:
         # Seconds a drafting step costs per drafted token (all rows), timed: the catch-up pass over
         # the target's tokens, every drafter pass, the processing and sampling. A running average.
         self.draft_time = RunningAverage(DRAFT_TIME_WEIGHT)
+        # Whether to time it: a timing synchronizes the device twice a step (`passes.synchronize`),
+        # worth it only where something prices drafts by `seconds_per_draft` (the cost-aware policy).
+        self.timed = timed
 
     @property
     def forward_passes(self) -> int:
@@ -128,48 +137,76 @@ class ModelDrafter:
         return self.processor(logits[None], history)[0]
 
     def sample(self, q: Tensor, row: int, position: int) -> int:
-        """Row `row`'s draft at sequence position `position` from q: its argmax (greedy), else the
-        inverse CDF of q at the position's DRAFT number (TARGET when `coupled`)."""
+        """Row `row`'s draft at sequence position `position` from q, read to the host (`draw`)."""
+        return int(self.draw(q, row, position))
+
+    def draw(self, q: Tensor, row: int, position: int) -> Tensor:
+        """Row `row`'s draft at sequence position `position` from q, a 0-d tensor on q's device: its
+        argmax (greedy), else the inverse CDF of q at the position's DRAFT number (TARGET when `coupled`)."""
         if self.processor.is_greedy:
-            return int(q.argmax())
+            return q.argmax()
         stream = TARGET if self.coupled else DRAFT
-        return int(inverse_cdf(q, self.uniforms[row](position - self.uniforms[row].prefix_length, stream)))
+        uniforms = self.uniforms[row]
+        return inverse_cdf(q, uniforms.span(position - uniforms.prefix_length, 1, stream)[0])
+
+    @property
+    def reads_each_draft(self) -> bool:
+        """Whether a draft is read to the host as it is drafted: by a reading of its own (another
+        tokenizer), the confidence stop (q of each draft), the cascade (compares it with its
+        proposal) or a processor that needs the history. Otherwise drafts stay on the device, each
+        fed to the next pass from there, and a step reads them once (`_read_drafts`)."""
+        return (self.reading is not self or self.stop is not None or self.cascade is not None
+                or self.processor.needs_history)
+
+    def _next_draft(self, q: Tensor, row: int, position: int) -> Tensor | int:
+        """Row `row`'s draft at `position`: on the device unless `reads_each_draft`."""
+        if self.reading is not self:
+            return self.reading.sample(q, row, position)
+        token = self.draw(q, row, position)
+        return int(token) if self.reads_each_draft else token
+
+    @staticmethod
+    def _read_drafts(drafts: list[list[Tensor | int]]) -> list[list[int]]:
+        """Every row's drafts as ids: those still on the device read in one host transfer."""
+        on_device = [token for chain in drafts for token in chain if isinstance(token, Tensor)]
+        values = iter(torch.stack(on_device).tolist() if on_device else [])
+        return [[next(values) if isinstance(token, Tensor) else token for token in chain] for chain in drafts]
 
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
         lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
-        synchronize(*self.runner.devices)  # the clock starts once the queued work is done
-        start = time.perf_counter()
+        start = self._clock()  # once the queued work is done
         # Each drafting row feeds what it has not seen (the target's token...), then its last draft;
         # with a cascade, proposals after it (`sampling.drafters.cascade`): one pass may give several drafts.
+        # A row's pending tokens: a list, or its last draft kept on the device (`reads_each_draft`).
         pending = [sequence[self.runner.row_length(b) :] if k else []
                    for b, (sequence, k) in enumerate(zip(sequences, lengths, strict=True))]
         # A cold catch-up (the prompt, or a long stretch the drafter skipped) is paid once, not per
         # drafted token: timed in, it would price every later draft out of paying.
         cold = max(len(tokens) for tokens in pending) > max(lengths) + 1
-        drafts: list[list[int]] = [[] for _ in sequences]
+        drafts: list[list[Tensor | int]] = [[] for _ in sequences]  # read to the host once, after the loop
         qs: list[list[Tensor]] = [[] for _ in sequences]
         confidences: list[list[float]] = [[] for _ in sequences]
-        while any(pending):
+        while any(map(len, pending)):
             proposals = [self.cascade.propose(b, sequence, drafts[b], lengths[b] - len(drafts[b]), len(pending[b]),
-                                              len(sequences)) if pending[b] and self.cascade is not None and not cold else []
+                                              len(sequences)) if len(pending[b]) and self.cascade is not None and not cold else []
                          for b, sequence in enumerate(sequences)]
-            blocks = [(tokens + extra, None) for tokens, extra in zip(pending, proposals, strict=True)]
-            logits = self.runner.forward_rows(blocks, [len(extra) + 1 if tokens else 0
+            blocks = [(tokens + extra if extra else tokens, None) for tokens, extra in zip(pending, proposals, strict=True)]
+            logits = self.runner.forward_rows(blocks, [len(extra) + 1 if len(tokens) else 0
                                                        for tokens, extra in zip(pending, proposals, strict=True)])
             if cold:
-                synchronize(*self.runner.devices)
-                start, cold = time.perf_counter(), False
+                start, cold = self._clock(), False
             for b, sequence in enumerate(sequences):
-                if pending[b]:
+                if len(pending[b]):
                     pending[b] = self._take(b, sequence, logits[b], proposals[b], drafts, qs, confidences, lengths)
+        drafts = self._read_drafts(drafts)  # the step's one host read of its drafts
         if self.cascade is not None:
             for b, chain in enumerate(drafts):
                 self.cascade.finish(b, chain)
-        synchronize(*self.runner.devices)
-        self.draft_time.add((time.perf_counter() - start) / max(lengths))
+        if self.timed:
+            self.draft_time.add((self._clock() - start) / max(lengths))
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
             kept = [self.stop.keep(c, len(sequences)) for c in confidences]
             for c, k in zip(confidences, kept, strict=True):
@@ -181,17 +218,24 @@ class ModelDrafter:
         return [(DraftTree.chain(tokens), None if deterministic or not tokens else torch.stack(q))
                 for tokens, q in zip(drafts, qs, strict=True)]
 
-    def _take(self, b, sequence, logits, proposals, drafts, qs, confidences, lengths) -> list[int]:
+    def _clock(self) -> float:
+        """The time once the device's queued work is done (0.0, with no wait, when not `timed`)."""
+        if not self.timed:
+            return 0.0
+        synchronize(*self.runner.devices)
+        return time.perf_counter()
+
+    def _take(self, b, sequence, logits, proposals, drafts, qs, confidences, lengths) -> list[int] | Tensor:
         """Row b's drafts from one pass: `logits[j]` follows its j-th proposal (row 0: the fed
         tokens). Each position drafts from its own q as a one-token pass would; a proposal equal to
-        the draft lets the next position go on. -> what the row feeds next (its last draft, or
-        nothing once its chain is drafted); the cache forgets the proposals it did not take."""
+        the draft lets the next position go on. -> what the row feeds next (its last draft, a (1,)
+        tensor when it is on the device, or nothing once its chain is drafted); the cache forgets the proposals it did not take."""
         matched, feed, first = 0, [], len(drafts[b])
         for j in range(len(proposals) + 1):
             i = len(drafts[b])
             history = sequence + drafts[b] if self.processor.needs_history else None  # accepted tokens, its drafts
             q = self.reading.distribution(logits[j], history)
-            drafts[b].append(self.reading.sample(q, b, len(sequence) + i))
+            drafts[b].append(self._next_draft(q, b, len(sequence) + i))
             qs[b].append(q)
             if self.stop is not None:
                 confidences[b].append(self._confidence(q, drafts[b][-1]))
@@ -200,7 +244,8 @@ class ModelDrafter:
             same = j < len(proposals) and drafts[b][-1] == proposals[j]
             matched += same
             if i + 1 >= lengths[b] or not same:
-                feed = [drafts[b][-1]] if i + 1 < lengths[b] else []  # the last draft is fed only if accepted
+                last = drafts[b][-1]  # fed only if accepted; from the device when it is there
+                feed = (last.view(1) if isinstance(last, Tensor) else [last]) if i + 1 < lengths[b] else []
                 break
         if proposals:
             self.cascade.taken(len(drafts[b]) - first - 1)  # drafts beyond the pass's first: passes saved

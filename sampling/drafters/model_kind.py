@@ -95,13 +95,15 @@ def say_if_it_cannot_pay(drafter: PreTrainedModel, drafter_costs: PassCosts | No
 
 def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, shared: DecodingOptions,
                         options: ModelOptions, *,
-                        universal: bool) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
+                        universal: bool, priced: bool = False) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
     """A drafter model over the rows of `gen`, from a speculative call's options (checked;
     `universal`: it has another tokenizer, `check_model_drafter`) -> (its drafter, the cost-aware
     policy of its chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step).
     `cascade` (None: on with `adaptive_gamma`): the drafter checks a proposer's tokens in passes of its
     own (`sampling/drafters/cascade.py`), priced by its measured costs. `branching`
-    (`sampling.drafters.model_tree`): token trees where both models' runners verify them, else chains."""
+    (`sampling.drafters.model_tree`): token trees where both models' runners verify them, else chains.
+    `priced`: the caller prices the drafter's chains with the cost-aware policy even with a fixed gamma
+    (its drafting is then timed, as with `adaptive_gamma`; otherwise it is not: no synchronization)."""
     adaptive = options.adaptive_gamma
     # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
     # closures read the drafter built below: one drafter and one policy, each built whole).
@@ -126,7 +128,7 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
         drafter, shared.logits_processor, vocab_size=vocab_size(target), use_cache=shared.use_cache,
         encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled,
         stop=ConfidenceStop(policy) if adaptive else None, costs=drafter_costs, cascade=proposer,
-        max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens),
+        max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens), timed=adaptive or priced,
     )
     # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.drafters.self_drafting`).
     shared_cache = shared_runner(drafter, target, lambda: gen.runner, use_cache=shared.use_cache, costs=drafter_costs)

@@ -174,9 +174,7 @@ class ModelTreeDrafter:
         pending = [s[runner.row_length(b) :] if depths[b] else [] for b, s in enumerate(sequences)]
         logits = runner.forward_rows([(tokens, None) for tokens in pending], [int(bool(t)) for t in pending])
         self._passes = [max(map(len, pending))]
-        for b, tokens in enumerate(pending):
-            if tokens:
-                self._expand(trees[b], b, -1, logits[b][-1], generators[b])
+        self._expand_all([(trees[b], b, -1, logits[b][-1], generators[b]) for b, tokens in enumerate(pending) if tokens])
         # 2. One pass per depth over the frontier's best candidates, each row's block a tree.
         for depth in range(1, max(depths, default=0)):
             picks = [tree.to_expand(depth, budget, self.branching) if depth < depths[b] else []
@@ -195,35 +193,73 @@ class ModelTreeDrafter:
                     blocks.append(([], None))
             logits = runner.forward_rows(blocks, [len(chosen) for chosen in picks])
             self._passes.append(max(len(tokens) for tokens, _ in blocks))
-            for b, chosen in enumerate(picks):
-                for j, c in enumerate(chosen):
-                    self._expand(trees[b], b, c, logits[b][j], generators[b])
+            self._expand_all([(trees[b], b, c, logits[b][j], generators[b])
+                              for b, chosen in enumerate(picks) for j, c in enumerate(chosen)])
         return trees
 
-    def _expand(self, tree: RowTree, b: int, parent: int, logits: Tensor, generator: torch.Generator | None) -> None:
-        """Give candidate `parent` (-1: the root) its children from the drafter's logits after it."""
+    def _expand_all(self, expansions: list[tuple[RowTree, int, int, Tensor, torch.Generator | None]]) -> None:
+        """Give every (tree, row, parent, logits, generator) of one drafter pass (all rows) its children,
+        in order, with few host reads: greedy, every parent's top-k in one read; sampled, the top-k
+        probabilities in one read, the children drawn on the device and read in a second (`_expand_sampled`);
+        coupled, per parent (`_expand_coupled`)."""
+        if not expansions:
+            return
         chain = self.chain
-        history = tree.sequence + tree.path(parent) if chain.processor.needs_history else None
+        if chain.processor.is_greedy:  # the drafter's confidence: the softmax of its processed scores
+            qs = [chain.processor.scores(logits[None, : chain.vocab_size], self._history(tree, parent))[0].softmax(dim=-1)
+                  for tree, _, parent, logits, _ in expansions]
+        else:
+            qs = [chain.distribution(logits, self._history(tree, parent)) for tree, _, parent, logits, _ in expansions]
+        if self.chain.coupled and not chain.processor.is_greedy:
+            for (tree, b, parent, _, _), q in zip(expansions, qs, strict=True):
+                self._expand_coupled(tree, b, parent, q)
+            return
+        tops = self._top_rows(torch.stack(qs), self.branching)
+        if not chain.processor.is_greedy:
+            self._expand_sampled(expansions, qs, [factors for _, factors in tops])
+            return
+        for (tree, _, parent, _, _), (tokens, factors) in zip(expansions, tops, strict=True):
+            self._add_children(tree, parent, tokens, factors)
+
+    def _expand_sampled(self, expansions, qs: list[Tensor], factors: list[list[float]]) -> None:
+        """Sampled children, drawn from each parent's q without replacement and scored by the order
+        statistics of q (`factors`, read before drawing: how many have mass), drawn on the device and
+        read in one transfer for the pass."""
+        drawn = []
+        for (tree, _, parent, _, generator), q, row_factors in zip(expansions, qs, factors, strict=True):
+            tree.q[parent] = q
+            drawn.append(self._draw_children(q, len(row_factors), generator))
+        on_device = [token for children in drawn for token in children]
+        values = iter(torch.stack(on_device).tolist() if on_device else [])
+        for (tree, _, parent, _, _), children, row_factors in zip(expansions, drawn, factors, strict=True):
+            self._add_children(tree, parent, [next(values) for _ in children], row_factors)
+
+    def _history(self, tree: RowTree, parent: int) -> list[int] | None:
+        """The tokens before candidate `parent`'s children, for a processor that reads them (else None)."""
+        return tree.sequence + tree.path(parent) if self.chain.processor.needs_history else None
+
+    @staticmethod
+    def _draw_children(q: Tensor, count: int, generator: torch.Generator) -> list[Tensor]:
+        """`count` tokens drawn from q without replacement with `generator`'s numbers, on q's device."""
+        u = torch.rand(count, generator=generator, dtype=torch.float64)
+        remaining, drawn = q, []
+        for i in range(count):
+            drawn.append(inverse_cdf(remaining, u[i]))
+            remaining = remaining.index_fill(0, drawn[-1].view(1), 0.0)
+        return drawn
+
+    def _expand_coupled(self, tree: RowTree, b: int, parent: int, q: Tensor) -> None:
+        """Candidate `parent`'s children when coupled: the chain's own draft first, then the next most likely."""
+        depth = 1 + (tree.candidates[parent].depth if parent >= 0 else 0)
+        first = self.chain.sample(q, b, len(tree.sequence) + depth - 1)
+        tokens, factors = self._top(q.index_fill(0, torch.tensor([first], device=q.device), 0.0), self.branching - 1)
+        self._add_children(tree, parent, [first, *tokens], [float(q[first]), *factors])
+
+    @staticmethod
+    def _add_children(tree: RowTree, parent: int, tokens: list[int], factors: list[float]) -> None:
+        """Candidate `parent` (-1: the root)'s children, in rank order, scored along the path."""
         depth = 1 + (tree.candidates[parent].depth if parent >= 0 else 0)
         score = tree.candidates[parent].score if parent >= 0 else 1.0
-        if chain.processor.is_greedy:  # the drafter's confidence: the softmax of its processed scores
-            q = chain.processor.scores(logits[None, : chain.vocab_size], history)[0].softmax(dim=-1)
-            tokens, factors = self._top(q, self.branching)
-        else:
-            q = chain.distribution(logits, history)
-            if generator is None:  # coupled: the chain's own draft first, then the next most likely
-                first = chain.sample(q, b, len(tree.sequence) + depth - 1)
-                tokens, factors = self._top(q.index_fill(0, torch.tensor([first], device=q.device), 0.0),
-                                            self.branching - 1)
-                tokens, factors = [first, *tokens], [float(q[first]), *factors]
-            else:  # sampled without replacement, scored by the order statistics of q
-                tree.q[parent] = q
-                factors = self._top(q, self.branching)[1]
-                u = torch.rand(len(factors), generator=generator, dtype=torch.float64)
-                remaining, tokens = q, []
-                for i in range(len(factors)):
-                    tokens.append(int(inverse_cdf(remaining, float(u[i]))))
-                    remaining = remaining.index_fill(0, torch.tensor([tokens[-1]], device=q.device), 0.0)
         for rank, (token, factor) in enumerate(zip(tokens, factors, strict=True)):
             tree.candidates.append(Candidate(token, parent, depth, rank, factor, score * factor))
 
@@ -232,11 +268,19 @@ class ModelTreeDrafter:
         """The k most likely tokens of q with their probabilities, those with mass only."""
         if k <= 0:
             return [], []
-        values, tokens = q.topk(min(k, q.shape[-1]))
+        return ModelTreeDrafter._top_rows(q[None], k)[0]
+
+    @staticmethod
+    def _top_rows(qs: Tensor, k: int) -> list[tuple[list[int], list[float]]]:
+        """`_top` of each row of qs (n, V), the k > 0 most likely tokens of every row read in one transfer."""
+        values, tokens = qs.topk(min(k, qs.shape[-1]), dim=-1)
         # One host read for both: q is float32 or float64 (`as_float`), where token ids below 2^24 are exact.
-        read = torch.stack([values, tokens.to(values.dtype)]).tolist()
-        pairs = [(int(t), v) for v, t in zip(*read, strict=True) if v > 0]
-        return [t for t, _ in pairs], [v for _, v in pairs]
+        read = torch.stack([values, tokens.to(values.dtype)], dim=1).tolist()
+        out = []
+        for row_values, row_tokens in read:
+            pairs = [(int(t), v) for v, t in zip(row_values, row_tokens, strict=True) if v > 0]
+            out.append(([t for t, _ in pairs], [v for _, v in pairs]))
+        return out
 
     def _tree(self, tree: RowTree, budget: int, cut_rows: int) -> tuple[DraftTree, Tensor | None]:
         """The row's best `budget` candidates as a `DraftTree` (with `cut_rows`, the rows verified

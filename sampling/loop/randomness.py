@@ -42,17 +42,22 @@ class PositionUniforms:
         self.generator = generator
         self.prefix_length = prefix_length  # generated position t is the token after prefix_length + t tokens
         self._table = torch.empty(0, 3, dtype=torch.float64)
+        self._host: list[list[float]] = []  # the table as Python floats, for `__call__`: read once per chunk
 
     def _extend(self, positions: int) -> None:
         while len(self._table) < positions:
             device = self.generator.device if self.generator is not None else torch.device("cpu")
             dtype = torch.float64 if supports_float64(device) else torch.float32  # an MPS generator: float32 numbers
             chunk = torch.rand(CHUNK, 3, generator=self.generator, dtype=dtype, device=device)
-            self._table = torch.cat([self._table, chunk.cpu().double()])
+            if chunk.device.type != "cpu":  # a device generator's numbers: one host read per chunk
+                chunk = chunk.cpu()
+            self._table = torch.cat([self._table, chunk.double()])
 
     def __call__(self, position: int, stream: int = TARGET) -> float:
         self._extend(position + 1)
-        return float(self._table[position, stream])
+        if len(self._host) < len(self._table):  # not one host read per number
+            self._host = self._table.tolist()
+        return self._host[position][stream]
 
     def span(self, start: int, count: int, stream: int) -> Tensor:
         """The numbers of positions start .. start + count - 1, (count,) float64."""

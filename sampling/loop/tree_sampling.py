@@ -44,14 +44,15 @@ def step_generator(uniforms: PositionUniforms, position: int, stream: int) -> to
     return torch.Generator().manual_seed(int(uniforms(position, stream) * SEED_SCALE))
 
 
-def recursive_rejection_walk(p: Tensor, q: Tensor, tree: DraftTree, coins: list[float],
-                             residual_numbers: list[float]) -> tuple[list[int], int]:
+def recursive_rejection_walk(p: Tensor, q: Tensor, tree: DraftTree, coins: list[float] | Tensor,
+                             residual_numbers: list[float] | Tensor) -> tuple[list[int], int]:
     """Recursive rejection sampling down `tree` -> (accepted nodes root to leaf, the next token).
 
     p: (1 + n, V) the target's processed distributions (row 0 at the root, 1 + i after node i);
     q: (n, V), row i the drafter's distribution node i was drawn from (its parent's), so siblings
     share one row; siblings are tried in node order, their draw order. coins: n numbers in [0, 1),
-    one per node; residual_numbers: one per depth, for the emitted token. Pure.
+    one per node; residual_numbers: one per depth, for the emitted token (floats, or a float64 tensor
+    of them). Pure.
 
     Every node's verdicts are computed on p's device first (`sibling_verdicts`) and read back in one
     transfer; the walk then follows them from the root."""
@@ -65,8 +66,8 @@ def recursive_rejection_walk(p: Tensor, q: Tensor, tree: DraftTree, coins: list[
         path.append(node)
 
 
-def sibling_verdicts(p: Tensor, q: Tensor, tree: DraftTree, children: dict[int, list[int]], coins: list[float],
-                     residual_numbers: list[float]) -> tuple[list[bool], list[int]]:
+def sibling_verdicts(p: Tensor, q: Tensor, tree: DraftTree, children: dict[int, list[int]], coins: list[float] | Tensor,
+                     residual_numbers: list[float] | Tensor) -> tuple[list[bool], list[int]]:
     """For every node of `tree` (the root first), its children tried in order as the walk would
     try them there -> (per child: accepted where it is tried, per node 1 + i (0: the root): the token
     emitted if every child of it is rejected), all read back in one host transfer.
@@ -105,5 +106,6 @@ def tree_speculative_accept(p: Tensor, q: Tensor, tree: DraftTree, uniforms: Pos
     """`recursive_rejection_walk` with the step's own numbers (`step_generator`, ACCEPT) ->
     (accepted nodes, next token). `position`: the generated position of the root's children."""
     generator = step_generator(uniforms, position, ACCEPT)
-    numbers = torch.rand(len(tree) + tree.depth() + 1, generator=generator, dtype=torch.float64).tolist()
+    # Kept a tensor: each number is used on the device (float64 either way), not read to the host.
+    numbers = torch.rand(len(tree) + tree.depth() + 1, generator=generator, dtype=torch.float64)
     return recursive_rejection_walk(p, q, tree, numbers[: len(tree)], numbers[len(tree) :])

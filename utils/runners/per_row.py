@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
 from utils.runners.model_info import input_device, model_devices
-from utils.runners.protocol import Blocks
+from utils.runners.protocol import Blocks, host_blocks
 from utils.runners.sequence import SequenceRunner
 
 
@@ -53,7 +53,7 @@ class PerRowRunner:
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
         """One pass per row fed a (chain) block."""
         out = []
-        for runner, (tokens, parents), num in zip(self._rows, blocks, num_logits, strict=True):
+        for runner, (tokens, parents), num in zip(self._rows, host_blocks(blocks), num_logits, strict=True):
             assert parents is None, "a one-pass-per-row batch verifies chains"
             out.append(runner.forward(tokens, num) if tokens else torch.empty(0, 0, device=self.device))
             self.forward_passes += bool(tokens)

@@ -18,7 +18,17 @@ from utils.cost_model import PassCosts
 
 # One block per row: (tokens, parents), parents None for a chain, else a tree (-1 for the block's
 # first token, the root, which follows the row's last cached token). An empty block feeds nothing.
-Blocks = list[tuple[list[int], list[int] | None]]
+# A chain's tokens may be a (n,) int64 tensor on the runner's device: a drafter's drafts, fed to its
+# next pass without a host read (`StaticRunner` writes them into the pass's ids on the device; the
+# other runners read them to the host first, `host_blocks`).
+Tokens = list[int] | Tensor
+Blocks = list[tuple[Tokens, list[int] | None]]
+
+
+def host_blocks(blocks: Blocks) -> list[tuple[list[int], list[int] | None]]:
+    """`blocks` with every tensor block read to a list of ids (one host read per tensor block): for
+    a runner that builds its passes from host lists."""
+    return [(tokens.tolist() if isinstance(tokens, Tensor) else tokens, parents) for tokens, parents in blocks]
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from utils.cpu_passes import Shortcuts
 from utils.runners import compat
 from utils.runners.model_info import shares_passes, sliding_window
 from utils.runners.passes import ModelPasses, as_float
-from utils.runners.protocol import Blocks
+from utils.runners.protocol import Blocks, host_blocks
 
 
 class SequenceRunner(ModelPasses):
@@ -162,7 +162,7 @@ class SequenceRunner(ModelPasses):
 
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
         assert len(blocks) == 1, "a one-sequence runner is fed one block"
-        (tokens, parents), num = blocks[0], num_logits[0]
+        (tokens, parents), num = host_blocks(blocks)[0], num_logits[0]
         if not tokens:
             return [self._no_logits()]
         if parents is None:

@@ -22,7 +22,7 @@ from utils.cost_model import PassCosts
 from utils.runners import compat
 from utils.runners.model_info import sliding_window
 from utils.runners.passes import ModelPasses, as_float
-from utils.runners.protocol import Blocks, Runner
+from utils.runners.protocol import Blocks, Runner, host_blocks
 from utils.runners.sequence import SequenceRunner
 
 
@@ -51,6 +51,7 @@ class SharedBatchRunner(ModelPasses):
     @torch.no_grad()
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
         """One pass feeding every row its block, left-padded to the longest (`Runner.forward_rows`)."""
+        blocks = host_blocks(blocks)
         if self._live.shape[1] == 0 and all(parents is None for _, parents in blocks):
             return self._prefill_rows(blocks, num_logits)
         self._tidy()

@@ -8,6 +8,8 @@ compiled for it (the prompt pass, a batch). Row b's new token j is written at sl
 its query sees the row's slots below len(rows[b]) and its own ancestors in the block (itself
 included), within the model's sliding window: one float 4D mask (rows, 1, width, slots) and
 per-row position ids. Padding queries see only themselves and their logits are dropped.
+A block's tokens may be a tensor on the device (a drafter's drafts, `protocol.Blocks`): they are
+written into the pass's ids there, never read back to the host.
 
 A pass runs our own forward (`utils/lean/`) where it covers the model: it reads the buffer only up to the longest
 row, by a mask over those slots. Any other model runs its own forward over the whole buffer (compiled at the widths
@@ -36,19 +38,34 @@ from utils.lean import lean_decoder
 from utils.lean.static_kv import PassSlots, StaticKV
 
 
-def block_layout(blocks: Blocks, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Right-padded blocks -> (ids, depths, ancestry): (rows, width) token ids (0 for padding),
-    (rows, width) depth of each new token in its block (its position is the row's length plus
-    it), and (rows, width, width) whether query i sees new token j (its ancestors and itself)."""
+def block_ids(blocks: Blocks, width: int, device: torch.device) -> Tensor:
+    """Right-padded blocks -> their (rows, width) token ids on `device` (0 for padding). Lists of
+    ids are laid out on the host and sent in one copy; a tensor block (a drafter's drafts, on the
+    device already) is written there, never read back to the host."""
+    ids = torch.zeros(len(blocks), width, dtype=torch.long)
+    on_device = []
+    for b, (tokens, _) in enumerate(blocks):
+        if isinstance(tokens, Tensor):
+            on_device.append(b)
+        elif tokens:
+            ids[b, : len(tokens)] = torch.tensor(tokens)
+    ids = ids.to(device)
+    for b in on_device:
+        ids[b, : len(blocks[b][0])] = blocks[b][0]
+    return ids
+
+
+def block_layout(blocks: Blocks, width: int) -> tuple[Tensor, Tensor]:
+    """Right-padded blocks -> (depths, ancestry): (rows, width) depth of each new token in its block
+    (its position is the row's length plus it), and (rows, width, width) whether query i sees new
+    token j (its ancestors and itself)."""
     rows = len(blocks)
-    ids = torch.zeros(rows, width, dtype=torch.long)
     depths = torch.arange(width).repeat(rows, 1)
     ancestry = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)
     for b, (tokens, parents) in enumerate(blocks):
         n = len(tokens)
         if n == 0:
             continue
-        ids[b, :n] = torch.tensor(tokens)
         if parents is None:  # a chain: each token sees every one before it
             ancestry[b, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
             continue
@@ -58,7 +75,7 @@ def block_layout(blocks: Blocks, width: int) -> tuple[Tensor, Tensor, Tensor]:
                 depths[b, j] = depths[b, parent] + 1
             else:
                 depths[b, j] = 0
-    return ids, depths, ancestry
+    return depths, ancestry
 
 
 def static_mask(lengths: Tensor, depths: Tensor, ancestry: Tensor, slots: int, window: int | None,
@@ -87,7 +104,8 @@ class StaticRunner(ModelPasses):
                  compiled=None) -> None:
         super().__init__(model, costs=costs)
         assert not self.encoder_decoder, "a static runner is decoder-only"
-        self.rows: list[list[int]] = [[] for _ in range(rows)]  # each row's tokens, in its slots
+        # Each row's tokens, in its slots (one fed in a tensor block: a 0-d tensor, never read here).
+        self.rows: list[list[int | Tensor]] = [[] for _ in range(rows)]
         self.slots = slots
         self._cache = StaticKV(rows=rows, slots=slots)
         self._compiled = compiled  # utils.runners.compiled.CompiledPasses, or None: every pass eager
@@ -115,18 +133,19 @@ class StaticRunner(ModelPasses):
 
     @torch.no_grad()
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
-        """One pass feeding every row its block, right-padded (`Runner.forward_rows`)."""
+        """One pass feeding every row its block, right-padded (`Runner.forward_rows`); a tensor
+        block's ids stay on the device (`block_ids`)."""
         longest = max(len(tokens) for tokens, _ in blocks)
         if longest == 0:
             return [self._no_logits() for _ in blocks]
         lengths = [len(row) for row in self.rows]
         width = self._width(longest)
         assert max(lengths) + width <= self.slots, "the static buffer is full (its size is the caller's)"
-        ids, depths, ancestry = block_layout(blocks, width)
+        depths, ancestry = block_layout(blocks, width)
         length = torch.tensor(lengths)
         positions = (length[:, None] + depths).clamp(max=self._max_position).to(self.device)
         write_index = (length[:, None] + torch.arange(width)).to(self.device)
-        first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if tokens)
+        first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if len(tokens))
         compiled = self._compiled_forward(width)
         lean = lean_decoder(self.model)
         if lean is not None and compiled is None:
@@ -144,10 +163,10 @@ class StaticRunner(ModelPasses):
                 kwargs["logits_to_keep"] = width - first  # an eager pass (the prompt's): only the logits asked for
             else:
                 first = 0
-        logits = as_float(self._pass(ids.to(self.device), kwargs, compiled))
+        logits = as_float(self._pass(block_ids(blocks, width, self.device), kwargs, compiled))
         for row, (tokens, _) in zip(self.rows, blocks, strict=True):
-            row += tokens
-        return [logits[b, len(tokens) - num - first : len(tokens) - first] if tokens and num else self._no_logits()
+            row += list(tokens)  # a tensor block's tokens stay 0-d tensors on the device: no host read
+        return [logits[b, len(tokens) - num - first : len(tokens) - first] if len(tokens) and num else self._no_logits()
                 for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True))]
 
     def _compiled_forward(self, width: int):
