@@ -186,3 +186,17 @@ def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(f
     ones = torch.cat([runner.forward_rows([([token], None)], [1])[0] for token in new])
     assert torch.equal(wide, ones)
     kernels.kernel_table.cache_clear()
+
+
+def test_released_file_pages_read_the_same_values_again(tmp_path):
+    """The pages a fused copy replaced are given back to the kernel; a file-backed tensor still reads its values,
+    and memory that is not a file's is never touched."""
+    from utils.lean.linear import release_file_pages
+
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
+    anonymous = torch.arange(1 << 20, dtype=torch.float32)
+    total = float(mapped.sum())
+    release_file_pages([mapped, anonymous])
+    assert float(mapped.sum()) == total and torch.equal(anonymous, torch.arange(1 << 20, dtype=torch.float32))

@@ -12,13 +12,20 @@ weight-major product, `torch.mv`, padded or not), once per weight shape and mach
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.lean.kernels import LINEAR, apply, kernel_table
 
-__all__ = ["Linear", "fused"]
+__all__ = ["Linear", "fused", "release_file_pages"]
+
+_MADV_DONTNEED = 4  # Linux
 
 
 def _plain(module: nn.Module) -> bool:
@@ -70,9 +77,47 @@ def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
     if len(tensors) == 1:
         return tensors[0].detach()
     whole = torch.cat([t.detach() for t in tensors])
+    release_file_pages(tensors)
     start = 0
     for tensor, module in zip(tensors, modules, strict=True):
         end = start + tensor.shape[0]
         setattr(module, name, nn.Parameter(whole[start:end], requires_grad=False))
         start = end
     return whole
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process mapped from files (Linux's /proc/self/maps), [] elsewhere."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0":  # a file, not anonymous memory
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            ranges.append((low, high))
+    return ranges
+
+
+def release_file_pages(tensors: list[Tensor]) -> None:
+    """Tell the kernel that the pages of `tensors` that come straight from a mapped file (a safetensors checkpoint
+    loaded without a copy) are not needed any more: the fused copy replaced them, and a process that kept them
+    would hold the weights twice (the 1.5B's resident memory: 5.2 GB for 3.5 GB of weights). Clean file pages
+    only: anonymous memory is never touched, and such a page is read again from the file if anything asks."""
+    if not sys.platform.startswith("linux") or not all(t.device.type == "cpu" for t in tensors):
+        return
+    mappings = _file_mappings()
+    if not mappings:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    for tensor in tensors:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        if not any(low <= start and end <= high for low, high in mappings):
+            continue
+        first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
+        if last > first:
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
