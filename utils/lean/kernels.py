@@ -123,10 +123,7 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
     cache, or measured now."""
     if dtype == torch.float64 or device != "cpu":
         return KernelTable({bucket: {"fastest": LINEAR, "invariant": LINEAR} for bucket in BUCKETS})
-    key = {"shape": list(shape), "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "cpu": torch.backends.cpu.get_cpu_capability(), "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12],
-           "machine": _cpu_name()}
-    path = cache_dir() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
+    path = _path(shape, dtype)
     try:
         return KernelTable({int(bucket): entry for bucket, entry in json.loads(path.read_text()).items()})
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -139,12 +136,21 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
     return KernelTable(table)
 
 
+def _path(shape: tuple[int, int], dtype: torch.dtype) -> Path:
+    """Where the table of `shape` in `dtype` is kept: one file per machine, thread count, torch and this code."""
+    key = {"shape": list(shape), "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "cpu": torch.backends.cpu.get_cpu_capability(), "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12],
+           "machine": _cpu_name()}
+    return cache_dir() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
+
+
 def prepare(weights: list[Tensor]) -> None:
     """Measure the tables of `weights`' shapes not measured yet, with a progress bar on stderr (seconds, once per
     machine and model shape; `SPECDEC_PROGRESS=0` hides it)."""
     wanted = sorted({(tuple(w.shape), w.dtype, w.device.type) for w in weights}, key=str)
+    new = [w for w in wanted if w[1] != torch.float64 and w[2] == "cpu" and not _path(w[0], w[1]).exists()]
     bar = tqdm(wanted, desc="Choosing GEMM kernels here (once)", unit="shape", leave=False, file=sys.stderr,
-               disable=os.environ.get("SPECDEC_PROGRESS") == "0" or all(w[1] == torch.float64 for w in wanted))
+               disable=os.environ.get("SPECDEC_PROGRESS") == "0" or not new)
     for shape, dtype, device in bar:
         kernel_table(shape, dtype, device)
 

@@ -2,7 +2,8 @@
 once at build time without a second copy, and the kernel for the weight's format chosen per pass.
 
 Fusing: the fused weight is one new tensor, and the model's own `nn.Linear` weights become views into it (the
-same values, the same bytes: the Hugging Face model still runs, and memory holds each weight once). A linear that
+same values, the same bytes: the Hugging Face model still runs, and memory holds each weight once: the pages of a
+checkpoint file the originals were read from are given back, `release_file_pages`). A linear that
 is not a plain `nn.Linear` (a 4- or 8-bit `QuantizedLinear`, accelerate's hooked modules) is never fused: its own
 module runs it.
 
@@ -104,8 +105,9 @@ def _file_mappings() -> list[tuple[int, int]]:
 def release_file_pages(tensors: list[Tensor]) -> None:
     """Tell the kernel that the pages of `tensors` that come straight from a mapped file (a safetensors checkpoint
     loaded without a copy) are not needed any more: the fused copy replaced them, and a process that kept them
-    would hold the weights twice (the 1.5B's resident memory: 5.2 GB for 3.5 GB of weights). Clean file pages
-    only: anonymous memory is never touched, and such a page is read again from the file if anything asks."""
+    would hold the weights twice (the 1.5B's resident memory: 5.2 GB for 3.5 GB of weights). Only pages of a
+    file mapping that lie wholly inside a tensor: anonymous memory is never touched, the model's parameters no
+    longer point at these pages (they are views of the fused copy), and a page read again comes from the file."""
     if not sys.platform.startswith("linux") or not all(t.device.type == "cpu" for t in tensors):
         return
     mappings = _file_mappings()
