@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from utils.cost_model import PassCosts
 from utils.lean import lean_decoder
 from utils.runners.compiled import compiled_passes
-from utils.runners.model_info import shares_passes
+from utils.runners.model_info import context_length, shares_passes
 from utils.runners.per_row import PerRowRunner
 from utils.runners.protocol import Runner
 from utils.runners.sequence import SequenceRunner
@@ -43,10 +43,12 @@ def make_runner(
         needed = max_tokens + DRAFT_ROOM
         if compiled is not None and needed <= compiled.slots:
             return StaticRunner(model, rows=rows, slots=compiled.slots, costs=costs, compiled=compiled)
-        # A longer request: a larger buffer, eager passes. Past the model's positions too: a row near the end of
-        # the context still drafts (its positions are clamped; a token past the context is never kept).
+        # A longer request: a larger buffer, eager passes. Our own forward's reaches past the model's positions: a
+        # row near the end of the context still drafts (positions clamped; a token past the context is never
+        # kept). A Hugging Face model's stays within them (older GPT-2 code sizes its masks by its positions).
         slots = -(-needed // SLOTS_STEP) * SLOTS_STEP
-        return StaticRunner(model, rows=rows, slots=slots, costs=costs)
+        limit = None if lean else context_length(model)
+        return StaticRunner(model, rows=rows, slots=slots if limit is None else min(slots, limit), costs=costs)
     if rows == 1:
         ids = None if encoder_input_ids is None else encoder_input_ids[0]
         return SequenceRunner(model, use_cache=use_cache, encoder_input_ids=ids, costs=costs)
