@@ -13,7 +13,7 @@ from sampling.loop.common import Generation, measured_costs, start_generation
 from sampling.loop.habits import Habits
 from sampling.loop.options import DecodingOptions, check_request
 from sampling.loop.stopping import Criterion
-from utils.runners import BeamRunner
+from utils.runners.factory import make_beam_runner
 from utils.runners.model_info import is_encoder_decoder
 from utils.validation import Inputs, check_int, transformers_names
 
@@ -120,7 +120,8 @@ def _search(gen: Generation, model: PreTrainedModel, top_k: int, num_beams: int,
     """Beam search of one sequence (`gen` holds one row) -> the `n` best finished sequences' generated
     ids. `length_penalty`: the exponent of `gnmt_penalty`."""
     max_len = gen.max_new_tokens[0]
-    runner = BeamRunner(model, use_cache=use_cache, costs=gen.runner.costs)  # the CPU shortcuts measured fastest here
+    runner = make_beam_runner(model, use_cache=use_cache, costs=gen.runner.costs,  # its kernels measured here
+                              max_tokens=len(gen.prefix) + max_len)
 
     def best_possible(score: float, length: int) -> float:
         # Log-probabilities only decrease a sum (<= 0); the penalty may still favour either end.

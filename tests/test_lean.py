@@ -200,3 +200,19 @@ def test_released_file_pages_read_the_same_values_again(tmp_path):
     total = float(mapped.sum())
     release_file_pages([mapped, anonymous])
     assert float(mapped.sum()) == total and torch.equal(anonymous, torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_beam_search_runs_its_beams_through_our_forward(family):
+    """Beams are rows of the static buffer (a beam continued twice is two rows): the uncached Hugging Face path's
+    beams, token for token."""
+    from sampling import beam_search_generate
+    from utils.runners.beam import StaticBeamRunner
+    from utils.runners.factory import make_beam_runner
+
+    model = tiny_model(family)
+    assert isinstance(make_beam_runner(model, use_cache=True, costs=None, max_tokens=40), StaticBeamRunner)
+    ids = prompt(7, 10)
+    ours = beam_search_generate(ids, model, max_gen_len=16, top_k=3, num_beams=4, length_penalty=1.2)
+    theirs = beam_search_generate(ids, model, max_gen_len=16, top_k=3, num_beams=4, length_penalty=1.2, use_cache=False)
+    assert ours == theirs and len(ours) > 0

@@ -6,6 +6,7 @@ from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
 from utils.lean import lean_decoder
+from utils.runners.beam import BeamRunner, StaticBeamRunner
 from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import context_length, shares_passes
 from utils.runners.per_row import PerRowRunner
@@ -55,3 +56,12 @@ def make_runner(
     if shares_passes(model, use_cache):
         return SharedBatchRunner(model, rows=rows, costs=costs)
     return PerRowRunner(model, rows=rows, use_cache=use_cache, encoder_input_ids=encoder_input_ids, costs=costs)
+
+
+def make_beam_runner(model: PreTrainedModel, *, use_cache: bool, costs: PassCosts | None,
+                     max_tokens: int) -> BeamRunner | StaticBeamRunner:
+    """Beam search's runner: the beams as rows of a static buffer where our own forward runs `model` (with a
+    cache), else over transformers' cache. `max_tokens`: the most tokens a beam may hold."""
+    if use_cache and lean_decoder(model) is not None and shares_passes(model, use_cache):
+        return StaticBeamRunner(model, slots=-(-(max_tokens + 1) // SLOTS_STEP) * SLOTS_STEP, costs=costs)
+    return BeamRunner(model, use_cache=use_cache, costs=costs)

@@ -206,10 +206,10 @@ class StaticRunner(ModelPasses):
         self.rows[row] = tokens[:start] + [tokens[i] for i in source]
 
     def select_rows(self, keep: list[int]) -> StaticRunner:
-        """Keep the rows `keep` (a gather of the buffer into a smaller batch)."""
+        """Keep the rows `keep`, in that order (a gather of the buffer; a row kept twice is two rows: beams)."""
         if keep != list(range(len(self.rows))):
             self._cache.select_rows(keep)
-            self.rows = [self.rows[row] for row in keep]
+            self.rows = [list(self.rows[row]) for row in keep]
         return self
 
 
