@@ -31,7 +31,13 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
     its generated tokens, steps, target passes and each returned token's log-probability."""
     rows, runner = Progress(gen, logprobs=stats is not None and stats.collect_logprobs), gen.runner
     passes = runner.forward_passes
-    logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
+    if getattr(runner, "width_invariant", False) and any(len(prefix) > 1 for prefix in gen.prefixes):
+        # Bit for bit the speculative loop's: its prefill holds each row's last token back for the first step's
+        # pass, and a prompt-sized pass rounds otherwise than a few-token one (`utils/lean/kernels.py`).
+        runner.forward_rows([(prefix[:-1], None) for prefix in gen.prefixes], [int(len(p) > 1) for p in gen.prefixes])
+        logits = runner.forward_rows([(prefix[-1:], None) for prefix in gen.prefixes], [1] * len(rows.live))
+    else:
+        logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
     while True:
         verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), rows.active(), logits_processor, rows.uniforms())
         going_on = []  # positions in `live` of the rows not finished
