@@ -36,7 +36,8 @@ from utils.runners.static import StaticSequence
 
 CONTEXT = 256  # tokens cached while a pass is timed
 WIDTHS = (1, 4, 8, 16)
-GEMMS = ("aten::addmv_", "aten::mv", "aten::linear", "aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+GEMMS = ("aten::addmv_", "aten::mv", "aten::linear", "aten::mm", "aten::addmm",
+         "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
 
 
 def read_bandwidth(gigabytes: float = 2.0, repeats: int = 5) -> float:

@@ -24,8 +24,8 @@ from utils.loading import load_model
 from utils.logits_processors import NucleusProcessor
 from utils.quantize import QuantizedLinear, quantize_int4
 from utils.quantized_models import quantize_linears
-from utils.runners.passes import ModelPasses
 from utils.runners.compiled import compile_model
+from utils.runners.passes import ModelPasses
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
 INT8_TOLERANCE = 0.02  # max |y_int8 - y| / max |y|: 8-bit per-channel scales

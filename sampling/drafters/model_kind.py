@@ -8,7 +8,6 @@ the target's by `sampling.loop.common.measured_costs`."""
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Callable
 from dataclasses import dataclass
 

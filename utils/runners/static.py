@@ -31,11 +31,11 @@ from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
 from utils.cpu_passes import Shortcuts
+from utils.lean import lean_decoder
+from utils.lean.static_kv import PassSlots, StaticKV
 from utils.runners.model_info import context_length, sliding_window
 from utils.runners.passes import ModelPasses, as_float
 from utils.runners.protocol import Blocks
-from utils.lean import lean_decoder
-from utils.lean.static_kv import PassSlots, StaticKV
 
 
 def block_ids(blocks: Blocks, width: int, device: torch.device) -> Tensor:
