@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = cli.benchmark_parser(__doc__)
     cli.add_models(parser, drafter="a drafter model whose passes are measured too")
     parser.add_argument("--no-self-drafter", action="store_true", help="leave out the four-bit self-drafter")
-    parser.add_argument("--prompts", type=int, default=3, help="even HumanEval prompts decoded (ids 0, 2, 4, ...)")
+    parser.add_argument("--prompts", type=int, default=3, help="HumanEval development prompts decoded (even task ids: 0, 2, 4, ...)")
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("benchmarks/results/passes"))
     args = cli.parse(parser, argv)
     console = Console(stderr=True)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         models["self-drafter (int4)"] = quantized_drafter(target, bits=4)
     bandwidth = read_bandwidth()
     passes = [pass_report(model, label, bandwidth, args.repeats) for label, model in models.items()]
-    prompts = [encode(tokenizer, text) for _, text in (load_humaneval(1, 2 * i)[0] for i in range(args.prompts))]
+    prompts = [encode(tokenizer, text) for _, text in load_humaneval(args.prompts)]  # the file holds even ids only
     decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
     result = {"machine": machine(), "read_gb_per_s": bandwidth / 1e9, "passes": passes, "plain_decoding": decoding}
     args.out.mkdir(parents=True, exist_ok=True)

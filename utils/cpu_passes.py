@@ -110,11 +110,6 @@ class FewTokenPass:
         self._patched: list[nn.Module] = []
         self._saved_variable: str | None = None
 
-    @property
-    def choice(self) -> Shortcuts:
-        """The shortcuts of the pass under way (none outside one)."""
-        return self._choice
-
     def using(self, choice: Shortcuts) -> FewTokenPass:
         self._choice = choice
         return self
