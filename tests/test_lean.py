@@ -135,7 +135,7 @@ def test_every_kernel_computes_the_same_product_and_the_table_is_kept(monkeypatc
     for rows in (1, 3, 8):
         x = torch.randn(rows, 32)
         expected = torch.nn.functional.linear(x, weight, bias)
-        for kernel in kernels._candidates(next(b for b in kernels.BUCKETS if b >= rows)):
+        for kernel in kernels._candidates(next(b for b in kernels.BUCKETS if b >= rows), (48, 32), x.dtype):
             assert torch.allclose(kernels.apply(kernel, x, weight, bias), expected, atol=1e-5), kernel
     kernels.kernel_table.cache_clear()
     table = kernels.kernel_table((48, 32), torch.float32)
@@ -156,7 +156,7 @@ def test_the_kernels_chosen_give_each_row_the_bits_of_any_other_width(monkeypatc
     kernels.kernel_table.cache_clear()
     weight, x = torch.randn(64, 96).to(dtype), torch.randn(32, 96).to(dtype)
     table = kernels.kernel_table((64, 96), dtype)
-    reference = kernels.apply(kernels.REFERENCE, x, weight, None)
+    reference = kernels.apply(table(32), x, weight, None)  # the chosen family's widest product
     for rows in (1, 2, 3, 5, 8, 13, 20, 32):
         assert torch.equal(kernels.apply(table(rows), x[:rows], weight, None), reference[:rows]), (rows, table(rows))
     assert all(price >= 1.0 for price in table.price.values())
@@ -216,3 +216,60 @@ def test_beam_search_runs_its_beams_through_our_forward(family):
     ours = beam_search_generate(ids, model, max_gen_len=16, top_k=3, num_beams=4, length_penalty=1.2)
     theirs = beam_search_generate(ids, model, max_gen_len=16, top_k=3, num_beams=4, length_penalty=1.2, use_cache=False)
     assert ours == theirs and len(ours) > 0
+
+
+def _native_expected() -> bool:
+    """Whether our own kernel should build here: a C compiler and AVX2 with FMA (every machine the suite runs on)."""
+    import shutil
+    from pathlib import Path
+
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return bool(shutil.which("cc") or shutil.which("gcc")) and " avx2" in flags and " fma" in flags
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_our_kernel_computes_the_product_in_float32_the_same_bits_at_every_width(x_dtype):
+    """gemm.c: bfloat16 weights times bfloat16 or float32 activations, summed in float32, one fixed order per
+    output whatever the number of rows or threads; outputs not a multiple of its block of 4 and a bias."""
+    from utils.lean import native
+
+    if not _native_expected():
+        pytest.skip("no C compiler or no AVX2 with FMA here: torch's products run instead")
+    assert native.unavailable() is None
+    torch.manual_seed(0)
+    weight, bias = torch.randn(37, 96).to(torch.bfloat16), torch.randn(37).to(x_dtype)
+    x = torch.randn(native.MAX_ROWS, 96).to(x_dtype)
+    assert native.supports((37, 96), torch.bfloat16) and not native.supports((37, 96), torch.float32)
+    full = native.gemm(x, weight, bias)
+    exact = x.double() @ weight.double().T + bias.double()
+    # float32 sums of exact products; a bfloat16 result is rounded once (a relative half-ulp of 2^-9)
+    tolerance = 1e-5 if x_dtype == torch.float32 else 2 ** -8
+    assert full.dtype == x_dtype and torch.allclose(full.double(), exact, rtol=tolerance, atol=tolerance)
+    for rows in (1, 2, 3, 5, 8, 13, 31):
+        assert torch.equal(native.gemm(x[:rows], weight, bias), full[:rows]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(native.gemm(x, weight, bias), full)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        native.gemm(torch.randn(33, 96).to(x_dtype), weight, None)
+
+
+def test_the_kernel_table_takes_our_kernel_only_as_a_whole_family(monkeypatch, tmp_path):
+    """Width invariance across families: where our kernel is the invariant choice it is the choice at every row
+    count (its bits differ from torch's); the table says which one is faster for each count."""
+    from utils.lean import kernels, native
+
+    if not _native_expected():
+        pytest.skip("no C compiler or no AVX2 with FMA here: torch's products run instead")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "PROBE_BYTES", 1 << 20)
+    kernels.kernel_table.cache_clear()
+    table = kernels.kernel_table((64, 96), torch.bfloat16)
+    assert kernels.NATIVE in kernels._candidates(1, (64, 96), torch.bfloat16)
+    invariant = {table(rows) for rows in range(1, 33)}
+    assert invariant == {kernels.NATIVE} or kernels.NATIVE not in invariant
+    kernels.kernel_table.cache_clear()
+    assert native.unavailable() is None

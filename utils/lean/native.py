@@ -1,0 +1,99 @@
+"""Our own GEMM kernel for bfloat16 weights (`gemm.c`): built for this CPU by its C compiler on first use (under a
+second), kept under `SPECDEC_CACHE/kernels`, called through ctypes. One candidate among torch's products in the
+kernel table (`kernels.py`): it is used where it is measured fastest here, and never where it cannot be built (no
+C compiler, a CPU without AVX2 and FMA): torch's products run then, as before.
+
+    unavailable()                why the kernel cannot run here, None when it can
+    supports(shape, dtype)       whether it can multiply a weight of `shape` (out, in) held in `dtype`
+    gemm(x, weight, bias)        x W^T + b, in x's dtype (float32 or bfloat16), W bfloat16
+
+It reads bfloat16 weights and multiplies in float32, so a float32 model whose weights are exact bfloat16 values
+(most checkpoints) can read half the bytes; each output is one fixed chain of multiply-adds, so a row's result is
+the same bits whatever the number of rows (width-invariant by construction).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from utils.paths import cache_dir
+
+__all__ = ["MAX_ROWS", "gemm", "supports", "unavailable"]
+
+SOURCE = Path(__file__).with_name("gemm.c")
+MAX_ROWS = 32  # gemm.c's MAX_ROWS
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@cache
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    """The built kernel and its input block (from the cache or compiled now), or None and why not."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc, gcc or $CC) to build it"
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"{compiler} did not run: {error}"
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()[:20]
+    path = cache_dir() / "kernels" / f"gemm-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
+                               timeout=120)
+        if built.returncode != 0:
+            partial.unlink(missing_ok=True)
+            return None, f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-300:]}"
+        partial.replace(path)
+    library = ctypes.CDLL(str(path))
+    library.specdec_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
+    library.specdec_gemm.restype = ctypes.c_int
+    if library.specdec_block() == 0:
+        return None, "this CPU has neither AVX-512 nor AVX2 with FMA"
+    return library, None
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run here (no compiler, no vector unit it is written for), None when it can."""
+    return _library()[1]
+
+
+def supports(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether the kernel can multiply a weight of `shape` (out, in) held in `dtype` here."""
+    library = _library()[0]
+    return library is not None and dtype == torch.bfloat16 and shape[1] % library.specdec_block() == 0
+
+
+def gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x W^T + b for x (rows <= MAX_ROWS, in) in float32 or bfloat16, W (out, in) bfloat16, b in x's dtype: the
+    result in x's dtype, each output summed in float32 in the kernel's fixed order."""
+    library = _library()[0]
+    x, weight = x.contiguous(), weight.contiguous()  # no copy where they are already (the fused weights are)
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    status = library.specdec_gemm(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                  out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1],
+                                  int(x.dtype == torch.bfloat16), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"the native kernel cannot multiply x {tuple(x.shape)} {x.dtype} by W {tuple(weight.shape)} "
+                         f"{weight.dtype}: at most {MAX_ROWS} rows, the input width a multiple of "
+                         f"{library.specdec_block()}")
+    return out
