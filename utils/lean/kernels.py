@@ -52,6 +52,7 @@ Kernel = tuple[str, int]
 LINEAR: Kernel = ("linear", 0)
 REFERENCE: Kernel = ("weight_major", 32)  # the product every width-invariant torch kernel agrees with, bit for bit
 NATIVE: Kernel = ("native", 0)
+_CODE = hashlib.sha256(Path(__file__).read_bytes() + native.SOURCE.read_bytes()).hexdigest()[:12]  # a table's version
 INVARIANT_ENV = "SPECDEC_WIDTH_INVARIANT"  # "0": the fastest kernel per width, invariant or not
 
 
@@ -157,7 +158,7 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
 def _path(shape: tuple[int, int], dtype: torch.dtype) -> Path:
     """Where the table of `shape` in `dtype` is kept: one file per machine, thread count, torch and this code."""
     key = {"shape": list(shape), "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "cpu": torch.backends.cpu.get_cpu_capability(), "code": hashlib.sha256(Path(__file__).read_bytes() + native.SOURCE.read_bytes()).hexdigest()[:12],
+           "cpu": torch.backends.cpu.get_cpu_capability(), "code": _CODE,
            "machine": _cpu_name()}
     return cache_dir() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
 
