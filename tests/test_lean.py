@@ -273,3 +273,31 @@ def test_the_kernel_table_takes_our_kernel_only_as_a_whole_family(monkeypatch, t
     assert invariant == {kernels.NATIVE} or kernels.NATIVE not in invariant
     kernels.kernel_table.cache_clear()
     assert native.unavailable() is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_weights_compute_in_float32_where_the_cpu_has_no_bfloat16_arithmetic(family, monkeypatch):
+    """An AVX2-only CPU (said so here): a model held in bfloat16 computes in float32 in our own forward, its weights
+    read in bfloat16 by our own kernel: the float32 model's logits (the same weight values) to float32 summation
+    order; the model itself stays in bfloat16; greedy speculation equals plain greedy decoding."""
+    import copy
+
+    from sampling import autoregressive_generate, speculative_generate
+    from utils.lean import native
+
+    if not _native_expected():
+        pytest.skip("no C compiler or no AVX2 with FMA here: torch's products run instead")
+    monkeypatch.setattr(native, "bfloat16_arithmetic", lambda: False)
+    model = tiny_model(family, dtype=torch.bfloat16, attention="sdpa")
+    as_float32 = copy.deepcopy(model).float()
+    ids = prompt(1, 40)
+    runner = StaticRunner(model, rows=1, slots=128)
+    assert lean_decoder(model).dtype == torch.float32
+    got = torch.cat([runner.forward_rows([(ids[a:b], None)], [b - a])[0] for a, b in ((0, 11), (11, 12), (12, 40))])
+    assert got.dtype == torch.float32 and (got - _reference(as_float32, ids)).abs().max() < 1e-4
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    drafter = tiny_model(family, seed=1, dtype=torch.bfloat16, attention="sdpa")
+    plain = autoregressive_generate(ids[:9], model, max_gen_len=24)
+    for gamma in (2, 5):
+        assert speculative_generate(ids[:9], drafter, model, gamma=gamma, max_gen_len=24)[0] == plain
+    forget(model)

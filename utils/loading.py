@@ -13,8 +13,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import torch.nn.functional as F
 
 from utils import compile_policy
+from utils.lean import native, unsupported
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir
 from utils.quantized_models import QUANTIZE_KINDS, quantize_model
@@ -81,28 +83,31 @@ def resolve(name_or_path: str | os.PathLike | None) -> str:
 
 
 def native_bfloat16() -> bool:
-    """Whether this CPU computes in bfloat16 (AVX-512-BF16 or AMX). Elsewhere a bfloat16 matmul over
-    a few rows is converted on the fly and grows with the rows: on a 2-core AMD EPYC with AVX2 only,
-    the 1.5B's pass over 5 tokens cost 3.98x its one-token pass in bfloat16, 1.39x in float32, which
-    no draft can pay for (docs/results.md)."""
-    return any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    """Whether this CPU computes in bfloat16 (`utils.lean.native.bfloat16_arithmetic`)."""
+    return native.bfloat16_arithmetic()
 
 
 @functools.cache
 def fastest_dtype() -> torch.dtype:
-    """float32 or bfloat16 for the offline real models: float32 unless this CPU computes in bfloat16
-    (`native_bfloat16`); there, whichever multiplies a 1.5B model's MLP weight by 1 token (plain
-    decoding) plus 9 tokens (verifying 8 drafts) faster, timed once per process (~0.2 s; bfloat16
-    must win by 15%: it also rounds more)."""
-    if not native_bfloat16():
+    """float32 or bfloat16 for the offline real models: whichever multiplies a 1.5B model's MLP weight by 1 token
+    (plain decoding) plus 9 tokens (verifying 8 drafts) faster here, timed once per process (~0.2 s; bfloat16 must
+    win by 15%). A bfloat16 model computes in bfloat16 where this CPU has bfloat16 arithmetic, elsewhere in float32
+    over its bfloat16 weights (our own kernel, `utils.lean.native`, in a lean forward's passes: half the bytes of a
+    float32 model); with neither, float32."""
+    weight = torch.randn(8960, 1536)
+    held = weight.to(torch.bfloat16)
+    if native_bfloat16():
+        products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: lambda x: F.linear(x.to(held.dtype), held)}
+    elif native.unavailable() is None:
+        products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: lambda x: native.gemm(x, held, None)}
+    else:
         return torch.float32
-    weights = {dtype: torch.randn(8960, 1536).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
-    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in weights}
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in products}
     for _ in range(5):  # interleaved: a burst of load lands on both
-        for dtype, weight in weights.items():
+        for dtype, product in products.items():
             start = time.perf_counter()
             for rows in (1, 9):
-                torch.nn.functional.linear(torch.randn(rows, 1536).to(dtype), weight)
+                product(torch.randn(rows, 1536))
             times[dtype].append(time.perf_counter() - start)
     fp32, bf16 = (statistics.median(times[dtype]) for dtype in (torch.float32, torch.bfloat16))
     return torch.bfloat16 if bf16 * 1.15 < fp32 else torch.float32
@@ -149,6 +154,7 @@ def load_model(
 
     if compile not in (True, False, "auto"):
         raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+    chosen_here = dtype is None
     dtype = _dtype(name_or_path, dtype)
     if load_in_8bit and load_in_4bit:
         raise ValueError("choose one of load_in_8bit and load_in_4bit, not both")
@@ -167,6 +173,8 @@ def load_model(
         check_4bit_runs_here(model)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     model.eval()
+    if chosen_here and model.dtype == torch.bfloat16 and not native_bfloat16() and unsupported(model) is not None:
+        model.float()  # bfloat16 weights compute in float32 in our own forward only (`fastest_dtype`): not this one
     if quantize is not None:
         quantize_model(model, quantize)
     elif device_map is None and "quantization_config" not in kwargs:

@@ -8,7 +8,10 @@ is not a plain `nn.Linear` (a 4- or 8-bit `QuantizedLinear`, accelerate's hooked
 module runs it.
 
 Kernels (float weights): the one measured fastest here for the pass's row count (`kernels.py`: `F.linear`, the
-weight-major product, `torch.mv`, padded or not), once per weight shape and machine.
+weight-major product, `torch.mv`, padded or not, our own), once per weight shape and machine. Float32 activations
+over bfloat16 weights (`native.compute_dtype`: a CPU without bfloat16 arithmetic) take our own kernel, which reads
+the weights in bfloat16 and sums in float32; a prompt's pass over more rows than it takes multiplies by the weight
+converted to float32.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from utils.lean import native
 from utils.lean.kernels import LINEAR, apply, kernel_table
 
 __all__ = ["Linear", "fused", "release_file_pages"]
@@ -60,6 +64,12 @@ class Linear:
             outputs = [module(x) for module in self.modules]
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         rows = x.numel() // x.shape[-1]
+        if x.dtype != self.weight.dtype:  # float32 activations over bfloat16 weights (`native.compute_dtype`)
+            if rows > native.MAX_ROWS:
+                bias = None if self.bias is None else self.bias.to(x.dtype)
+                return F.linear(x, self.weight.to(x.dtype), bias)
+            out = native.gemm(x.reshape(rows, -1), self.weight, self.bias)
+            return out.reshape(*x.shape[:-1], self.weight.shape[0])
         if self.kernels is None:
             self.kernels = kernel_table(tuple(self.weight.shape), self.weight.dtype, self.weight.device.type)
         kernel = self.kernels(rows)

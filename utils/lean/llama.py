@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from utils.lean.kernels import INVARIANT_ENV, prepare
 from utils.lean.linear import Linear
+from utils.lean.native import compute_dtype
 from utils.lean.static_kv import PassSlots, StaticKV
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
@@ -107,17 +108,21 @@ class LeanLlama(nn.Module):
         self.layers = [Layer(layer) for layer in decoder.layers]
         self.norm = decoder.norm.weight
         self.head = Linear([model.lm_head])
-        prepare([linear.weight for layer in self.layers[:1] for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                 if linear.weight is not None] + ([self.head.weight] if self.head.weight is not None else []))
+        weights = [linear.weight for layer in self.layers[:1] for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   if linear.weight is not None] + ([self.head.weight] if self.head.weight is not None else [])
+        # What a pass computes in: the weights' dtype, or float32 over bfloat16 weights on a CPU without bfloat16
+        # arithmetic (`native.compute_dtype`); the buffer, the masks and the logits take it too.
+        self.dtype = compute_dtype(weights) if weights else self.norm.dtype
+        if self.dtype == self.norm.dtype:
+            prepare(weights)  # the kernel tables (float32 over bfloat16 weights has one kernel: no table)
         self._rotary = decoder.rotary_emb
-        self._dtype = self.norm.dtype
         self._cos = self._sin = torch.empty(0)
 
     def _rope(self, positions: Tensor, slots: int) -> tuple[Tensor, Tensor]:
         """cos and sin at `positions` (rows, width) -> each (rows, 1, width, head_dim), from a table computed
         once by the model's rotary module for a buffer's `slots` positions (a position never passes them)."""
         if slots > self._cos.shape[0]:
-            probe = torch.empty(0, dtype=self._dtype, device=self.norm.device)
+            probe = torch.empty(0, dtype=self.dtype, device=self.norm.device)
             cos, sin = self._rotary(probe, torch.arange(slots, device=self.norm.device)[None])
             self._cos, self._sin = cos[0], sin[0]
         return self._cos[positions][:, None], self._sin[positions][:, None]
@@ -127,7 +132,7 @@ class LeanLlama(nn.Module):
         """The logits of each row's last `num_logits` new tokens, (rows, num_logits, vocab); `kv`: the
         runner's buffer, written and read where `slots` says."""
         cos, sin = self._rope(slots.positions, kv.slots)
-        h = self.embed(ids)
+        h = self.embed(ids).to(self.dtype)
         for index, layer in enumerate(self.layers):
             h = h + self._attention(layer, rms_norm(h, layer.attention_norm, self.eps), cos, sin, slots, kv, index)
             x = rms_norm(h, layer.mlp_norm, self.eps)

@@ -6,10 +6,12 @@ C compiler, a CPU without AVX2 and FMA): torch's products run then, as before.
     unavailable()                why the kernel cannot run here, None when it can
     supports(shape, dtype)       whether it can multiply a weight of `shape` (out, in) held in `dtype`
     gemm(x, weight, bias)        x W^T + b, in x's dtype (float32 or bfloat16), W bfloat16
+    compute_dtype(weights)       the dtype a lean forward computes in over these weights
 
-It reads bfloat16 weights and multiplies in float32, so a float32 model whose weights are exact bfloat16 values
-(most checkpoints) can read half the bytes; each output is one fixed chain of multiply-adds, so a row's result is
-the same bits whatever the number of rows (width-invariant by construction).
+It reads bfloat16 weights and multiplies in float32, so on a CPU without bfloat16 arithmetic (AVX2 only) a model
+held in bfloat16 (its checkpoint's dtype, most Hub checkpoints) computes in float32 at half the bytes a float32
+model reads; each output is one fixed chain of multiply-adds, so a row's result is the same bits whatever the
+number of rows (width-invariant by construction).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from utils.paths import cache_dir
 
-__all__ = ["MAX_ROWS", "gemm", "supports", "unavailable"]
+__all__ = ["MAX_ROWS", "bfloat16_arithmetic", "compute_dtype", "gemm", "supports", "unavailable"]
 
 SOURCE = Path(__file__).with_name("gemm.c")
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
@@ -97,3 +99,20 @@ def gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
                          f"{weight.dtype}: at most {MAX_ROWS} rows, the input width a multiple of "
                          f"{library.specdec_block()}")
     return out
+
+
+def bfloat16_arithmetic() -> bool:
+    """Whether this CPU computes in bfloat16 (AVX-512-BF16 or AMX). Elsewhere a bfloat16 matmul over a few rows is
+    converted on the fly and grows with the rows: on a 2-core AMD EPYC with AVX2 only, the 1.5B's pass over 5 tokens
+    cost 3.98x its one-token pass in bfloat16, 1.39x in float32, which no draft can pay for (docs/results.md)."""
+    return any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def compute_dtype(weights: list[Tensor]) -> torch.dtype:
+    """The dtype a lean forward computes in over `weights` (its linears'): float32 over bfloat16 weights where this
+    CPU has no bfloat16 arithmetic and this kernel takes every one of them (the weights read in bfloat16, the
+    products summed in float32: a float32 model's numerics at half its bytes), else the weights' own."""
+    dtype = weights[0].dtype
+    if dtype == torch.bfloat16 and not bfloat16_arithmetic() and all(supports(tuple(w.shape), dtype) for w in weights):
+        return torch.float32
+    return dtype

@@ -111,7 +111,8 @@ class StaticRunner(ModelPasses):
         self._compiled = compiled  # utils.runners.compiled.CompiledPasses, or None: every pass eager
         self._window = sliding_window(model)
         self._max_position = (context_length(model) or slots) - 1
-        self._dtype = model.get_input_embeddings().weight.dtype
+        lean = lean_decoder(model)  # the masks in the dtype the passes compute in
+        self._dtype = model.get_input_embeddings().weight.dtype if lean is None else lean.dtype
         self._next_forward = None  # the compiled pass `_call` runs next, None: the model's own
         self._next_shortcuts: Shortcuts | None = None  # an eager pass's CPU shortcuts, None: the measured ones
 
