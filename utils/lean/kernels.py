@@ -19,8 +19,9 @@ or greedy speculation parts from plain greedy decoding at near-ties. Kernels com
 agree among themselves: torch's (each candidate checked, bit for bit, against the same rows in a 32-row
 weight-major product, `REFERENCE`; the fastest that agrees is taken per row count) and our own kernel alone (one
 fixed summation order per output, checked the same way against its own 32-row product). The family whose choices
-cost less over the row counts (the mean of each count's time over that count's fastest) is the invariant one;
-every other op of a pass is computed per row already. Measured on the Xeon (bfloat16): `torch.mv` and every
+cost less over the row counts (the mean of each count's time over that count's fastest) is the invariant one, and
+it is taken where that mean is at most `INVARIANCE_PAYS` (`KernelTable`); every other op of a pass is computed per
+row already. Measured on the Xeon (bfloat16): `torch.mv` and every
 padded product agree except one-row products over an 8960-wide input, so torch's family costs nothing there; in
 float32 no one-row torch kernel agrees with the multi-row ones (a one-row pass is padded to two).
 """
@@ -53,7 +54,8 @@ LINEAR: Kernel = ("linear", 0)
 REFERENCE: Kernel = ("weight_major", 32)  # the product every width-invariant torch kernel agrees with, bit for bit
 NATIVE: Kernel = ("native", 0)
 _CODE = hashlib.sha256(Path(__file__).read_bytes() + native.SOURCE.read_bytes()).hexdigest()[:12]  # a table's version
-INVARIANT_ENV = "SPECDEC_WIDTH_INVARIANT"  # "0": the fastest kernel per width, invariant or not
+INVARIANT_ENV = "SPECDEC_WIDTH_INVARIANT"  # "0": the fastest kernel per width; "1": the invariant ones at any price
+INVARIANCE_PAYS = 1.05  # the invariant family's mean price over the row counts that it may cost by default
 
 
 def apply(kernel: Kernel, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -117,20 +119,27 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, device: str) -> dict[in
 
 
 class KernelTable:
-    """The kernel for each row count of one weight shape and dtype: the fastest width-invariant one (a row's
-    result the same bits whatever the pass's width: greedy speculation then equals plain greedy decoding to the
-    bit in every dtype), or with `SPECDEC_WIDTH_INVARIANT=0` the fastest of all. `price`: how much slower the
-    invariant choice is, by bucket (1.0: free)."""
+    """The kernel for each row count of one weight shape and dtype: the width-invariant family's (a row's result
+    the same bits whatever the pass's width: greedy speculation then equals plain greedy decoding to the bit in
+    every dtype) where it costs at most `INVARIANCE_PAYS` of the fastest kernels on average over the row counts,
+    else the fastest per row count (`invariant` False). `SPECDEC_WIDTH_INVARIANT=1` takes the invariant family
+    whatever its price, `=0` the fastest. `price`: how much slower the invariant family is, by bucket (1.0: free).
+
+    Why a price limit: where no torch product agrees across widths (MKL's float32 products on an AVX2-only CPU
+    differ between 8 rows and the same rows among 32), the invariant choice is the 32-row product itself, and a
+    one-row pass would cost 32 rows' arithmetic (7x, measured with torch held to AVX2 on the Xeon)."""
 
     def __init__(self, measured: dict[int, dict]) -> None:
-        choice = "fastest" if os.environ.get(INVARIANT_ENV) == "0" else "invariant"
-        by_bucket = {bucket: tuple(entry[choice]) for bucket, entry in measured.items()}
-        self._by_rows = [LINEAR] + [by_bucket[next(b for b in BUCKETS if b >= rows)] for rows in range(1, BUCKETS[-1] + 1)]
         self.price = {}
         for bucket, entry in measured.items():
             seconds = {(name, pad): t for name, pad, t in entry.get("seconds", [])}
             if seconds:
                 self.price[bucket] = seconds.get(tuple(entry["invariant"]), min(seconds.values())) / min(seconds.values())
+        mode = os.environ.get(INVARIANT_ENV)
+        mean_price = sum(self.price.values()) / len(self.price) if self.price else 1.0
+        self.invariant = mode == "1" or (mode != "0" and mean_price <= INVARIANCE_PAYS)
+        by_bucket = {bucket: tuple(entry["invariant" if self.invariant else "fastest"]) for bucket, entry in measured.items()}
+        self._by_rows = [LINEAR] + [by_bucket[next(b for b in BUCKETS if b >= rows)] for rows in range(1, BUCKETS[-1] + 1)]
 
     def __call__(self, rows: int) -> Kernel:
         return self._by_rows[rows] if rows < len(self._by_rows) else LINEAR

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.lean import native
-from utils.lean.kernels import LINEAR, apply, kernel_table
+from utils.lean.kernels import INVARIANT_ENV, LINEAR, apply, kernel_table, prepare
 
-__all__ = ["Linear", "fused", "release_file_pages"]
+__all__ = ["Linear", "fused", "numerics", "release_file_pages"]
 
 _MADV_DONTNEED = 4  # Linux
 
@@ -133,3 +133,22 @@ def release_file_pages(tensors: list[Tensor]) -> None:
         first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
         if last > first:
             libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def numerics(linears: list[Linear], dtype: torch.dtype) -> tuple[torch.dtype, bool]:
+    """(the dtype a lean forward computes in, whether its passes are width-invariant) for a model whose layers
+    have `linears` (one layer's and the head: every layer has the same shapes) and whose norms are in `dtype`.
+
+    The dtype: the weights', or float32 over bfloat16 weights on a CPU without bfloat16 arithmetic
+    (`native.compute_dtype`: our kernel alone, invariant by construction). Otherwise the kernel tables of these
+    shapes are measured now (`kernels.prepare`, once per machine) and the passes are invariant where each table
+    took its invariant family (`kernels.KernelTable`). Never in float64 (it rounds far below any tie), nor with
+    `SPECDEC_WIDTH_INVARIANT=0`."""
+    weights = [linear.weight for linear in linears if linear.weight is not None]
+    computed = native.compute_dtype(weights) if weights else dtype
+    if os.environ.get(INVARIANT_ENV) == "0" or computed == torch.float64:
+        return computed, False
+    if computed != (weights[0].dtype if weights else dtype):
+        return computed, True
+    prepare(weights)
+    return computed, all(kernel_table(tuple(w.shape), w.dtype, w.device.type).invariant for w in weights)

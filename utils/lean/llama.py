@@ -15,15 +15,11 @@ the dtype's minimum elsewhere; the buffer's keys and values (rows, kv_heads, slo
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.lean.kernels import INVARIANT_ENV, prepare
-from utils.lean.linear import Linear
-from utils.lean.native import compute_dtype
+from utils.lean.linear import Linear, numerics
 from utils.lean.static_kv import PassSlots, StaticKV
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
@@ -77,6 +73,7 @@ class Layer:
         self.o = Linear([attention.o_proj])
         self.gate_up = Linear([mlp.gate_proj, mlp.up_proj])
         self.down = Linear([mlp.down_proj])
+        self.linears = [self.qkv, self.o, self.gate_up, self.down]
         self.attention_norm = layer.input_layernorm.weight
         self.mlp_norm = layer.post_attention_layernorm.weight
         norm = getattr(attention, "q_norm", None)  # Qwen3: RMSNorm of each head's q and k
@@ -97,24 +94,17 @@ class LeanLlama(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.eager = config._attn_implementation == "eager"
-        # Width invariance pads the attention's queries (`_sdpa`); float64 rounds far below any tie: not there.
-        self.invariant = os.environ.get(INVARIANT_ENV) != "0" and model.get_input_embeddings().weight.dtype != torch.float64
-        # The buffer's slots a pass reads: the longest row's, rounded up to this. torch's CPU attention reduces the
-        # keys in blocks of 512: read in whole blocks, a row's bits do not depend on how far the others reach.
-        self.kv_step = KV_BLOCK if self.invariant else 64
         self.activation = ACTIVATIONS[config.hidden_act]
         decoder = model.model
         self.embed = decoder.embed_tokens
         self.layers = [Layer(layer) for layer in decoder.layers]
         self.norm = decoder.norm.weight
         self.head = Linear([model.lm_head])
-        weights = [linear.weight for layer in self.layers[:1] for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                   if linear.weight is not None] + ([self.head.weight] if self.head.weight is not None else [])
-        # What a pass computes in: the weights' dtype, or float32 over bfloat16 weights on a CPU without bfloat16
-        # arithmetic (`native.compute_dtype`); the buffer, the masks and the logits take it too.
-        self.dtype = compute_dtype(weights) if weights else self.norm.dtype
-        if self.dtype == self.norm.dtype:
-            prepare(weights)  # the kernel tables (float32 over bfloat16 weights has one kernel: no table)
+        # What a pass computes in (the buffer, the masks and the logits too) and whether its rows' bits are the same
+        # whatever its width; invariance pads the attention's queries (`_sdpa`) and reads the keys in whole blocks
+        # of torch's CPU attention kernel (512), so that a row's bits do not depend on how far the others reach.
+        self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype)
+        self.kv_step = KV_BLOCK if self.invariant else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
         self._cos = self._sin = torch.empty(0)
 
