@@ -1,12 +1,26 @@
 """Our own forward (`utils/lean/`) against the Hugging Face model it reads: the same logits to float64 rounding for
-every family it covers, over chains, trees and ragged batches in the static buffer; the model's own weights
-unchanged (fused into views, no second copy); the fallback said in one line."""
+every family it covers (Gemma 2 and 3 with sliding and full layers mixed, a window shorter than the sequences), over
+chains, trees and ragged batches in the static buffer; the model's own weights unchanged (fused into views, no second
+copy); the fallback said in one line."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tests.models import SMALL, VOCAB, prompt, tiny_model
 from utils.lean import LEAN_ENV, forget, forward_path, lean_decoder
@@ -19,11 +33,40 @@ TOLERANCE = 1e-10  # float64 logits of size ~10: only the summation order may di
 EAGER_TOLERANCE = 1e-5
 
 
-def _extra_model(name: str, attention: str):
-    """Families and options the suite's tiny models lack: Qwen3's q/k norms, Llama-3 rope scaling, tied heads."""
-    torch.manual_seed(0)
+def _gemma(name: str, common: dict):
+    """Gemma's options: a head size of its own; Gemma 2 and 3 three layers, sliding ones around a full one with a
+    window of 6 positions, a query scale of their own; Gemma 2's caps on the attention and final logits; Gemma 3's
+    two rotary tables."""
+    common = {**common, "head_dim": 16}
+    if name == "gemma":
+        return GemmaConfig(**common), GemmaForCausalLM
+    mixed = dict(num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=6,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    common = {**common, **mixed}
+    if name == "gemma2":
+        return Gemma2Config(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **common), Gemma2ForCausalLM
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
+    return Gemma3TextConfig(rope_parameters=rope, **common), Gemma3ForCausalLM
+
+
+def _extra_model(name: str, attention: str, seed: int = 0):
+    """Families and options the suite's tiny models lack: Qwen3's q/k norms, Llama-3 rope scaling, tied heads, the
+    Gemma family (`_gemma`; Gemma 2 always eager: transformers runs no other attention for it)."""
+    torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
                   num_key_value_heads=2, initializer_range=0.3, **SMALL)
+    if name.startswith("gemma"):
+        config, model_class = _gemma(name, common)
+        config._attn_implementation = "eager" if name == "gemma2" else attention
+        model = model_class(config).to(torch.float64).eval()
+        with torch.no_grad():  # Gemma's norms start at 0 (a weight of 1 + 0): random, so that (1 + weight) is seen
+            for parameter_name, parameter in model.named_parameters():
+                if "norm" in parameter_name:
+                    parameter.normal_(0.0, 0.3)
+        model.generation_config.pad_token_id = 0
+        model.generation_config.eos_token_id = None
+        return model
     if name == "qwen3":
         config = Qwen3Config(head_dim=16, **common)
         model_class = Qwen3ForCausalLM
@@ -36,13 +79,13 @@ def _extra_model(name: str, attention: str):
     return model_class(config).to(torch.float64).eval()
 
 
-FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3-tied"]
+FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3-tied", "gemma", "gemma2", "gemma3"]
 
 
 def _model(name: str, attention: str):
-    if name in ("qwen3", "llama3-tied"):
-        return _extra_model(name, attention)
-    return tiny_model(name, attention=attention)
+    if name in ("llama", "qwen2", "mistral"):
+        return tiny_model(name, attention=attention)
+    return _extra_model(name, attention)
 
 
 def _reference(model, ids: list[int]) -> torch.Tensor:
@@ -54,7 +97,7 @@ def _reference(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chains_equal_the_hugging_face_logits(family, attention):
     model = _model(family, attention)
-    assert forward_path(model).startswith("lean forward")
+    assert forward_path(model) == f"lean forward ({'gemma' if family.startswith('gemma') else 'llama'}.py)"
     ids = prompt(1, 30)
     reference = _reference(model, ids)
     runner = StaticRunner(model, rows=1, slots=128)
@@ -62,24 +105,27 @@ def test_chains_equal_the_hugging_face_logits(family, attention):
     runner.rollback_row(0, 16)  # the rejected tail is overwritten
     pieces[-1] = pieces[-1][:4]
     pieces.append(runner.forward_rows([(ids[16:30], None)], [14])[0])
-    assert (torch.cat(pieces) - reference).abs().max() < (EAGER_TOLERANCE if attention == "eager" else TOLERANCE)
+    eager = model.config._attn_implementation == "eager"
+    assert (torch.cat(pieces) - reference).abs().max() < (EAGER_TOLERANCE if eager else TOLERANCE)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3"])
 def test_a_ragged_batch_with_a_tree_equals_each_row_alone(family):
-    """Row 0 verifies a tree (two branches), row 1 a chain; each node's logits are those of its path."""
-    model = tiny_model(family, attention="sdpa")
+    """Row 0 verifies a tree (two branches), row 1 a chain; each node's logits are those of its path (Gemma 2 and
+    3: rows longer than their sliding layers' window)."""
+    model = _model(family, "sdpa")
+    tolerance = EAGER_TOLERANCE if model.config._attn_implementation == "eager" else TOLERANCE
     first, second = prompt(2, 9), prompt(3, 14)
     runner = StaticRunner(model, rows=2, slots=128)
     runner.forward_rows([(first, None), (second, None)], [1, 1])
     tree_tokens, parents = [5, 6, 7, 8], [-1, 0, 0, 2]  # 5 -> (6, 7 -> 8)
     logits = runner.forward_rows([(tree_tokens, parents), ([9, 10, 11], None)], [4, 3])
     for node, path in ((1, [5, 6]), (3, [5, 7, 8])):
-        assert (logits[0][node] - _reference(model, first + path)[-1]).abs().max() < TOLERANCE
-    assert (logits[1] - _reference(model, second + [9, 10, 11])[-3:]).abs().max() < TOLERANCE
+        assert (logits[0][node] - _reference(model, first + path)[-1]).abs().max() < tolerance
+    assert (logits[1] - _reference(model, second + [9, 10, 11])[-3:]).abs().max() < tolerance
     runner.keep_path_row(0, len(first), [1, 2])  # keep 5 -> 7 -> 8 (nodes after the root), then go on
     after = runner.forward_rows([([12], None), ([], None)], [1, 0])[0]
-    assert (after[0] - _reference(model, first + [5, 7, 8, 12])[-1]).abs().max() < TOLERANCE
+    assert (after[0] - _reference(model, first + [5, 7, 8, 12])[-1]).abs().max() < tolerance
 
 
 def test_fused_weights_are_the_models_own():
@@ -227,7 +273,7 @@ def test_released_file_pages_read_the_same_values_again(tmp_path):
     assert float(mapped.sum()) == total and torch.equal(anonymous, torch.arange(1 << 20, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_beam_search_runs_its_beams_through_our_forward(family):
     """Beams are rows of the static buffer (a beam continued twice is two rows): the uncached Hugging Face path's
     beams, token for token."""
@@ -235,7 +281,7 @@ def test_beam_search_runs_its_beams_through_our_forward(family):
     from utils.runners.beam import StaticBeamRunner
     from utils.runners.factory import make_beam_runner
 
-    model = tiny_model(family)
+    model = _model(family, "eager")
     assert isinstance(make_beam_runner(model, use_cache=True, costs=None, max_tokens=40), StaticBeamRunner)
     ids = prompt(7, 10)
     ours = beam_search_generate(ids, model, max_gen_len=16, top_k=3, num_beams=4, length_penalty=1.2)
@@ -326,3 +372,22 @@ def test_bfloat16_weights_compute_in_float32_where_the_cpu_has_no_bfloat16_arith
     for gamma in (2, 5):
         assert speculative_generate(ids[:9], drafter, model, gamma=gamma, max_gen_len=24)[0] == plain
     forget(model)
+
+
+def test_greedy_speculation_over_gemma3s_mixed_layers_equals_transformers_greedy_decoding():
+    """Gemma 3 mixes sliding and full layers (a window of 6): the runners take our forward for it all the same (a
+    mask of each kind), and plain and speculative greedy decoding, one row or a batch, give transformers' tokens."""
+    from sampling import autoregressive_generate, speculative_generate
+
+    target, drafter = _extra_model("gemma3", "sdpa"), _extra_model("gemma3", "sdpa", seed=1)
+    assert isinstance(make_runner(target, rows=2, max_tokens=40), StaticRunner)
+    rows = [prompt(seed, 8 + 9 * seed) for seed in range(2)]
+    references = []
+    for ids in rows:
+        with torch.no_grad():
+            out = target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        references.append(out[0, len(ids):].tolist())
+        assert autoregressive_generate(ids, target, max_gen_len=24) == references[-1]
+        for source, gamma in ((drafter, 1), (drafter, 3), (target, 8)):  # rejections and a whole block accepted
+            assert speculative_generate(ids, source, target, gamma=gamma, max_gen_len=24)[0] == references[-1]
+    assert [out for out, _ in speculative_generate(rows, drafter, target, gamma=3, max_gen_len=24)] == references

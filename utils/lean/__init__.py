@@ -5,8 +5,10 @@ being the reference (tests) and the fallback for every other model.
     lean_decoder(model)   the model's lean forward (built once, kept while the model lives), None: the Hugging Face path
     forward_path(model)   one line: which path the model's passes take, and why
 
-One file per family group: `llama.py` (Llama and SmolLM2, Qwen2, Qwen3, Mistral). A model dispatched by
-accelerate (offloaded or split over devices) keeps the Hugging Face path: its hooks move weights per layer.
+One file per family group: `llama.py` (Llama and SmolLM2, Qwen2, Qwen3, Mistral), `gemma.py` (Gemma, Gemma 2,
+Gemma 3's text model; layers of two kinds, sliding-window and full, each attend through their own mask, which the
+static runner builds for our own forward only). A model dispatched by accelerate (offloaded or split over devices)
+keeps the Hugging Face path: its hooks move weights per layer.
 `SPECDEC_LEAN=0` turns the lean forward off (every model takes the Hugging Face path).
 """
 
@@ -17,13 +19,13 @@ import weakref
 
 from torch import nn
 
-from utils.lean import llama
+from utils.lean import gemma, llama
 
 __all__ = ["LEAN_ENV", "forget", "forward_path", "lean_decoder", "unsupported"]
 
 LEAN_ENV = "SPECDEC_LEAN"
-_FAMILIES = (llama,)  # each: unsupported(model) -> reason or None, and its forward class
-_CLASSES = {llama: llama.LeanLlama}
+_FAMILIES = (llama, gemma)  # each: unsupported(model) -> reason or None, and its forward class
+_CLASSES = {llama: llama.LeanLlama, gemma: gemma.LeanGemma}
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -23,7 +23,7 @@ from utils.lean.linear import Linear, numerics
 from utils.lean.static_kv import PassSlots, StaticKV
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
-ACTIVATIONS = {"silu": F.silu}
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # transformers' names
 QUERY_BLOCK = 16  # width-invariant attention pads a pass's queries to a multiple of this
 KV_BLOCK = 512  # and reads the keys in whole blocks of torch's CPU attention kernel
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # one table for every position
@@ -32,6 +32,11 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # one table f
 def rope_type(config) -> str:
     parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return parameters.get("rope_type", parameters.get("type", "default"))
+
+
+def activation(config) -> str:
+    """The MLP's activation's name (Gemma 2 and 3 call it `hidden_activation`)."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
 
 
 def unsupported(model) -> str | None:
@@ -65,7 +70,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Layer:
-    """One decoder layer's tensors: attention (q/k/v fused), its norms, the MLP (gate/up fused)."""
+    """One decoder layer's tensors: attention (q/k/v fused), its norms, the MLP (gate/up fused). `rope`: which of
+    the model's rotary tables its queries and keys take (None: the only one); `sliding`: whether it attends through
+    the sliding-window mask of a model that mixes sliding and full layers; `softcap`: its attention logits' cap."""
+
+    rope: str | None = None
+    sliding = False
+    softcap: float | None = None
 
     def __init__(self, layer) -> None:
         attention, mlp = layer.self_attn, layer.mlp
@@ -83,7 +94,11 @@ class Layer:
 class LeanLlama(nn.Module):
     """The passes of a Llama-family model (`unsupported(model)` is None) over a static KV buffer. A module (it
     holds the model's embedding and rotary modules, no parameter of its own) so that a pass's hooks see it, as
-    they see the Hugging Face model's (`benchmarks/breakdown.py` counts passes so)."""
+    they see the Hugging Face model's (`benchmarks/breakdown.py` counts passes so). Another family's forward
+    (`gemma.py`) changes its layers (`layer_class`, `_block`) and norm (`_norm`); a layer's `rope`, `sliding` and
+    `softcap` choose its rotary table, its mask and its attention (`_attend`)."""
+
+    layer_class = Layer
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -94,10 +109,11 @@ class LeanLlama(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.eager = config._attn_implementation == "eager"
-        self.activation = ACTIVATIONS[config.hidden_act]
+        self.activation = ACTIVATIONS[activation(config)]
         decoder = model.model
         self.embed = decoder.embed_tokens
-        self.layers = [Layer(layer) for layer in decoder.layers]
+        self.layers = [self.layer_class(layer) for layer in decoder.layers]
+        self._rope_kinds = tuple(dict.fromkeys(layer.rope for layer in self.layers))
         self.norm = decoder.norm.weight
         self.head = Linear([model.lm_head])
         # What a pass computes in (the buffer, the masks and the logits too) and whether its rows' bits are the same
@@ -106,51 +122,67 @@ class LeanLlama(nn.Module):
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype)
         self.kv_step = KV_BLOCK if self.invariant else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
-        self._cos = self._sin = torch.empty(0)
+        self._tables: dict[str | None, tuple[Tensor, Tensor]] = {}
 
-    def _rope(self, positions: Tensor, slots: int) -> tuple[Tensor, Tensor]:
+    def _rope(self, positions: Tensor, slots: int, kind: str | None = None) -> tuple[Tensor, Tensor]:
         """cos and sin at `positions` (rows, width) -> each (rows, 1, width, head_dim), from a table computed
-        once by the model's rotary module for a buffer's `slots` positions (a position never passes them)."""
-        if slots > self._cos.shape[0]:
+        once by the model's rotary module for a buffer's `slots` positions (a position never passes them);
+        `kind`: the layer type a rotary module of several tables is asked for (Gemma 3's), None: its only one."""
+        if kind not in self._tables or slots > self._tables[kind][0].shape[0]:
             probe = torch.empty(0, dtype=self.dtype, device=self.norm.device)
-            cos, sin = self._rotary(probe, torch.arange(slots, device=self.norm.device)[None])
-            self._cos, self._sin = cos[0], sin[0]
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+            cos, sin = self._rotary(probe, torch.arange(slots, device=self.norm.device)[None],
+                                    *(() if kind is None else (kind,)))
+            self._tables[kind] = cos[0], sin[0]
+        cos, sin = self._tables[kind]
+        return cos[positions][:, None], sin[positions][:, None]
+
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return rms_norm(x, weight, self.eps)
 
     @torch.no_grad()
     def forward(self, ids: Tensor, slots: PassSlots, kv: StaticKV, num_logits: int) -> Tensor:
         """The logits of each row's last `num_logits` new tokens, (rows, num_logits, vocab); `kv`: the
         runner's buffer, written and read where `slots` says."""
-        cos, sin = self._rope(slots.positions, kv.slots)
+        ropes = {kind: self._rope(slots.positions, kv.slots, kind) for kind in self._rope_kinds}
         h = self.embed(ids).to(self.dtype)
         for index, layer in enumerate(self.layers):
-            h = h + self._attention(layer, rms_norm(h, layer.attention_norm, self.eps), cos, sin, slots, kv, index)
-            x = rms_norm(h, layer.mlp_norm, self.eps)
-            gate, up = layer.gate_up.split(layer.gate_up(x))
-            h = h + layer.down(self.activation(gate) * up)
-        h = rms_norm(h[:, h.shape[1] - num_logits :], self.norm, self.eps)
+            mask = slots.sliding_mask if layer.sliding and slots.sliding_mask is not None else slots.mask
+            h = self._block(layer, h, ropes[layer.rope], mask, slots, kv, index)
+        h = self._norm(h[:, h.shape[1] - num_logits :], self.norm)
         return self.head(h)
 
-    def _attention(self, layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: PassSlots, kv: StaticKV,
-                   index: int) -> Tensor:
+    def _block(self, layer: Layer, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots: PassSlots,
+               kv: StaticKV, index: int) -> Tensor:
+        """One decoder layer: `h` after it."""
+        h = h + self._attention(layer, self._norm(h, layer.attention_norm), rope, mask, slots, kv, index)
+        return h + self._mlp(layer, self._norm(h, layer.mlp_norm))
+
+    def _mlp(self, layer: Layer, x: Tensor) -> Tensor:
+        gate, up = layer.gate_up.split(layer.gate_up(x))
+        return layer.down(self.activation(gate) * up)
+
+    def _attention(self, layer: Layer, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots: PassSlots,
+                   kv: StaticKV, index: int) -> Tensor:
         rows, width, _ = x.shape
         q, k, v = layer.qkv.split(layer.qkv(x))
         q = q.view(rows, width, self.heads, self.head_dim)
         k = k.view(rows, width, self.kv_heads, self.head_dim)
         if layer.qk_norms is not None:
-            q, k = rms_norm(q, layer.qk_norms[0], self.eps), rms_norm(k, layer.qk_norms[1], self.eps)
-        q = rotate(q.transpose(1, 2), cos, sin)
-        k = rotate(k.transpose(1, 2), cos, sin)
+            q, k = self._norm(q, layer.qk_norms[0]), self._norm(k, layer.qk_norms[1])
+        q = rotate(q.transpose(1, 2), *rope)
+        k = rotate(k.transpose(1, 2), *rope)
         v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
         keys, values = kv.write(index, k, v, slots.write_index, slots.start)
-        mask = slots.mask
         used = mask.shape[-1]
-        keys, values = keys[:, :, :used], values[:, :, :used]
-        if self.eager:
-            out = self._eager_attention(q, keys, values, mask)
-        else:
-            out = self._sdpa(q, keys, values, mask)
+        out = self._attend(layer, q, keys[:, :, :used], values[:, :, :used], mask)
         return layer.o(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
+
+    def _attend(self, layer: Layer, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """The model's attention: its eager one mirrored when it runs "eager" or caps the layer's logits (torch's
+        kernel cannot), else torch's."""
+        if self.eager or layer.softcap is not None:
+            return self._eager_attention(q, keys, values, mask, layer.softcap)
+        return self._sdpa(q, keys, values, mask)
 
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """torch's attention kernel. Width-invariant (`kernels.INVARIANT_ENV`): its CPU kernel blocks the queries
@@ -165,11 +197,16 @@ class LeanLlama(nn.Module):
                                              enable_gqa=self.heads != self.kv_heads)
         return out[:, :, :width]
 
-    def _eager_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """The model's eager attention: scores in its dtype, softmax in float32."""
+    def _eager_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
+                         softcap: float | None = None) -> Tensor:
+        """The model's eager attention: scores in its dtype (capped at `softcap` by a tanh, Gemma 2's), softmax in
+        float32."""
         groups = self.heads // self.kv_heads
         keys = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys
         values = values.repeat_interleave(groups, dim=1) if groups > 1 else values
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling + mask
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + mask
         weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, values)

@@ -25,12 +25,15 @@ from torch import Tensor
 class PassSlots(NamedTuple):
     """Where one pass's new tokens sit: their positions (rows, width), the float mask (rows, 1, width, used) over
     the buffer's first `used` slots (0: seen, the dtype's minimum: hidden), the slots they are written to
-    (rows, width), and for one row its first slot (`start`: a plain copy), else None."""
+    (rows, width), and for one row its first slot (`start`: a plain copy), else None. A model that mixes sliding
+    and full attention layers (Gemma 2 and 3) also gets `sliding_mask`, the mask within its window for the sliding
+    layers (`mask` is then the full layers')."""
 
     positions: Tensor
     mask: Tensor
     write_index: Tensor
     start: int | None
+    sliding_mask: Tensor | None = None
 
 
 class StaticKV:

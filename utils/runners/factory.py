@@ -40,7 +40,8 @@ def make_runner(
     assert rows >= 1 and (encoder_input_ids is None or len(encoder_input_ids) == rows)
     compiled = compiled_passes(model)
     lean = use_cache and lean_decoder(model) is not None
-    if (compiled is not None or lean) and max_tokens is not None and shares_passes(model, use_cache):
+    # Our own forward takes every model it runs (a mask per kind of layer); a compiled one shares its passes.
+    if (lean or compiled is not None and shares_passes(model, use_cache)) and max_tokens is not None:
         needed = max_tokens + DRAFT_ROOM
         if compiled is not None and needed <= compiled.slots:
             return StaticRunner(model, rows=rows, slots=compiled.slots, costs=costs, compiled=compiled)
@@ -62,6 +63,6 @@ def make_beam_runner(model: PreTrainedModel, *, use_cache: bool, costs: PassCost
                      max_tokens: int) -> BeamRunner | StaticBeamRunner:
     """Beam search's runner: the beams as rows of a static buffer where our own forward runs `model` (with a
     cache), else over transformers' cache. `max_tokens`: the most tokens a beam may hold."""
-    if use_cache and lean_decoder(model) is not None and shares_passes(model, use_cache):
+    if use_cache and lean_decoder(model) is not None:
         return StaticBeamRunner(model, slots=-(-(max_tokens + 1) // SLOTS_STEP) * SLOTS_STEP, costs=costs)
     return BeamRunner(model, use_cache=use_cache, costs=costs)

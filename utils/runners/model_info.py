@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["context_length", "input_device", "is_encoder_decoder", "model_devices", "shares_passes",
+__all__ = ["context_length", "input_device", "is_encoder_decoder", "mixes_windows", "model_devices", "shares_passes",
            "sliding_window", "vocab_size"]
 
 
@@ -69,15 +69,24 @@ def shares_passes(model: PreTrainedModel, use_cache: bool) -> bool:
     a cache, eager or SDPA attention, layers that share one mask (no mix of sliding and full).
     Such a model verifies token trees and shares one cache between the rows of a batch."""
     config = decoder_config(model)
-    layer_types = set(getattr(config, "layer_types", None) or [])
-    return (use_cache and not is_encoder_decoder(model) and len(layer_types) <= 1
+    return (use_cache and not is_encoder_decoder(model) and not mixes_windows(model)
             and getattr(config, "_attn_implementation", None) in ("eager", "sdpa"))
 
 
+def mixes_windows(model: PreTrainedModel) -> bool:
+    """Whether the model's layers are of several kinds (Gemma 2 and 3: sliding-window and full attention), each
+    kind attending through its own mask."""
+    return len(set(getattr(decoder_config(model), "layer_types", None) or [])) > 1
+
+
 def sliding_window(model: PreTrainedModel) -> int | None:
-    """The attention window of a sliding-window model (Mistral style), None for full attention."""
+    """The attention window of a sliding-window model (Mistral style; a model that mixes layer kinds: its sliding
+    layers'), None for full attention (a model whose layers are all of the full kind, a window set or not)."""
     config = decoder_config(model)
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
         return None
     return int(window)

@@ -7,7 +7,8 @@ width that holds the longest block (`compiled.py`), or the block's own width whe
 compiled for it (the prompt pass, a batch). Row b's new token j is written at slot len(rows[b]) + j;
 its query sees the row's slots below len(rows[b]) and its own ancestors in the block (itself
 included), within the model's sliding window: one float 4D mask (rows, 1, width, slots) and
-per-row position ids. Padding queries see only themselves and their logits are dropped.
+per-row position ids (a model that mixes sliding and full layers, Gemma 2 and 3: a mask of each kind, for our own
+forward only). Padding queries see only themselves and their logits are dropped.
 A block's tokens may be a tensor on the device (a drafter's drafts, `protocol.Blocks`): they are
 written into the pass's ids there, never read back to the host.
 
@@ -33,7 +34,7 @@ from utils.cost_model import PassCosts
 from utils.cpu_passes import Shortcuts
 from utils.lean import lean_decoder
 from utils.lean.static_kv import PassSlots, StaticKV
-from utils.runners.model_info import context_length, sliding_window
+from utils.runners.model_info import context_length, mixes_windows, sliding_window
 from utils.runners.passes import ModelPasses, as_float
 from utils.runners.protocol import Blocks
 
@@ -97,8 +98,8 @@ def static_mask(lengths: Tensor, depths: Tensor, ancestry: Tensor, slots: int, w
 
 
 class StaticRunner(ModelPasses):
-    """`rows` sequences of a decoder-only model (`model_info.shares_passes`) over a KV buffer of
-    `slots` positions per row; passes at the widths `compiled` holds run compiled."""
+    """`rows` sequences of a decoder-only model (`model_info.shares_passes`, or any our own forward runs) over a
+    KV buffer of `slots` positions per row; passes at the widths `compiled` holds run compiled."""
 
     def __init__(self, model: PreTrainedModel, *, rows: int, slots: int, costs: PassCosts | None = None,
                  compiled=None) -> None:
@@ -110,6 +111,7 @@ class StaticRunner(ModelPasses):
         self._cache = StaticKV(rows=rows, slots=slots)
         self._compiled = compiled  # utils.runners.compiled.CompiledPasses, or None: every pass eager
         self._window = sliding_window(model)
+        self._mixed = mixes_windows(model)  # then `_window` is the sliding layers' only (our own forward)
         self._max_position = (context_length(model) or slots) - 1
         lean = lean_decoder(model)  # the masks in the dtype the passes compute in
         self._dtype = model.get_input_embeddings().weight.dtype if lean is None else lean.dtype
@@ -158,8 +160,10 @@ class StaticRunner(ModelPasses):
         if lean is not None and compiled is None:
             # Our own forward reads the buffer up to the longest row, in steps of its own (few mask shapes).
             used = min(self.slots, -(-(max(lengths) + width) // lean.kv_step) * lean.kv_step)
-            mask = static_mask(length, depths, ancestry, used, self._window, self._dtype).to(self.device)
-            kwargs = {"slots": PassSlots(positions, mask, write_index, lengths[0] if len(lengths) == 1 else None),
+            masks = [static_mask(length, depths, ancestry, used, window, self._dtype).to(self.device)
+                     for window in ((None, self._window) if self._mixed else (self._window,))]
+            kwargs = {"slots": PassSlots(positions, masks[0], write_index, lengths[0] if len(lengths) == 1 else None,
+                                         masks[1] if self._mixed else None),
                       "kv": self._cache, "num_logits": width - first}
         else:
             self._cache.set_write_index(write_index)

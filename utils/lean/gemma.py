@@ -1,0 +1,106 @@
+"""Our own forward pass for the Gemma family (Gemma, Gemma 2, Gemma 3's text model: Gemma 3 270M), `llama.py`'s
+over the Hugging Face model's own tensors, with what Gemma does otherwise, each step as transformers does it:
+
+- RMSNorm with the weight as (1 + weight), normalised and multiplied in float32, cast back afterwards;
+- the embeddings scaled by sqrt(hidden_size) in the model's dtype (the model's own embedding module runs);
+- gelu (tanh approximation) in the MLP, a head size of its own, Gemma 2 and 3's query scale
+  (`query_pre_attn_scalar`) and their norms after the attention and around the MLP;
+- Gemma 2's caps on the attention logits (the eager attention mirrored: torch's kernel has no cap) and on the
+  final logits; Gemma 3's q/k norms;
+- layers of two kinds (`config.layer_types`, Gemma 2 and 3): a sliding layer attends within the window
+  through the runner's second mask (`PassSlots.sliding_mask`), and in Gemma 3 takes the rotary table of its own
+  kind (`rope_local_base_freq`'s).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from utils.lean.llama import ACTIVATIONS, STATIC_ROPE, Layer, LeanLlama, activation, rope_type
+
+FAMILIES = ("gemma", "gemma2", "gemma3_text")  # config.model_type this file serves
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def rope_types(config) -> list[str]:
+    """Every rope type the model's rotary module computes (Gemma 3: one table per kind of layer)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if config.model_type == "gemma3_text" and all(kind in parameters for kind in set(config.layer_types)):
+        return [(parameters[kind] or {}).get("rope_type", "default") for kind in set(config.layer_types)]
+    return [rope_type(config)]
+
+
+def unsupported(model) -> str | None:
+    """Why this file cannot run `model`'s passes, None when it can."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r} is not one of {FAMILIES}"
+    if activation(config) not in ACTIVATIONS:
+        return f"activation {activation(config)!r}"
+    dynamic = [kind for kind in rope_types(config) if kind not in STATIC_ROPE]
+    if dynamic:
+        return f"rope type {dynamic[0]!r} (its table changes with the length)"
+    if not set(getattr(config, "layer_types", None) or []) <= set(LAYER_TYPES):
+        return f"layer types {sorted(set(config.layer_types) - set(LAYER_TYPES))}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
+        return f"attention implementation {config._attn_implementation!r}"
+    return None
+
+
+def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The model's RMSNorm: normalised and multiplied by (1 + weight) in float32, cast back to the input's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+class GemmaLayer(Layer):
+    """`Layer` with Gemma 2 and 3's norms after the attention and after the MLP (None: Gemma's, Llama's order),
+    the layer's kind (its mask and, Gemma 3, its rotary table) and its attention logits' cap."""
+
+    def __init__(self, layer) -> None:
+        super().__init__(layer)
+        config = layer.self_attn.config
+        before_mlp = getattr(layer, "pre_feedforward_layernorm", None)
+        self.post_attention_norm = None if before_mlp is None else layer.post_attention_layernorm.weight
+        self.post_mlp_norm = None if before_mlp is None else layer.post_feedforward_layernorm.weight
+        if before_mlp is not None:
+            self.mlp_norm = before_mlp.weight
+        kind = getattr(layer.self_attn, "layer_type", None)
+        self.sliding = kind == "sliding_attention"
+        self.rope = kind if config.model_type == "gemma3_text" else None
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
+
+
+class LeanGemma(LeanLlama):
+    """The passes of a Gemma-family model (`unsupported(model)` is None) over a static KV buffer."""
+
+    layer_class = GemmaLayer
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        config = model.config
+        scalar = getattr(config, "query_pre_attn_scalar", None)
+        if config.model_type != "gemma" and scalar is not None:
+            self.scaling = scalar**-0.5
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return gemma_norm(x, weight, self.eps)
+
+    def _block(self, layer: GemmaLayer, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots, kv,
+               index: int) -> Tensor:
+        out = self._attention(layer, self._norm(h, layer.attention_norm), rope, mask, slots, kv, index)
+        h = h + (out if layer.post_attention_norm is None else self._norm(out, layer.post_attention_norm))
+        out = self._mlp(layer, self._norm(h, layer.mlp_norm))
+        return h + (out if layer.post_mlp_norm is None else self._norm(out, layer.post_mlp_norm))
+
+    @torch.no_grad()
+    def forward(self, ids: Tensor, slots, kv, num_logits: int) -> Tensor:
+        logits = super().forward(ids, slots, kv, num_logits)
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
