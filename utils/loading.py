@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 
 import torch
 
-from utils import compile_policy
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir
 from utils.quantized_models import QUANTIZE_KINDS, quantize_model
@@ -123,7 +122,6 @@ def load_model(
     load_in_8bit: bool = False,
     load_in_4bit: bool = False,
     trust_remote_code: bool = False,
-    compile: bool | str = "auto",
     quantize: str | None = None,
 ):
     """Load a causal or sequence-to-sequence LM and its tokenizer -> (model, tokenizer), in eval mode.
@@ -135,11 +133,6 @@ def load_model(
     float32, or bfloat16 where this CPU computes in it and it runs faster here (`fastest_dtype`).
     `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory` (e.g.
     {"cpu": "300MB"}); the rest is offloaded to `offload_folder` (default: under the cache). 8/4-bit: bitsandbytes.
-    `compile`: "auto" compiles a decoder-only model's passes over a static KV buffer
-    (`utils.runners.compiled`) on its first use on this machine (models of 300M parameters and more;
-    minutes, once, with a progress bar), keeps them on disk and loads them at later starts, where
-    they are measured to beat eager here (`utils.compile_policy`); True compiles and measures again,
-    False never (nor "auto" with SPECDEC_COMPILE=0). A model placed by `device_map` or quantized stays eager.
     `quantize`: "int8" or "int4" replaces every linear (the output head included; the embedding kept)
     by torch's weight-only CPU kernels (`utils.quantized_models.quantize_model`: int8 per channel,
     int4 in groups of 32), packed once and cached: ANOTHER model than the float one, which every
@@ -147,8 +140,6 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-    if compile not in (True, False, "auto"):
-        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     dtype = _dtype(name_or_path, dtype)
     if load_in_8bit and load_in_4bit:
         raise ValueError("choose one of load_in_8bit and load_in_4bit, not both")
@@ -169,8 +160,6 @@ def load_model(
     model.eval()
     if quantize is not None:
         quantize_model(model, quantize)
-    elif device_map is None and "quantization_config" not in kwargs:
-        compile_policy.apply(model, compile)
     return model, tokenizer
 
 
