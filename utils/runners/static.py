@@ -114,12 +114,6 @@ class StaticRunner(ModelPasses):
     def supports_trees(self) -> bool:
         return True  # the mask is built per node
 
-    @property
-    def width_invariant(self) -> bool:
-        """Whether a token's logits are the same bits whatever the pass's width (our own forward's default)."""
-        lean = lean_decoder(self.model)
-        return lean is not None and lean.invariant
-
     def row_length(self, row: int) -> int:
         return len(self.rows[row])
 
