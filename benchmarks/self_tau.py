@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {sorted(VARIANTS)}")
-    target, tokenizer = load_model(args.model, dtype=args.dtype, compile=False)
+    target, tokenizer = load_model(args.model, dtype=args.dtype)
     end = end_token_ids(target, tokenizer)
     texts = load_workload(args.workload, 1 if args.workload == "spec_bench" else args.prompts,
                           path=args.data)[: args.prompts]

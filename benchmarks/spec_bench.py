@@ -241,8 +241,6 @@ def main(argv: list[str] | None = None) -> dict:
     cli.add_models(parser, drafter="drafter, e.g. qwen2.5-coder-0.5b-instruct (default: a bfloat16 copy of the target)",
                    device_map=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="load_model's compile= for both models (on: compiled passes over a static KV buffer)")
     args = cli.parse(parser, argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS) - set(OPTIONAL_METHODS)
@@ -263,11 +261,10 @@ def main(argv: list[str] | None = None) -> dict:
     console = Console(quiet=args.quiet or not state.is_main_process)
     device = str(state.device) if state.num_processes > 1 and state.device.type != "cpu" and not args.device_map else None
     device = args.device or device
-    compile = {"auto": "auto", "on": True, "off": False}[args.compile]
-    target, tokenizer = load_model(args.model, dtype=args.dtype, device_map=args.device_map, device=device, compile=compile)
+    target, tokenizer = load_model(args.model, dtype=args.dtype, device_map=args.device_map, device=device)
     if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
         drafter, drafter_tokenizer = load_model(args.drafter or args.model, dtype=target.dtype if args.drafter else "bfloat16",
-                                                device=device, compile=compile)
+                                                device=device)
     else:
         drafter, drafter_tokenizer = copy.deepcopy(target).to(torch.bfloat16), tokenizer
     sample = cli.sampling_settings(args)
@@ -289,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {"mode": mode, "workload": args.workload, **(sample or {}), "model": args.model or "SmolLM2-135M-Instruct",
                 "drafter": args.drafter or "bf16 copy of target", "max_new_tokens": args.max_new_tokens,
                 "per_category": args.per_category, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
-                "processes": state.num_processes, "compile": args.compile,
+                "processes": state.num_processes,
                 "load_average_before": load_before, "load_average_after": os.getloadavg(),
                 "machine": machine(), "cost_table": pass_costs(target).table()}
     args.out.mkdir(parents=True, exist_ok=True)

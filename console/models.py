@@ -24,8 +24,6 @@ from sampling import (
 from utils.calibration import is_measured, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.offline_models import installed_models, offline_model
-from utils.paths import cache_dir
-from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import is_encoder_decoder
 
 # A real target and the drafter of its family that shares its tokenizer (`make models` installs both).
@@ -80,19 +78,7 @@ def load(name: str | None, options: dict, console: Console, role: str = "model")
         console.print(first_load_message(offline), markup=False, highlight=False, soft_wrap=True)
     with console.status(f"Loading {role} {label}..."):
         model, tokenizer = load_model(name, **options)
-    if (line := compiled_line(model, label)) is not None:
-        console.print(Text(line, style="dim"))
     return Model(model, tokenizer, name)
-
-
-def compiled_line(model, label: str) -> str | None:
-    """The one line that says a model runs compiled passes (None: it runs eager)."""
-    passes = compiled_passes(model)
-    if passes is None:
-        return None
-    widths = ", ".join(map(str, passes.widths))
-    return (f"{label} runs compiled passes ({widths} new token{'s' * (passes.widths != (1,))} a pass; built once on "
-            f"this machine, kept under {cache_dir()}; SPECDEC_COMPILE=0 keeps it eager).")
 
 
 def first_load_message(offline) -> str:

@@ -26,18 +26,17 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
             stats: SpeculativeStats | None = None) -> list:
     """The speculative loop (`sampling.loop.speculative_loop.speculative_loop`) without a drafter: each step accepts
     the target's own token (`accept_rows` with nothing drafted: the argmax, or the inverse CDF at
-    the position's uniform) for every row at once. One difference: the prefill scores the first
-    token (a speculative prefill holds each row's last token back for the drafts' pass). `stats`:
+    the position's uniform) for every row at once, its prefill the same (each row's last token held back
+    for the first step's pass: one target pass more than a prefill that scores the first token). `stats`:
     its generated tokens, steps, target passes and each returned token's log-probability."""
     rows, runner = Progress(gen, logprobs=stats is not None and stats.collect_logprobs), gen.runner
     passes = runner.forward_passes
-    if getattr(runner, "width_invariant", False) and any(len(prefix) > 1 for prefix in gen.prefixes):
-        # Bit for bit the speculative loop's: its prefill holds each row's last token back for the first step's
-        # pass, and a prompt-sized pass rounds otherwise than a few-token one (`utils/lean/kernels.py`).
+    # The speculative loop's prefill, whatever the runner: each row's last token is held back for the first
+    # step's pass, so that every token's logits come from a pass of the same width as there (a prompt-sized
+    # pass may round otherwise than a few-token one: `utils/lean/kernels.py`).
+    if any(len(prefix) > 1 for prefix in gen.prefixes):
         runner.forward_rows([(prefix[:-1], None) for prefix in gen.prefixes], [int(len(p) > 1) for p in gen.prefixes])
-        logits = runner.forward_rows([(prefix[-1:], None) for prefix in gen.prefixes], [1] * len(rows.live))
-    else:
-        logits = runner.forward_rows([(prefix, None) for prefix in gen.prefixes], [1] * len(rows.live))  # prefill
+    logits = runner.forward_rows([(prefix[-1:], None) for prefix in gen.prefixes], [1] * len(rows.live))
     while True:
         verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), rows.active(), logits_processor, rows.uniforms())
         going_on = []  # positions in `live` of the rows not finished

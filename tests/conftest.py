@@ -12,7 +12,6 @@ from pathlib import Path
 # beside one busy loop with two threads; 21.1 s and 20.3 s with one). The tests that time real passes
 # say which thread count they run with (`torch_threads`).
 os.environ["OMP_NUM_THREADS"] = "1"
-os.environ["SPECDEC_COMPILE"] = "0"  # load_model(compile="auto") compiles nothing here: the tests that compile say so
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

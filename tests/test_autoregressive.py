@@ -147,3 +147,27 @@ def test_beam_search_takes_the_seeds_alpha_as_its_length_penalty():
     for penalty in (0.0, 2.5):
         assert (beam_search_generate(prompt(1), model, max_gen_len=8, num_beams=3, alpha=penalty)
                 == beam_search_generate(prompt(1), model, max_gen_len=8, num_beams=3, length_penalty=penalty))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_plain_decoding_prefills_as_the_speculative_loop_on_every_runner(name):
+    """The prompt's pass holds each row's last token back, whatever the runner (our own forward's static buffer,
+    transformers' growing cache, a shared batch, no cache): a prompt of several tokens costs that pass, then one
+    pass per new token (the first token's included); a single token (an encoder-decoder's start token), one pass
+    per new token."""
+    from sampling import SpeculativeStats
+
+    decoder_only = name in DECODER_ONLY
+    cases = [(prompt(1, length=9), {}), (prompt(1, length=9), {"use_cache": False}), (prompt(2, length=1), {})]
+    if decoder_only:
+        cases.append(([prompt(3, length=9), prompt(4, length=5)], {}))  # a batch: one shared pass each
+    for inputs, kwargs in cases:
+        stats = SpeculativeStats()
+        out = generate(name, inputs, max_gen_len=12, end_tokens_id=None, stats=stats, **kwargs)
+        rows = out if isinstance(inputs[0], list) else [out]
+        assert [len(row) for row in rows] == [12] * len(rows) and stats.generated_tokens == 12 * len(rows)
+        held_back = decoder_only and len(inputs[0] if isinstance(inputs[0], list) else inputs) > 1
+        # The prompts' pass: one for every row over the static buffer (our own forward), one a row in a batch
+        # over transformers' cache (`SharedBatchRunner` prefills row by row: tests/test_runners.py).
+        prompt_passes = (len(rows) if name == "gpt2" else 1) if held_back else 0
+        assert stats.target_forwards == 12 + prompt_passes, (inputs, kwargs)

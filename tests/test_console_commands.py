@@ -140,23 +140,6 @@ def test_the_first_load_message_fits_the_model():
     assert "a few minutes" in first_load_message(OFFLINE_MODELS["qwen2.5-coder-1.5b-instruct"])
 
 
-def test_a_compiled_model_is_announced_in_one_line(model_dir):
-    """Loading a model that runs compiled passes prints one line saying so (and how to turn it off);
-    an eager model prints none."""
-    from console.models import compiled_line
-    from utils.runners.compiled import CompiledPasses, forget, register
-
-    out = io.StringIO()
-    model = load(str(model_dir), {}, Console(file=out, width=200), role="target")
-    assert "compiled" not in out.getvalue() and compiled_line(model.model, "m") is None
-    register(model.model, CompiledPasses((1,), 64))
-    try:
-        line = compiled_line(model.model, "m")
-        assert line.count("\n") == 0 and "1 new token a pass" in line and "SPECDEC_COMPILE=0" in line
-    finally:
-        forget(model.model)
-
-
 def test_the_console_modules_import_no_circle():
     """No module of console/ imports, even for type checking only, one that imports it back (issue 35)."""
     import ast

@@ -24,7 +24,7 @@ from utils.loading import load_model
 from utils.logits_processors import NucleusProcessor
 from utils.quantize import QuantizedLinear, quantize_int4
 from utils.quantized_models import quantize_linears
-from utils.runners.compiled import compile_model
+from utils.runners import StaticRunner, make_runner
 from utils.runners.passes import ModelPasses
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
@@ -115,13 +115,8 @@ def test_greedy_output_is_plain_greedy_output(monkeypatch, name, share_cache):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_greedy_identity_over_the_static_buffer_and_in_float32(monkeypatch, dtype):
     target = tiny_model("qwen2", dtype=dtype)
-    compile_model(target, widths=())  # the static buffer, eager passes: the drafter writes into its slots
-    try:
-        _greedy_cases(monkeypatch, target, quantized_drafter(target, bits=8), [prompt(3), prompt(4, length=6)])
-    finally:
-        from utils.runners.compiled import forget
-
-        forget(target)
+    assert isinstance(make_runner(target, max_tokens=50), StaticRunner)  # the drafter writes into its slots
+    _greedy_cases(monkeypatch, target, quantized_drafter(target, bits=8), [prompt(3), prompt(4, length=6)])
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -1,5 +1,5 @@
 """Tree or chain (`sampling/policy/tree_choice.py`): the planner under cost tables written here (the drafter's
-tree passes at their measured, padded widths against the chain's timed drafting), the shape record's
+tree passes at their measured widths against the chain's timed drafting), the shape record's
 warm-up, choice, exploration share and return to chains, and branching=None end to end under a fake
 clock: greedy output token-identical to plain greedy decoding, the target's law in sampling."""
 
@@ -24,11 +24,11 @@ TARGET_SECONDS = 0.158  # the 1.5B's one-token pass in bfloat16 (tests/cost_tabl
 
 
 def planner(target: dict, drafter: dict, *, drafter_seconds: float, chain_draft_seconds: float,
-            rates: tuple[float, float, float], widths: tuple[int, ...] = ()) -> TreePlanner:
+            rates: tuple[float, float, float]) -> TreePlanner:
     """A planner over these tables (relative costs, one-token seconds), the chain drafter's steps timed at
     `chain_draft_seconds` a drafted token, and the per-rank acceptance rates learned as `rates`."""
-    target_costs = PassCosts(dict(target), TARGET_SECONDS, measured=True, widths=widths)
-    drafter_costs = PassCosts(dict(drafter), drafter_seconds, measured=True, widths=widths)
+    target_costs = PassCosts(dict(target), TARGET_SECONDS, measured=True)
+    drafter_costs = PassCosts(dict(drafter), drafter_seconds, measured=True)
     policy = CostAwareDraftLength(16, target_costs, drafter_costs, draft_seconds=lambda: chain_draft_seconds)
     acceptance = TreeAcceptance()
     acceptance.accepted, acceptance.judged = [100.0 * r for r in rates], [100.0] * 3
@@ -45,16 +45,14 @@ def test_dear_wide_passes_make_the_planner_choose_chains_and_cheap_ones_with_sec
     assert sure.budget(16) == 0  # the chain's next node always adds more than a second child
 
 
-def test_a_trees_drafter_passes_are_priced_at_their_padded_widths():
-    """Compiled at widths 1, 4 and 16, a depth's pass over 2 tokens runs (and costs) 4; the same table
-    eager prices it at 2, and there the tree pays."""
+def test_a_trees_drafter_passes_are_priced_at_their_own_widths():
+    """A depth's pass over 2 tokens costs what the drafter's table says a pass over 2 costs (there the tree
+    pays), one over 4 what it says for 4."""
     dear_wide = {0: 1.0, 1: 1.0, 2: 1.3, 3: 2.0, 15: 3.0, 31: 4.0}
-    kwargs = dict(drafter_seconds=0.05, chain_draft_seconds=0.05, rates=(0.6, 0.25, 0.1))
-    eager, compiled = planner(FREE, dear_wide, **kwargs), planner(FREE, dear_wide, widths=(1, 4, 16), **kwargs)
-    assert compiled.pass_seconds(2, 1) == pytest.approx(0.05 * 2.0) and eager.pass_seconds(2, 1) == pytest.approx(0.05)
-    assert compiled.pass_seconds(5, 1) == pytest.approx(0.05 * 3.0)
-    assert eager.drafter_pass(1, 1) == pytest.approx(0.05 / TARGET_SECONDS)
-    assert eager.budget(16) > 0 and compiled.budget(16) == 0
+    tree = planner(FREE, dear_wide, drafter_seconds=0.05, chain_draft_seconds=0.05, rates=(0.6, 0.25, 0.1))
+    assert tree.pass_seconds(2, 1) == pytest.approx(0.05) and tree.pass_seconds(4, 1) == pytest.approx(0.05 * 2.0)
+    assert tree.drafter_pass(1, 1) == pytest.approx(0.05 / TARGET_SECONDS)
+    assert tree.budget(16) > 0
 
 
 def test_a_cascaded_chain_is_priced_as_timed_and_trees_lose_to_it():

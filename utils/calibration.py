@@ -55,7 +55,6 @@ from utils.lean import lean_decoder
 from utils.machine import calibration_key
 from utils.paths import cache_dir
 from utils.runners import SequenceRunner
-from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import context_length, is_encoder_decoder, vocab_size
 from utils.runners.passes import synchronize
 from utils.runners.static import StaticSequence
@@ -192,12 +191,9 @@ def time_passes(
 
 
 def _runner(model: PreTrainedModel, context: list[int]):
-    """The runner generation gives `model` (a compiled model's static one, `compile_model`), its
-    cache holding `context`; its `forward(tokens, num_logits=, shortcuts=)` and `rollback(length)`."""
-    passes = compiled_passes(model)
-    if passes is not None:
-        runner = StaticSequence(model, slots=passes.slots, compiled=passes)
-    elif lean_decoder(model) is not None:  # our own forward, over the static buffer generation gives it
+    """The runner generation gives `model`, its cache holding `context`; its `forward(tokens,
+    num_logits=, shortcuts=)` and `rollback(length)`."""
+    if lean_decoder(model) is not None:  # our own forward, over the static buffer generation gives it
         runner = StaticSequence(model, slots=len(context) + max(DRAFT_SIZES) + 1)
     else:
         runner = SequenceRunner(model, encoder_input_ids=context if is_encoder_decoder(model) else None)
@@ -222,11 +218,8 @@ def prune(plan: list[tuple[int, Shortcuts]], warm: dict[tuple[int, Shortcuts], l
 def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch | None = None) -> tuple[PassCosts, float]:
     """Measure `model`'s pass costs here -> (costs, spread of the one-token pass's repeats).
     With a `watch`, raises `MachineBusy` as soon as it says the cores were not ours."""
-    passes = compiled_passes(model)
-    # A compiled graph is its own kernel choice, and our own forward (`utils/lean/`) chose its kernels per
-    # shape: no shortcut is patched into either.
-    own = passes is not None or lean_decoder(model) is not None
-    choices = [Shortcuts()] if own else cpu_passes.available_shortcuts(model)
+    # Our own forward (`utils/lean/`) chose its kernels per shape: no shortcut is patched into it.
+    choices = [Shortcuts()] if lean_decoder(model) is not None else cpu_passes.available_shortcuts(model)
     times = time_passes(model, choices, repeats, watch)
     relative, shortcuts = {}, {}
     for k in (0, *DRAFT_SIZES):
@@ -242,8 +235,7 @@ def calibrate(model: PreTrainedModel, repeats: int = REPEATS, watch: CoreWatch |
     # A longer pass never costs less than a shorter one in this model: smooth out timing noise.
     for k0, k1 in zip(sorted(relative), sorted(relative)[1:], strict=False):
         relative[k1] = max(relative[k1], relative[k0])
-    widths = passes.widths if passes is not None else ()
-    return PassCosts(relative, base, shortcuts, measured=True, spread=table_spread, widths=widths), spread
+    return PassCosts(relative, base, shortcuts, measured=True, spread=table_spread), spread
 
 
 _COSTS: weakref.WeakKeyDictionary[PreTrainedModel, PassCosts] = weakref.WeakKeyDictionary()

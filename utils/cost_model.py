@@ -71,22 +71,13 @@ class PassCosts:
     shortcuts: dict[int, Shortcuts] = field(default_factory=dict)  # measured k -> fastest choice
     measured: bool = False
     spread: float | None = None  # the measurement's own (max - min) / median, widest over k; None: prior
-    # A compiled model's widths (`utils/runners/compiled.py`): a pass over 1 + k tokens runs padded to
-    # the smallest width that holds it, so it costs what that width costs (empty: every k its own).
-    widths: tuple[int, ...] = ()
     on_stale: Callable[[], None] | None = field(default=None, repr=False, compare=False)  # called once
     stale: bool = False  # online timings disagreed with the table
     _online: dict[int, list[float]] = field(default_factory=dict, repr=False)  # k -> [seconds, count]
     # Batched passes, timed as they run: (rows, tokens per row) -> [seconds, count].
     _batches: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
 
-    def padded(self, num_drafts: int) -> int:
-        """The drafts a pass over 1 + `num_drafts` tokens really computes: its padded width less one."""
-        width = next((w for w in self.widths if w >= num_drafts + 1), None)
-        return num_drafts if width is None else width - 1
-
     def __call__(self, num_drafts: int) -> float:
-        num_drafts = self.padded(num_drafts)
         online = self._online
         if (
             num_drafts in online and 0 in online
@@ -150,7 +141,7 @@ class PassCosts:
 
     def to_json(self) -> dict:
         return {"relative": self.relative, "one_token_seconds": self.one_token_seconds, "measured": self.measured,
-                "spread": self.spread, "widths": list(self.widths),
+                "spread": self.spread,
                 "shortcuts": {k: [s.few_row_linear, s.gqa_without_repeat] for k, s in self.shortcuts.items()}}
 
     @classmethod
@@ -161,7 +152,6 @@ class PassCosts:
             shortcuts={int(k): Shortcuts(*v) for k, v in data["shortcuts"].items()},
             measured=data["measured"],
             spread=data.get("spread"),
-            widths=tuple(data.get("widths", ())),
         )
 
 

@@ -15,7 +15,6 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 
-from utils import compile_policy
 from utils.lean import native, unsupported
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir
@@ -128,7 +127,6 @@ def load_model(
     load_in_8bit: bool = False,
     load_in_4bit: bool = False,
     trust_remote_code: bool = False,
-    compile: bool | str = "auto",
     quantize: str | None = None,
 ):
     """Load a causal or sequence-to-sequence LM and its tokenizer -> (model, tokenizer), in eval mode.
@@ -140,11 +138,6 @@ def load_model(
     float32, or bfloat16 where this CPU computes in it and it runs faster here (`fastest_dtype`).
     `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory` (e.g.
     {"cpu": "300MB"}); the rest is offloaded to `offload_folder` (default: under the cache). 8/4-bit: bitsandbytes.
-    `compile`: "auto" compiles a decoder-only model's passes over a static KV buffer
-    (`utils.runners.compiled`) on its first use on this machine (models of 300M parameters and more;
-    minutes, once, with a progress bar), keeps them on disk and loads them at later starts, where
-    they are measured to beat eager here (`utils.compile_policy`); True compiles and measures again,
-    False never (nor "auto" with SPECDEC_COMPILE=0). A model placed by `device_map` or quantized stays eager.
     `quantize`: "int8" or "int4" replaces every linear (the output head included; the embedding kept)
     by torch's weight-only CPU kernels (`utils.quantized_models.quantize_model`: int8 per channel,
     int4 in groups of 32), packed once and cached: ANOTHER model than the float one, which every
@@ -152,8 +145,6 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-    if compile not in (True, False, "auto"):
-        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     chosen_here = dtype is None
     dtype = _dtype(name_or_path, dtype)
     if load_in_8bit and load_in_4bit:
@@ -177,8 +168,6 @@ def load_model(
         model.float()  # bfloat16 weights compute in float32 in our own forward only (`fastest_dtype`): not this one
     if quantize is not None:
         quantize_model(model, quantize)
-    elif device_map is None and "quantization_config" not in kwargs:
-        compile_policy.apply(model, compile)
     return model, tokenizer
 
 

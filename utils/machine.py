@@ -1,6 +1,6 @@
 """What a measured figure depends on: the machine (for reports) and, for a model's pass costs, the
-key under which a calibration is cached (`utils/calibration.py`) and a compile verdict is stored
-(`utils/compile_policy.py`): any change of it means a new measurement."""
+key under which a calibration is cached (`utils/calibration.py`): any change of it means a new
+measurement."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from transformers import PreTrainedModel
 
 from utils import cost_model, cpu_passes, lean
 from utils.lean import forward_path
-from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import input_device
 
 __all__ = ["calibration_key", "machine"]
@@ -70,6 +69,5 @@ def calibration_key(model: PreTrainedModel) -> dict:
         "transformers": transformers.__version__,
         "attention": getattr(model.config, "_attn_implementation", None),
         "kernels": kernels,
-        "compiled": None if (passes := compiled_passes(model)) is None else [list(passes.widths), passes.slots],
         "forward": forward_path(model),  # our own forward or the Hugging Face one (utils/lean/)
     }

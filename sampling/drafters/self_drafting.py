@@ -23,7 +23,6 @@ from transformers import PreTrainedModel
 
 from sampling.drafters.self_bits import choose_bits
 from utils.quantized_models import check_quantization, install, quantize_linears
-from utils.runners.compiled import compiled_passes
 from utils.runners.model_info import is_encoder_decoder
 from utils.runners.shared_cache import SharedCacheRunner, can_share
 from utils.validation import check_model
@@ -50,11 +49,8 @@ def self_drafting(drafter) -> SelfDrafting | None:
 
 def _sharing_copy(target: PreTrainedModel) -> PreTrainedModel:
     """A new module tree over the target's very parameters and buffers (nothing copied but the
-    modules, the config and small plain attributes), without the target's compiled passes."""
+    modules, the config and small plain attributes)."""
     memo = {id(tensor): tensor for tensor in chain(target.parameters(), target.buffers())}
-    passes = compiled_passes(target)
-    if passes is not None:
-        memo[id(passes)] = None  # the compiled graphs are the target's
     return copy.deepcopy(target, memo)
 
 
@@ -84,7 +80,7 @@ def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: 
     drafter = _sharing_copy(target)
     install(drafter, layers)
     drafter.config = copy.deepcopy(target.config)
-    # Another config means another model to the pass-cost calibration and the compile policy's keys.
+    # Another config means another model to the pass-cost calibration's keys.
     drafter.config.specdec_self_drafter = {"bits": bits, "group_size": group_size}
     drafter.__dict__[_ATTRIBUTE] = SelfDrafting(target, bits, group_size, share_cache)
     return drafter.eval()

@@ -6,9 +6,8 @@ Two checks, both needed for a tree to run:
    the best tree a per-rank acceptance model allows against the best chain's, under the measured
    costs. A tree of depth d costs d + 1 drafter passes (the root's, then one per depth over the
    paths to the nodes it expands), each priced at the drafter's measured seconds for its width
-   (padded to a compiled width where the drafter is compiled, `PassCosts`), times the measured
-   ratio of a tree's drafting time to its passes' (the per-node work around them); then the
-   target's pass over its 1 + n nodes (padded the same way). The chain costs what the chain
+   (`PassCosts`), times the measured ratio of a tree's drafting time to its passes' (the per-node
+   work around them); then the target's pass over its 1 + n nodes. The chain costs what the chain
    drafter's steps were timed at (`CostAwareDraftLength.cost`: its cascade, several drafts from one
    pass, included). A tree is proposed only when it is expected to beat the chain by `TREE_MARGIN`.
 2. **The record** (`ShapeRecord`, online): on the steps where the planner proposes a tree, the
@@ -112,7 +111,7 @@ class TreePlanner:
 
     def pass_seconds(self, tokens: int, rows: int) -> float | None:
         """The drafter's measured seconds for a pass feeding `tokens` tokens to each of `rows` rows
-        (its padded width where compiled), None before anything was timed."""
+        None before anything was timed."""
         costs = self.drafter_costs
         base = costs.seconds(0)
         if base is None:

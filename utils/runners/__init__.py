@@ -7,7 +7,7 @@ behind the `Runner` protocol, chosen by `make_runner`.
     shared_batch.py  SharedBatchRunner: the rows of a batch in one cache, one pass for all
     per_row.py       PerRowRunner: one SequenceRunner per row (models that cannot share passes)
     beam.py          BeamRunner: beam search's beams
-    static.py        StaticRunner: rows over a fixed KV buffer (static_kv.py), compiled widths (compiled.py)
+    static.py        StaticRunner: rows over a fixed KV buffer (utils/lean/static_kv.py)
     passes.py        ModelPasses: every pass, its CPU shortcuts and its timing into the costs
     compat.py        every difference between transformers releases, every touch of a Cache
     model_info.py    what is read from a model: kind, sizes, devices, attention

@@ -7,8 +7,7 @@ from transformers import PreTrainedModel
 from utils.cost_model import PassCosts
 from utils.lean import lean_decoder
 from utils.runners.beam import BeamRunner, StaticBeamRunner
-from utils.runners.compiled import compiled_passes
-from utils.runners.model_info import context_length, shares_passes
+from utils.runners.model_info import shares_passes
 from utils.runners.per_row import PerRowRunner
 from utils.runners.protocol import Runner
 from utils.runners.sequence import SequenceRunner
@@ -16,7 +15,7 @@ from utils.runners.shared_batch import SharedBatchRunner
 from utils.runners.static import StaticRunner
 
 DRAFT_ROOM = 128  # slots past a row's budget: the widest draft block (a tree's nodes) and a padded pass
-SLOTS_STEP = 256  # an uncompiled static buffer's size is a multiple of this
+SLOTS_STEP = 256  # a static buffer's size is a multiple of this
 
 
 def make_runner(
@@ -28,29 +27,20 @@ def make_runner(
     costs: PassCosts | None = None,
     max_tokens: int | None = None,
 ) -> Runner:
-    """A runner over `rows` sequences of `model`. A model our own forward runs (`utils.lean`) or one
-    registered by `compile_model` (decoder-only, with a cache) -> a `StaticRunner` over a fixed KV buffer
-    sized for `max_tokens` (the most tokens a row may hold before its drafts), a compiled model's widths
-    used where the buffer is the compiled one;
-    else one row -> a `SequenceRunner`; a batch of a model that takes a custom 4D mask with a cache ->
+    """A runner over `rows` sequences of `model`. A model our own forward runs (`utils.lean`; decoder-only,
+    with a cache) -> a `StaticRunner` over a fixed KV buffer sized for `max_tokens` (the most tokens a row
+    may hold before its drafts); else one row -> a `SequenceRunner`; a batch of a model that takes a custom 4D mask with a cache ->
     a `SharedBatchRunner` (one pass for every row); any other batch -> a `PerRowRunner` (one pass
     per row). `encoder_input_ids`: an encoder-decoder's encoder ids, one list per row (None for a
     decoder-only model); `costs`: the model's `PassCosts` (`utils.calibration.pass_costs`), or None
     (no CPU shortcuts, no timing)."""
     assert rows >= 1 and (encoder_input_ids is None or len(encoder_input_ids) == rows)
-    compiled = compiled_passes(model)
-    lean = use_cache and lean_decoder(model) is not None
-    # Our own forward takes every model it runs (a mask per kind of layer); a compiled one shares its passes.
-    if (lean or compiled is not None and shares_passes(model, use_cache)) and max_tokens is not None:
-        needed = max_tokens + DRAFT_ROOM
-        if compiled is not None and needed <= compiled.slots:
-            return StaticRunner(model, rows=rows, slots=compiled.slots, costs=costs, compiled=compiled)
-        # A longer request: a larger buffer, eager passes. Our own forward's reaches past the model's positions: a
-        # row near the end of the context still drafts (positions clamped; a token past the context is never
-        # kept). A Hugging Face model's stays within them (older GPT-2 code sizes its masks by its positions).
-        slots = -(-needed // SLOTS_STEP) * SLOTS_STEP
-        limit = None if lean else context_length(model)
-        return StaticRunner(model, rows=rows, slots=slots if limit is None else min(slots, limit), costs=costs)
+    if use_cache and lean_decoder(model) is not None and max_tokens is not None:
+        # Our own forward takes every model it runs (a mask per kind of layer). Its buffer reaches past the model's
+        # positions: a row near the end of the context still drafts (positions clamped; a token past the context is
+        # never kept).
+        slots = -(-(max_tokens + DRAFT_ROOM) // SLOTS_STEP) * SLOTS_STEP
+        return StaticRunner(model, rows=rows, slots=slots, costs=costs)
     if rows == 1:
         ids = None if encoder_input_ids is None else encoder_input_ids[0]
         return SequenceRunner(model, use_cache=use_cache, encoder_input_ids=ids, costs=costs)

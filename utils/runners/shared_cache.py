@@ -3,13 +3,12 @@
 and values for the verified prefix and it never makes a prompt pass of its own.
 
 `SharedCacheRunner` is a `Runner` for the drafter whose passes go through the target's runner with the
-drafter's model lent in (its weights, its pass costs and CPU shortcuts, eager: a compiled graph is the
-target's). Within one drafting step the drafts' keys and values are written after the target's
-verified tokens, where the target's own cache would take them (a static buffer's slots, a growing
-cache's tail, a shared batch's new slots); `release` rolls the target's runner back to what it held
-when the step began, so the target's verification pass writes its own keys and values over exactly
-those positions. Between steps every call that would move the cache is a no-op: the drafter's
-"verified length" is the target's (`row_length`).
+drafter's model lent in (its weights, its pass costs and CPU shortcuts). Within one drafting step the drafts'
+keys and values are written after the target's verified tokens, where the target's own cache would take them
+(a static buffer's slots, a growing cache's tail, a shared batch's new slots); `release` rolls the target's
+runner back to what it held when the step began, so the target's verification pass writes its own keys and
+values over exactly those positions. Between steps every call that would move the cache is a no-op: the
+drafter's "verified length" is the target's (`row_length`).
 
 Invariant: outside a drafting step the target's runner holds what it would hold without a drafter;
 inside one, its rows are the target's verified tokens followed by the drafter's fed tokens.
@@ -72,19 +71,14 @@ class SharedCacheRunner:
 
     @contextmanager
     def _lent(self, target: Runner) -> Iterator[None]:
-        """The target's runner with this drafter's model, costs and shortcuts, eager, for one pass."""
-        saved = (target.model, target._costs, target._few_token_pass, target.forward_passes,
-                 getattr(target, "_compiled", None))
+        """The target's runner with this drafter's model, costs and shortcuts, for one pass."""
+        saved = (target.model, target._costs, target._few_token_pass, target.forward_passes)
         target.model, target._costs, target._few_token_pass = self.model, self._costs, self._few_token_pass
-        if isinstance(target, StaticRunner):
-            target._compiled = None
         try:
             yield
         finally:
             self.forward_passes += target.forward_passes - saved[3]
-            target.model, target._costs, target._few_token_pass, target.forward_passes = saved[:4]
-            if isinstance(target, StaticRunner):
-                target._compiled = saved[4]
+            target.model, target._costs, target._few_token_pass, target.forward_passes = saved
 
     @torch.no_grad()
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:

@@ -1,10 +1,9 @@
 """The static runner: rows of a decoder-only model over one fixed-size KV buffer (`static_kv.py`),
-gpt-fast's way, so that a pass has the same shapes every time and can run compiled.
+gpt-fast's way: a pass writes its new tokens into slots of a buffer that never moves or grows.
 
 Row b's tokens occupy its slots 0 .. len(rows[b]) - 1, at positions equal to their slots. A pass
-feeds every row its block (a chain or a tree), right-padded to one width: the smallest compiled
-width that holds the longest block (`compiled.py`), or the block's own width when nothing is
-compiled for it (the prompt pass, a batch). Row b's new token j is written at slot len(rows[b]) + j;
+feeds every row its block (a chain or a tree), right-padded to the longest block's width. Row b's
+new token j is written at slot len(rows[b]) + j;
 its query sees the row's slots below len(rows[b]) and its own ancestors in the block (itself
 included), within the model's sliding window: one float 4D mask (rows, 1, width, slots) and
 per-row position ids (a model that mixes sliding and full layers, Gemma 2 and 3: a mask of each kind, for our own
@@ -13,8 +12,7 @@ A block's tokens may be a tensor on the device (a drafter's drafts, `protocol.Bl
 written into the pass's ids there, never read back to the host.
 
 A pass runs our own forward (`utils/lean/`) where it covers the model: it reads the buffer only up to the longest
-row, by a mask over those slots. Any other model runs its own forward over the whole buffer (compiled at the widths
-`compiled.py` holds, else eager).
+row, by a mask over those slots. Any other model runs its own (Hugging Face, eager) forward over the whole buffer.
 
 Rollback is `del rows[b][length:]`: slots past a row's length are never seen, and the next pass
 overwrites them. A tree's accepted path is copied into the slots after its root (`keep_path_row`).
@@ -99,46 +97,28 @@ def static_mask(lengths: Tensor, depths: Tensor, ancestry: Tensor, slots: int, w
 
 class StaticRunner(ModelPasses):
     """`rows` sequences of a decoder-only model (`model_info.shares_passes`, or any our own forward runs) over a
-    KV buffer of `slots` positions per row; passes at the widths `compiled` holds run compiled."""
+    KV buffer of `slots` positions per row."""
 
-    def __init__(self, model: PreTrainedModel, *, rows: int, slots: int, costs: PassCosts | None = None,
-                 compiled=None) -> None:
+    def __init__(self, model: PreTrainedModel, *, rows: int, slots: int, costs: PassCosts | None = None) -> None:
         super().__init__(model, costs=costs)
         assert not self.encoder_decoder, "a static runner is decoder-only"
         # Each row's tokens, in its slots (one fed in a tensor block: a 0-d tensor, never read here).
         self.rows: list[list[int | Tensor]] = [[] for _ in range(rows)]
         self.slots = slots
         self._cache = StaticKV(rows=rows, slots=slots)
-        self._compiled = compiled  # utils.runners.compiled.CompiledPasses, or None: every pass eager
         self._window = sliding_window(model)
         self._mixed = mixes_windows(model)  # then `_window` is the sliding layers' only (our own forward)
         self._max_position = (context_length(model) or slots) - 1
         lean = lean_decoder(model)  # the masks in the dtype the passes compute in
         self._dtype = model.get_input_embeddings().weight.dtype if lean is None else lean.dtype
-        self._next_forward = None  # the compiled pass `_call` runs next, None: the model's own
-        self._next_shortcuts: Shortcuts | None = None  # an eager pass's CPU shortcuts, None: the measured ones
+        self._next_shortcuts: Shortcuts | None = None  # a pass's CPU shortcuts, None: the measured ones
 
     @property
     def supports_trees(self) -> bool:
         return True  # the mask is built per node
 
-    @property
-    def width_invariant(self) -> bool:
-        """Whether a token's logits are the same bits whatever the pass's width (our own forward's default)."""
-        lean = lean_decoder(self.model)
-        return lean is not None and lean.invariant and self._compiled is None
-
     def row_length(self, row: int) -> int:
         return len(self.rows[row])
-
-    def _width(self, longest: int) -> int:
-        """The width of a pass whose longest block has `longest` tokens: a compiled width when one
-        holds it and fits every row's buffer, else the block's own."""
-        if self._compiled is not None and any(self.rows):  # the prompt pass always runs eager
-            width = self._compiled.width_for(len(self.rows), longest)
-            if width is not None and max(map(len, self.rows)) + width <= self.slots:
-                return width
-        return longest
 
     @torch.no_grad()
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
@@ -148,16 +128,15 @@ class StaticRunner(ModelPasses):
         if longest == 0:
             return [self._no_logits() for _ in blocks]
         lengths = [len(row) for row in self.rows]
-        width = self._width(longest)
+        width = longest
         assert max(lengths) + width <= self.slots, "the static buffer is full (its size is the caller's)"
         depths, ancestry = block_layout(blocks, width)
         length = torch.tensor(lengths)
         positions = (length[:, None] + depths).clamp(max=self._max_position).to(self.device)
         write_index = (length[:, None] + torch.arange(width)).to(self.device)
         first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if len(tokens))
-        compiled = self._compiled_forward(width)
         lean = lean_decoder(self.model)
-        if lean is not None and compiled is None:
+        if lean is not None:
             # Our own forward reads the buffer up to the longest row, in steps of its own (few mask shapes).
             used = min(self.slots, -(-(max(lengths) + width) // lean.kv_step) * lean.kv_step)
             masks = [static_mask(length, depths, ancestry, used, window, self._dtype).to(self.device)
@@ -170,38 +149,28 @@ class StaticRunner(ModelPasses):
             mask = static_mask(length, depths, ancestry, self.slots, self._window, self._dtype)
             kwargs = {self._cache_kwarg: self._cache, "use_cache": True, "attention_mask": mask.to(self.device),
                       "position_ids": positions}
-            if compiled is None and self._logits_to_keep:
-                kwargs["logits_to_keep"] = width - first  # an eager pass (the prompt's): only the logits asked for
+            if self._logits_to_keep:
+                kwargs["logits_to_keep"] = width - first  # only the logits asked for
             else:
                 first = 0
-        logits = as_float(self._pass(block_ids(blocks, width, self.device), kwargs, compiled))
+        logits = as_float(self._pass(block_ids(blocks, width, self.device), kwargs))
         for row, (tokens, _) in zip(self.rows, blocks, strict=True):
             row += list(tokens)  # a tensor block's tokens stay 0-d tensors on the device: no host read
         return [logits[b, len(tokens) - num - first : len(tokens) - first] if len(tokens) and num else self._no_logits()
                 for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True))]
 
-    def _compiled_forward(self, width: int):
-        """The compiled pass for this batch at `width`, None where it runs eager (the prompt pass)."""
-        if self._compiled is None or not any(self.rows):
-            return None
-        return self._compiled.forward(len(self.rows), width)
-
-    def _pass(self, ids: Tensor, kwargs: dict, compiled) -> Tensor:
+    def _pass(self, ids: Tensor, kwargs: dict) -> Tensor:
         """The pass's logits (rows, width or fewer, vocab); timed after the prompt pass."""
-        self._next_forward = compiled
         if not any(self.rows):
             return self.run(ids, kwargs, timed=False).logits
-        shortcuts = Shortcuts() if compiled is not None else self._next_shortcuts  # a graph is patched by nothing
         if len(self.rows) > 1:
             return self.run_batch(ids, kwargs).logits
-        return self.run(ids, kwargs, timed=True, shortcuts=shortcuts).logits
+        return self.run(ids, kwargs, timed=True, shortcuts=self._next_shortcuts).logits
 
     def _call(self, ids: Tensor, kwargs: dict):
         if "slots" in kwargs:  # our own forward (`utils/lean/`), its kernels measured for its shapes
             return SimpleNamespace(logits=lean_decoder(self.model)(ids, **kwargs))
-        if self._next_forward is None:
-            return self.model(input_ids=ids, **kwargs)
-        return SimpleNamespace(logits=self._next_forward(ids, kwargs))
+        return self.model(input_ids=ids, **kwargs)
 
     def rollback_row(self, row: int, length: int) -> None:
         assert 0 <= length <= len(self.rows[row])
@@ -227,10 +196,10 @@ class StaticRunner(ModelPasses):
 class StaticSequence(StaticRunner):
     """One row over a static buffer with the one-sequence calls calibration times: `forward(tokens,
     num_logits=)` and `rollback(length)` (`shortcuts`: an eager pass's CPU shortcuts, as
-    `SequenceRunner.forward` takes them; a compiled graph takes none)."""
+    `SequenceRunner.forward` takes them)."""
 
-    def __init__(self, model: PreTrainedModel, *, slots: int, compiled=None, costs: PassCosts | None = None) -> None:
-        super().__init__(model, rows=1, slots=slots, costs=costs, compiled=compiled)
+    def __init__(self, model: PreTrainedModel, *, slots: int, costs: PassCosts | None = None) -> None:
+        super().__init__(model, rows=1, slots=slots, costs=costs)
 
     def forward(self, new_tokens: list[int], num_logits: int = 1, *, shortcuts: Shortcuts | None = None) -> Tensor:
         self._next_shortcuts = shortcuts
