@@ -10,12 +10,18 @@ median time, its fraction of the bound (bound / time: 1.0 is at the bound) and t
 GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total). Then plain greedy
 decoding of even HumanEval prompts, ours and transformers' eager `generate` interleaved, medians of tokens/s, every
 output checked against transformers' (near-ties told from defects, `benchmarks/exactness.py`).
+
+`--emulate-avx2` holds this process to an AVX2-only CPU's code (torch's kernels, MKL, oneDNN and our own kernel
+built for AVX2, no bfloat16 arithmetic), to measure the float32 paths on a machine that has more: its memory is
+still this machine's, so the figures say what the code does, not what a Zen 3 measures.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,15 +35,32 @@ from benchmarks.exactness import Classifier, counts, describe, transformers_gree
 from benchmarks.prompts import encode, load_humaneval
 from sampling import autoregressive_generate, quantized_drafter
 from utils.calibration import pass_costs
-from utils.lean import forward_path
+from utils.lean import forward_path, native
 from utils.loading import end_token_ids, load_model
 from utils.machine import machine
 from utils.runners.static import StaticSequence
 
 CONTEXT = 256  # tokens cached while a pass is timed
+_gemm = native.gemm
 WIDTHS = (1, 4, 8, 16)
-GEMMS = ("aten::addmv_", "aten::mv", "aten::linear", "aten::mm", "aten::addmm",
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+GEMMS = ("specdec::gemm", "aten::addmv_", "aten::mv", "aten::linear", "aten::mm", "aten::addmm",
          "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+
+
+def emulate_avx2(argv: list[str]) -> None:
+    """Run again with torch held to AVX2 (its kernels are chosen at import), then build our kernel for AVX2 and say
+    that this CPU has no bfloat16 arithmetic (`utils.lean.native`)."""
+    if any(os.environ.get(name) != value for name, value in AVX2_ONLY.items()):
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.passes", *argv], os.environ | AVX2_ONLY)
+    native.FLAGS = tuple("-march=haswell" if flag == "-march=native" else flag for flag in native.FLAGS)
+    native.bfloat16_arithmetic = lambda: False
+
+
+def profiled_gemm(x, weight, bias):
+    """Our kernel under a name torch's profiler sees (its time is in a ctypes call torch does not know)."""
+    with torch.profiler.record_function("specdec::gemm"):
+        return _gemm(x, weight, bias)
 
 
 def read_bandwidth(gigabytes: float = 2.0, repeats: int = 5) -> float:
@@ -114,7 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-self-drafter", action="store_true", help="leave out the four-bit self-drafter")
     parser.add_argument("--prompts", type=int, default=3, help="HumanEval development prompts decoded (even task ids: 0, 2, 4, ...)")
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("benchmarks/results/passes"))
+    parser.add_argument("--emulate-avx2", action="store_true", help="hold this process to an AVX2-only CPU's code")
     args = cli.parse(parser, argv)
+    if args.emulate_avx2:
+        emulate_avx2(sys.argv[1:] if argv is None else argv)
+    native.gemm = profiled_gemm
     console = Console(stderr=True)
     target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     models = {"target": target}
@@ -126,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     passes = [pass_report(model, label, bandwidth, args.repeats) for label, model in models.items()]
     prompts = [encode(tokenizer, text) for _, text in load_humaneval(args.prompts)]  # the file holds even ids only
     decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
-    result = {"machine": machine(), "read_gb_per_s": bandwidth / 1e9, "passes": passes, "plain_decoding": decoding}
+    result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "read_gb_per_s": bandwidth / 1e9, "passes": passes,
+              "plain_decoding": decoding}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     table = Table(title=f"Passes against the read bound ({bandwidth / 1e9:.1f} GB/s)")

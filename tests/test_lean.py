@@ -213,7 +213,7 @@ def test_the_kernels_chosen_give_each_row_the_bits_of_any_other_width(monkeypatc
 
 def test_invariance_is_taken_by_default_only_where_it_costs_at_most_five_percent(monkeypatch):
     """MKL's float32 products on an AVX2-only CPU differ between widths: the only invariant one-row product is then
-    a 32-row one (7x). Such a price turns invariance off (the fastest kernels), unless it is asked for."""
+    a 32-row one (32 rows' arithmetic for one). Such a price turns invariance off (the fastest kernels), unless it is asked for."""
     from utils.lean import kernels
 
     fast, padded = ("mv", 0), kernels.REFERENCE

@@ -69,7 +69,7 @@ class GemmaLayer(Layer):
         self.post_mlp_norm = None if before_mlp is None else layer.post_feedforward_layernorm.weight
         if before_mlp is not None:
             self.mlp_norm = before_mlp.weight
-        kind = getattr(layer.self_attn, "layer_type", None)
+        kind = getattr(layer.self_attn, "layer_type", None) or getattr(layer, "attention_type", None)  # 5.x, 4.x
         self.sliding = kind == "sliding_attention"
         self.rope = kind if config.model_type == "gemma3_text" else None
         self.softcap = getattr(config, "attn_logit_softcapping", None)
@@ -87,6 +87,20 @@ class LeanGemma(LeanLlama):
         if config.model_type != "gemma" and scalar is not None:
             self.scaling = scalar**-0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        # transformers 4.x: Gemma and Gemma 2 scale the embeddings in the model's forward, not in a module of their own
+        # (5.x: `embed_scale`), and Gemma 3 has a rotary module per kind of layer (5.x: one, asked by kind).
+        self._embed_scale = None if hasattr(self.embed, "embed_scale") else config.hidden_size**0.5
+        local = getattr(model.model, "rotary_emb_local", None)
+        self._rotaries = None if local is None else {"sliding_attention": local, "full_attention": self._rotary}
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        return h if self._embed_scale is None else h * torch.tensor(self._embed_scale, dtype=h.dtype)
+
+    def _rotary_at(self, probe: Tensor, positions: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
+        if self._rotaries is None:
+            return super()._rotary_at(probe, positions, kind)
+        return self._rotaries[kind](probe, positions)
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         return gemma_norm(x, weight, self.eps)

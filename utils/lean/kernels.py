@@ -127,7 +127,7 @@ class KernelTable:
 
     Why a price limit: where no torch product agrees across widths (MKL's float32 products on an AVX2-only CPU
     differ between 8 rows and the same rows among 32), the invariant choice is the 32-row product itself, and a
-    one-row pass would cost 32 rows' arithmetic (7x, measured with torch held to AVX2 on the Xeon)."""
+    one-row pass would cost 32 rows' arithmetic (seen with torch held to AVX2 on the Xeon)."""
 
     def __init__(self, measured: dict[int, dict]) -> None:
         self.price = {}

@@ -130,11 +130,17 @@ class LeanLlama(nn.Module):
         `kind`: the layer type a rotary module of several tables is asked for (Gemma 3's), None: its only one."""
         if kind not in self._tables or slots > self._tables[kind][0].shape[0]:
             probe = torch.empty(0, dtype=self.dtype, device=self.norm.device)
-            cos, sin = self._rotary(probe, torch.arange(slots, device=self.norm.device)[None],
-                                    *(() if kind is None else (kind,)))
+            cos, sin = self._rotary_at(probe, torch.arange(slots, device=self.norm.device)[None], kind)
             self._tables[kind] = cos[0], sin[0]
         cos, sin = self._tables[kind]
         return cos[positions][:, None], sin[positions][:, None]
+
+    def _rotary_at(self, probe: Tensor, positions: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
+        """The model's rotary module's cos and sin at `positions` (1, n), in `probe`'s dtype."""
+        return self._rotary(probe, positions, *(() if kind is None else (kind,)))
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        return self.embed(ids)
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         return rms_norm(x, weight, self.eps)
@@ -144,7 +150,7 @@ class LeanLlama(nn.Module):
         """The logits of each row's last `num_logits` new tokens, (rows, num_logits, vocab); `kv`: the
         runner's buffer, written and read where `slots` says."""
         ropes = {kind: self._rope(slots.positions, kv.slots, kind) for kind in self._rope_kinds}
-        h = self.embed(ids).to(self.dtype)
+        h = self._embed(ids).to(self.dtype)
         for index, layer in enumerate(self.layers):
             mask = slots.sliding_mask if layer.sliding and slots.sliding_mask is not None else slots.mask
             h = self._block(layer, h, ropes[layer.rope], mask, slots, kv, index)

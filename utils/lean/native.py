@@ -59,13 +59,19 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
-                               timeout=120)
+        try:
+            built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
+                                   timeout=120)
+        except (OSError, subprocess.SubprocessError) as error:
+            built = subprocess.CompletedProcess([], returncode=1, stderr=str(error))
         if built.returncode != 0:
             partial.unlink(missing_ok=True)
             return None, f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-300:]}"
         partial.replace(path)
-    library = ctypes.CDLL(str(path))
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as error:  # e.g. a cache on a file system mounted noexec
+        return None, f"the built kernel does not load: {error}"
     library.specdec_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
     library.specdec_gemm.restype = ctypes.c_int
     if library.specdec_block() == 0:
