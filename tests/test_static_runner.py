@@ -49,6 +49,9 @@ def test_every_method_through_the_static_buffer_returns_the_eager_tokens(monkeyp
     assert not isinstance(make_runner(target, max_tokens=50), StaticRunner)
     eager = _outputs(target, drafter, ids)
     monkeypatch.setattr(factory, "lean_decoder", lambda model: True)
+    # A buffer within the model's positions: transformers 4.x's GPT-2 sizes its masks by them (128 here).
+    monkeypatch.setattr(factory, "DRAFT_ROOM", 16)
+    monkeypatch.setattr(factory, "SLOTS_STEP", 64)
     assert isinstance(make_runner(target, max_tokens=50), StaticRunner)
     static = _outputs(target, drafter, ids)
     assert static == eager
