@@ -391,3 +391,30 @@ def test_greedy_speculation_over_gemma3s_mixed_layers_equals_transformers_greedy
         for source, gamma in ((drafter, 1), (drafter, 3), (target, 8)):  # rejections and a whole block accepted
             assert speculative_generate(ids, source, target, gamma=gamma, max_gen_len=24)[0] == references[-1]
     assert [out for out, _ in speculative_generate(rows, drafter, target, gamma=3, max_gen_len=24)] == references
+
+
+def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_every_width():
+    """gemm.c's 4-bit product (llama.cpp's Q4_1 x Q8_1): the weight quantize_int4 makes (the same q, scales and
+    minimums as torch's int4 form), activations quantized to int8 per group of 32; within that rounding of the
+    float product, the same bits at every row count; a prompt's many rows by the dequantized weight."""
+    from utils.lean import native
+    from utils.quantize import quantized_linear
+
+    if not _native_expected():
+        pytest.skip("no C compiler or no AVX2 with FMA here: torch's int4 kernel runs instead")
+    assert native.supports_q4(128, 32) and not native.supports_q4(96, 32) and not native.supports_q4(128, 64)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 40, bias=True)
+    layer = quantized_linear(linear, 4, 32)
+    assert layer.kernel == "native" and layer.weight_q.shape == (40, 64)
+    dequantized = native.dequantize_q4(layer.weight_q, layer.scales)
+    assert (dequantized - linear.weight).abs().max() < (linear.weight.abs().max() / 15)  # within half a step (+fp16)
+    x = torch.randn(native.MAX_ROWS, 128)
+    with torch.no_grad():
+        full, exact = layer(x), x @ dequantized.T + linear.bias
+        assert (full - exact).norm() / exact.norm() < 0.02  # the activations' int8 rounding
+        for rows in (1, 3, 8, 13):
+            assert torch.equal(layer(x[:rows]), full[:rows]), rows
+        assert torch.allclose(layer(x.double()), full.double(), atol=1e-6)  # float64 in, float32 inside
+        prompt_rows = torch.randn(40, 128)
+        assert torch.allclose(layer(prompt_rows), prompt_rows @ dequantized.T + linear.bias, atol=1e-4)

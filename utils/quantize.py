@@ -9,6 +9,12 @@
   (K / group_size, N, 2). The packing refuses N not divisible by 16; K must be a multiple of the
   group: such a layer falls back to int8.
 
+- int4 by our own kernel where it builds here (`utils.lean.native`: groups of 32, an input width a multiple of 64):
+  the same q, scales and minimums (w = scale q + minimum) in the kernel's layout, times the activations quantized
+  to int8 per group (llama.cpp's Q4_1 x Q8_1): integer dot products at about 0.6 bytes a weight. torch's int4
+  kernel dequantizes to float32 and streams ~14 GB/s on the Xeon of docs/lean.md, ours ~19 (one row). A pass over
+  more than `native.MAX_ROWS` rows (a prompt) multiplies by the weight dequantized.
+
 The kernels take bfloat16, float16 or float32 activations (not float64), on the CPU only. A layer
 computes in `compute_dtype(x.dtype)` (bfloat16 and float16 kept, float32 and float64 in bfloat16: torch's CPU
 kernels dequantize to float32 either way, and with float32 activations the int4 one takes a path 14x slower on an
@@ -20,7 +26,10 @@ A weight on another device than the CPU keeps its float form (`quantized_linear`
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from utils.lean import native
 
 __all__ = ["QuantizedLinear", "compute_dtype", "int4_fits", "quantized_linear", "linear_weight"]
 
@@ -46,45 +55,71 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return (w / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
 
 
-def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """(N, K) float weight -> (packed int4 for the CPU kernel, scales_and_zeros (K / group_size, N, 2)
-    float32): w ~ (q - 8) * scale + zero per group of `group_size` input columns (`int4_fits`)."""
+def _int4_groups(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(N, K) float weight -> q (N, K / group_size, group_size) in 0..15, scales and minimums (N, K / group_size, 1):
+    w ~ q * scale + minimum per group (gpt-fast's asymmetric `get_group_qparams`)."""
     n, k = weight.shape
     groups = weight.detach().float().reshape(n, k // group_size, group_size)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
     scales = ((high - low) / 15).clamp(min=1e-6)
+    return ((groups - low) / scales).round().clamp(0, 15), scales, low
+
+
+def quantize_int4_native(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """(N, K) float weight -> our kernel's layout (`native.pack_q4`): the same q, scales and minimums as
+    `quantize_int4`."""
+    q, scales, low = _int4_groups(weight, group_size)
+    return native.pack_q4(q.reshape(weight.shape), scales[..., 0], low[..., 0])
+
+
+def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """(N, K) float weight -> (packed int4 for the CPU kernel, scales_and_zeros (K / group_size, N, 2)
+    float32): w ~ (q - 8) * scale + zero per group of `group_size` input columns (`int4_fits`)."""
+    n, k = weight.shape
+    q, scales, low = _int4_groups(weight, group_size)
     zeros = low + scales * 8
-    q = ((groups - low) / scales).round().clamp(0, 15).to(torch.int32).reshape(n, k)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), INT4_INNER_K_TILES)
     scales_and_zeros = torch.stack([scales.reshape(n, -1).t(), zeros.reshape(n, -1).t()], dim=-1).contiguous()
     return packed, scales_and_zeros
 
 
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held in 8 or 4 bits (`bits`); `bias` (N,) is the float layer's own,
-    shared. Buffers: `weight_q` (int8 (N, K), or the int4 packing) and `scales` ((N,), or
-    scales_and_zeros (K / group_size, N, 2)); `scales` in the compute dtype of `dtype`."""
+    shared. Buffers: `weight_q` (int8 (N, K), torch's int4 packing, or our kernel's (`kernel` "native",
+    `native.pack_q4`)) and `scales` ((N,), scales_and_zeros (K / group_size, N, 2), or our kernel's float16
+    scales and minimums (N, 2, K / 32)); torch's scales in the compute dtype of `dtype`."""
 
     def __init__(self, bits: int, in_features: int, out_features: int, weight_q: Tensor, scales: Tensor,
-                 bias: Tensor | None, *, group_size: int | None, dtype: torch.dtype) -> None:
+                 bias: Tensor | None, *, group_size: int | None, dtype: torch.dtype, kernel: str = "torch") -> None:
         super().__init__()
-        assert bits in BITS and (bits == 8 or group_size is not None)
-        self.bits, self.group_size = bits, group_size
+        assert bits in BITS and (bits == 8 or group_size is not None) and kernel in ("torch", "native")
+        self.bits, self.group_size, self.kernel = bits, group_size, kernel
         self.in_features, self.out_features = in_features, out_features
         self.compute = compute_dtype(dtype)
         self.register_buffer("weight_q", weight_q)
-        self.register_buffer("scales", scales.to(self.compute))
+        self.register_buffer("scales", scales if kernel == "native" else scales.to(self.compute))
         self.bias = bias
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features).to(self.compute)
-        if self.bits == 8:
-            y = torch._weight_int8pack_mm(rows, self.weight_q, self.scales)
+        if self.kernel == "native":
+            y = self._native(x.reshape(-1, self.in_features))
         else:
-            y = torch._weight_int4pack_mm_for_cpu(rows, self.weight_q, self.group_size, self.scales)
+            rows = x.reshape(-1, self.in_features).to(self.compute)
+            if self.bits == 8:
+                y = torch._weight_int8pack_mm(rows, self.weight_q, self.scales)
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(rows, self.weight_q, self.group_size, self.scales)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _native(self, rows: Tensor) -> Tensor:
+        """Our 4-bit kernel over a few rows (float32 or bfloat16 as they come, other dtypes in float32); a prompt's
+        many rows by the weight dequantized (the kernel would redo its work per 32 rows)."""
+        if rows.shape[0] > native.MAX_ROWS:
+            return F.linear(rows.float(), native.dequantize_q4(self.weight_q, self.scales))
+        return native.gemm_q4(rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float(), self.weight_q,
+                              self.scales)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
@@ -102,13 +137,18 @@ def linear_weight(module: nn.Module) -> Tensor | None:
 
 
 def quantized_linear(module: nn.Module, bits: int, group_size: int) -> QuantizedLinear | None:
-    """`module` (a linear, `linear_weight`) in `bits` bits -> its `QuantizedLinear`: int4 where the
-    kernel takes its shape (`int4_fits`), else int8; None where no kernel runs (not on the CPU)."""
+    """`module` (a linear, `linear_weight`) in `bits` bits -> its `QuantizedLinear`: int4 by our kernel where it
+    runs here (`native.supports_q4`), else by torch's where it takes the shape (`int4_fits`), else int8; None where
+    no kernel runs (not on the CPU)."""
     weight = linear_weight(module)
     if weight is None or weight.device.type != "cpu":
         return None
     out_features, in_features = weight.shape
     bias = module.bias
+    if bits == 4 and native.supports_q4(in_features, group_size):
+        packed, scales = quantize_int4_native(weight, group_size)
+        return QuantizedLinear(4, in_features, out_features, packed, scales, bias, group_size=group_size,
+                               dtype=weight.dtype, kernel="native")
     if bits == 4 and int4_fits(out_features, in_features, group_size):
         packed, scales = quantize_int4(weight, group_size)
         return QuantizedLinear(4, in_features, out_features, packed, scales, bias, group_size=group_size,

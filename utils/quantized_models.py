@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from utils.lean import forget
+from utils.lean import forget, native
 from utils.paths import cache_dir
 from utils.quantize import BITS, QuantizedLinear, linear_weight, quantized_linear
 
@@ -77,7 +77,7 @@ def _fingerprint(model: nn.Module) -> str:
 
 def quantized_state_key(model: nn.Module, bits: int, group_size: int) -> str:
     """The name of `model`'s quantized weights in the cache (module docstring)."""
-    sources = b"".join(Path(f).read_bytes() for f in (__file__, Path(__file__).with_name("quantize.py")))
+    sources = b"".join(Path(f).read_bytes() for f in (__file__, Path(__file__).with_name("quantize.py"), native.SOURCE))
     key = {
         "model": type(model).__name__,
         "config": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
@@ -86,6 +86,7 @@ def quantized_state_key(model: nn.Module, bits: int, group_size: int) -> str:
         "bits": bits, "group_size": group_size,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
+        "native_q4": native.supports_q4(2 * native.Q4_BLOCK, native.Q4_BLOCK),  # our 4-bit kernel's layout, or torch's
         "code": hashlib.sha256(sources).hexdigest()[:12],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
@@ -100,7 +101,7 @@ def _build(model: nn.Module, names: list[str], bits: int, group_size: int) -> di
 
 def _state(layers: dict[str, QuantizedLinear | None]) -> dict:
     return {name: {"bits": layer.bits, "group_size": layer.group_size, "shape": [layer.out_features, layer.in_features],
-                   "weight_q": layer.weight_q, "scales": layer.scales}
+                   "weight_q": layer.weight_q, "scales": layer.scales, "kernel": layer.kernel}
             for name, layer in layers.items() if layer is not None}
 
 
@@ -114,7 +115,7 @@ def _from_state(model: nn.Module, names: list[str], state: dict) -> dict[str, Qu
         out_features, in_features = entry["shape"]
         layers[name] = QuantizedLinear(entry["bits"], in_features, out_features, entry["weight_q"], entry["scales"],
                                        modules[name].bias, group_size=entry["group_size"],
-                                       dtype=linear_weight(modules[name]).dtype)
+                                       dtype=linear_weight(modules[name]).dtype, kernel=entry.get("kernel", "torch"))
     return layers
 
 

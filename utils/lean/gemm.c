@@ -14,6 +14,7 @@
    (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L1, then used by every group of
    RB activation rows while it sits in the cache. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +139,131 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
   return 0;
 #else
   (void)W, (void)x, (void)bias, (void)y, (void)rows, (void)out, (void)in, (void)x_bf16, (void)y_bf16, (void)threads;
+  return -1;
+#endif
+}
+
+/* ---- 4-bit weights (llama.cpp's Q4_1 x Q8_1 way) ----
+   y = x W^T (+ b) for W in blocks of 32 input columns, w = d * q + m with q in 0..15. Two blocks (64 columns) in 32
+   bytes: byte i holds element i of the first block in its low nibble and element i of the second in its high one;
+   d and m float16, (out, 2, in / 32): each row's scales, then its minimums. Each row of x is quantized per block
+   to int8 (scale max|x| / 127), so a block's products are one integer dot product (exact), scaled once:
+   sum_k w_k x_k = d dx sum_k q_k qx_k + m dx sum_k qx_k. Per row, one order whatever the number of rows or threads
+   (width-invariant). Needs AVX2 with FMA and F16C; AVX-VNNI or AVX-512 VNNI where there is one (the same sums). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q4 1
+#define Q4_BLOCK 32
+#define Q4_MAX_BLOCKS 1024 /* in <= 32768 */
+
+static inline __m256i q4_dot(__m256i w, __m256i x) { /* 8 int32 lanes, each the sum of 4 products */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); /* 2 * 15 * 127 fits 16 bits */
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* sum_b h[b] * f[b] over n values: float16 h, float32 f, 8 at a time then the rest, in one order. */
+static inline float dot_half(const uint16_t* h, const float* f, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int b = 0;
+  for (; b + 8 <= n; b += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + b))), _mm256_loadu_ps(f + b), acc);
+  float sum = hsum8(acc);
+  for (; b < n; b++) sum += _cvtsh_ss(h[b]) * f[b];
+  return sum;
+}
+#endif
+
+/* The input width must be a multiple of this (0: no 4-bit kernel was built). */
+int specdec_q4_block(void) {
+#ifdef Q4
+  return 2 * Q4_BLOCK;
+#else
+  return 0;
+#endif
+}
+
+int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
+                    int in, int x_bf16, int y_bf16, int threads) {
+#ifdef Q4
+  int blocks = in / Q4_BLOCK;
+  if (rows < 1 || rows > MAX_ROWS || in % (2 * Q4_BLOCK) || blocks > Q4_MAX_BLOCKS) return -1;
+  int8_t* qx = (int8_t*)malloc((size_t)rows * in);
+  float* dx = (float*)malloc((size_t)rows * blocks * sizeof(float));
+  float* sx = (float*)malloc((size_t)rows * blocks * sizeof(float)); /* dx * the block's sum of qx */
+  if (!qx || !dx || !sx) {
+    free(qx), free(dx), free(sx);
+    return -1;
+  }
+  for (int r = 0; r < rows; r++)
+    for (int b = 0; b < blocks; b++) {
+      float v[Q4_BLOCK], amax = 0.0f;
+      for (int i = 0; i < Q4_BLOCK; i++) {
+        size_t from = (size_t)r * in + b * Q4_BLOCK + i;
+        v[i] = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[from]) : ((const float*)x)[from];
+        amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+      }
+      float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < Q4_BLOCK; i++) {
+        int q = (int)lrintf(v[i] * inverse);
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        qx[(size_t)r * in + b * Q4_BLOCK + i] = (int8_t)q;
+        sum += q;
+      }
+      dx[(size_t)r * blocks + b] = d;
+      sx[(size_t)r * blocks + b] = d * (float)sum;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int j = 0; j < out; j++) {
+    const uint8_t* wj = Wq + (size_t)j * in / 2;
+    const uint16_t *dj = dm + (size_t)j * 2 * blocks, *mj = dj + blocks;
+    float scale[4][Q4_MAX_BLOCKS]; /* d * dx per block, for four rows of x */
+    for (int r0 = 0; r0 < rows; r0 += 4) { /* four rows of x at a time over this weight row (from L1 after the first) */
+      int nr = rows - r0 < 4 ? rows - r0 : 4;
+      for (int r = 0; r < nr; r++)
+        for (int b = 0; b < blocks; b += 8) {
+          __m256 d = b + 8 <= blocks ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dj + b))) : _mm256_setzero_ps();
+          if (b + 8 <= blocks) _mm256_storeu_ps(scale[r] + b, _mm256_mul_ps(d, _mm256_loadu_ps(dx + (size_t)(r0 + r) * blocks + b)));
+          else for (int i = b; i < blocks; i++) scale[r][i] = _cvtsh_ss(dj[i]) * dx[(size_t)(r0 + r) * blocks + i];
+        }
+      __m256 acc[4][2];
+      for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      const __m256i low = _mm256_set1_epi8(0x0f);
+      for (int b = 0; b < blocks; b += 2) {
+        __builtin_prefetch(wj + (size_t)b * (Q4_BLOCK / 2) + 2048, 0, 3);
+        __m256i w = _mm256_loadu_si256((const __m256i*)(wj + (size_t)b * (Q4_BLOCK / 2)));
+        __m256i first = _mm256_and_si256(w, low), second = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int r = 0; r < nr; r++) {
+          const int8_t* xr = qx + (size_t)(r0 + r) * in + (size_t)b * Q4_BLOCK;
+          __m256i x0 = _mm256_loadu_si256((const __m256i*)xr), x1 = _mm256_loadu_si256((const __m256i*)(xr + Q4_BLOCK));
+          acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot(first, x0)), _mm256_broadcast_ss(scale[r] + b), acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot(second, x1)), _mm256_broadcast_ss(scale[r] + b + 1), acc[r][1]);
+        }
+      }
+      for (int r = 0; r < nr; r++) {
+        float v = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + dot_half(mj, sx + (size_t)(r0 + r) * blocks, blocks);
+        if (bias) v += x_bf16 ? bf16_to_f32(((const uint16_t*)bias)[j]) : ((const float*)bias)[j];
+        size_t at = (size_t)(r0 + r) * out + j;
+        if (y_bf16) ((uint16_t*)y)[at] = f32_to_bf16(v);
+        else ((float*)y)[at] = v;
+      }
+    }
+  }
+  free(qx), free(dx), free(sx);
+  return 0;
+#else
+  (void)Wq, (void)dm, (void)x, (void)bias, (void)y, (void)rows, (void)out, (void)in, (void)x_bf16, (void)y_bf16,
+      (void)threads;
   return -1;
 #endif
 }

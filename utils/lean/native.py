@@ -7,6 +7,8 @@ C compiler, a CPU without AVX2 and FMA): torch's products run then, as before.
     supports(shape, dtype)       whether it can multiply a weight of `shape` (out, in) held in `dtype`
     gemm(x, weight, bias)        x W^T + b, in x's dtype (float32 or bfloat16), W bfloat16
     compute_dtype(weights)       the dtype a lean forward computes in over these weights
+    pack_q4, gemm_q4             4-bit weights in groups of 32 (w = d q + m) times activations quantized to int8 per
+                                 group (llama.cpp's Q4_1 x Q8_1): integer dot products, for `utils/quantize.py`
 
 It reads bfloat16 weights and multiplies in float32, so on a CPU without bfloat16 arithmetic (AVX2 only) a model
 held in bfloat16 (its checkpoint's dtype, most Hub checkpoints) computes in float32 at half the bytes a float32
@@ -29,10 +31,12 @@ from torch import Tensor
 
 from utils.paths import cache_dir
 
-__all__ = ["MAX_ROWS", "bfloat16_arithmetic", "compute_dtype", "gemm", "supports", "unavailable"]
+__all__ = ["MAX_ROWS", "Q4_BLOCK", "bfloat16_arithmetic", "compute_dtype", "dequantize_q4", "gemm", "gemm_q4", "pack_q4",
+           "supports", "supports_q4", "unavailable"]
 
 SOURCE = Path(__file__).with_name("gemm.c")
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
+Q4_BLOCK = 32  # gemm.c's 4-bit block: the group of input columns a scale and a minimum serve
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -60,8 +64,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
-                                   timeout=120)
+            built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
+                                   text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as error:
             built = subprocess.CompletedProcess([], returncode=1, stderr=str(error))
         if built.returncode != 0:
@@ -74,6 +78,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"the built kernel does not load: {error}"
     library.specdec_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
     library.specdec_gemm.restype = ctypes.c_int
+    library.specdec_gemm_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
+    library.specdec_gemm_q4.restype = ctypes.c_int
     if library.specdec_block() == 0:
         return None, "this CPU has neither AVX-512 nor AVX2 with FMA"
     return library, None
@@ -122,3 +128,43 @@ def compute_dtype(weights: list[Tensor]) -> torch.dtype:
     if dtype == torch.bfloat16 and not bfloat16_arithmetic() and all(supports(tuple(w.shape), dtype) for w in weights):
         return torch.float32
     return dtype
+
+
+def supports_q4(in_features: int, group_size: int) -> bool:
+    """Whether the 4-bit kernel can run a linear of `in_features` quantized in groups of `group_size` here."""
+    library = _library()[0]
+    return (library is not None and library.specdec_q4_block() > 0 and group_size == Q4_BLOCK
+            and in_features % library.specdec_q4_block() == 0 and in_features <= 32768)
+
+
+def pack_q4(q: Tensor, scales: Tensor, minimums: Tensor) -> tuple[Tensor, Tensor]:
+    """q (N, K) in 0..15, scales and minimums (N, K / 32) (w = scale q + minimum) -> the kernel's layout: (N, K / 2)
+    uint8, two blocks of 32 in 32 bytes (element i of the first in byte i's low nibble, of the second in its high
+    one), and (N, 2, K / 32) float16 (each row's scales, then its minimums)."""
+    n, k = q.shape
+    pairs = q.to(torch.uint8).reshape(n, k // (2 * Q4_BLOCK), 2, Q4_BLOCK)
+    packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return packed, torch.stack([scales, minimums], dim=1).to(torch.float16).contiguous()
+
+
+def dequantize_q4(packed: Tensor, scales_minimums: Tensor) -> Tensor:
+    """The (N, K) float32 weight `pack_q4`'s layout holds."""
+    n = packed.shape[0]
+    pairs = packed.reshape(n, -1, 1, Q4_BLOCK)
+    q = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).reshape(n, -1, Q4_BLOCK).float()
+    d, m = scales_minimums.float().unbind(dim=1)
+    return (q * d[..., None] + m[..., None]).reshape(n, -1)
+
+
+def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor) -> Tensor:
+    """x (rows <= MAX_ROWS, K) float32 or bfloat16 times the 4-bit weight `pack_q4` made -> (rows, N) in x's dtype."""
+    library = _library()[0]
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
+    status = library.specdec_gemm_q4(packed.data_ptr(), scales_minimums.data_ptr(), x.data_ptr(), None, out.data_ptr(),
+                                     x.shape[0], packed.shape[0], x.shape[1], int(x.dtype == torch.bfloat16),
+                                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"the 4-bit kernel cannot multiply x {tuple(x.shape)} {x.dtype}: at most {MAX_ROWS} rows, "
+                         f"the input width a multiple of {library.specdec_q4_block()}")
+    return out
