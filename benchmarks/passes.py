@@ -41,7 +41,6 @@ from utils.machine import machine
 from utils.runners.static import StaticSequence
 
 CONTEXT = 256  # tokens cached while a pass is timed
-_gemm = native.gemm
 WIDTHS = (1, 4, 8, 16)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 GEMMS = ("specdec::gemm", "aten::addmv_", "aten::mv", "aten::linear", "aten::mm", "aten::addmm",
@@ -57,10 +56,12 @@ def emulate_avx2(argv: list[str]) -> None:
     native.bfloat16_arithmetic = lambda: False
 
 
-def profiled_gemm(x, weight, bias):
+def profiled(kernel):
     """Our kernel under a name torch's profiler sees (its time is in a ctypes call torch does not know)."""
-    with torch.profiler.record_function("specdec::gemm"):
-        return _gemm(x, weight, bias)
+    def run(*args):
+        with torch.profiler.record_function("specdec::gemm"):
+            return kernel(*args)
+    return run
 
 
 def read_bandwidth(gigabytes: float = 2.0, repeats: int = 5) -> float:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     args = cli.parse(parser, argv)
     if args.emulate_avx2:
         emulate_avx2(sys.argv[1:] if argv is None else argv)
-    native.gemm = profiled_gemm
+    native.gemm, native.gemm_q4 = profiled(native.gemm), profiled(native.gemm_q4)
     console = Console(stderr=True)
     target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     models = {"target": target}
