@@ -115,9 +115,10 @@ class QuantizedLinear(nn.Module):
 
     def _native(self, rows: Tensor) -> Tensor:
         """Our 4-bit kernel over a few rows (float32 or bfloat16 as they come, other dtypes in float32); a prompt's
-        many rows by the weight dequantized (the kernel would redo its work per 32 rows)."""
-        if rows.shape[0] > native.MAX_ROWS:
-            return F.linear(rows.float(), native.dequantize_q4(self.weight_q, self.scales))
+        many rows by the weight dequantized (by the kernel's library, in a few milliseconds) and torch's GEMM."""
+        if rows.shape[0] > native.MAX_ROWS:  # bfloat16 where this CPU computes in it (AMX's GEMMs), else float32
+            dtype = torch.bfloat16 if native.bfloat16_arithmetic() else torch.float32
+            return F.linear(rows.to(dtype), native.dequantize_q4(self.weight_q, self.scales, dtype))
         return native.gemm_q4(rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float(), self.weight_q,
                               self.scales)
 

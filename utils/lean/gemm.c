@@ -192,6 +192,35 @@ int specdec_q4_block(void) {
 #endif
 }
 
+/* The (out, in) weight the 4-bit layout holds, in bfloat16 (y_bf16) or float32: for a prompt's pass over more rows
+   than MAX_ROWS, which then multiplies by it with torch's GEMM. */
+int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int y_bf16, int threads) {
+#ifdef Q4
+  int blocks = in / Q4_BLOCK;
+  if (in % (2 * Q4_BLOCK)) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int j = 0; j < out; j++) {
+    const uint8_t* wj = Wq + (size_t)j * in / 2;
+    const uint16_t *dj = dm + (size_t)j * 2 * blocks, *mj = dj + blocks;
+    for (int b = 0; b < blocks; b++) {
+      float d = _cvtsh_ss(dj[b]), m = _cvtsh_ss(mj[b]);
+      const uint8_t* pair = wj + (size_t)(b / 2) * Q4_BLOCK;
+      for (int i = 0; i < Q4_BLOCK; i++) {
+        int q = b % 2 ? pair[i] >> 4 : pair[i] & 0x0f;
+        float v = d * (float)q + m;
+        size_t at = (size_t)j * in + (size_t)b * Q4_BLOCK + i;
+        if (y_bf16) ((uint16_t*)w)[at] = f32_to_bf16(v);
+        else ((float*)w)[at] = v;
+      }
+    }
+  }
+  return 0;
+#else
+  (void)Wq, (void)dm, (void)w, (void)out, (void)in, (void)y_bf16, (void)threads;
+  return -1;
+#endif
+}
+
 int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
                     int in, int x_bf16, int y_bf16, int threads) {
 #ifdef Q4

@@ -80,6 +80,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.specdec_gemm.restype = ctypes.c_int
     library.specdec_gemm_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
     library.specdec_gemm_q4.restype = ctypes.c_int
+    library.specdec_dequantize_q4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    library.specdec_dequantize_q4.restype = ctypes.c_int
     if library.specdec_block() == 0:
         return None, "this CPU has neither AVX-512 nor AVX2 with FMA"
     return library, None
@@ -147,13 +149,16 @@ def pack_q4(q: Tensor, scales: Tensor, minimums: Tensor) -> tuple[Tensor, Tensor
     return packed, torch.stack([scales, minimums], dim=1).to(torch.float16).contiguous()
 
 
-def dequantize_q4(packed: Tensor, scales_minimums: Tensor) -> Tensor:
-    """The (N, K) float32 weight `pack_q4`'s layout holds."""
-    n = packed.shape[0]
-    pairs = packed.reshape(n, -1, 1, Q4_BLOCK)
-    q = torch.cat([pairs & 0x0F, pairs >> 4], dim=2).reshape(n, -1, Q4_BLOCK).float()
-    d, m = scales_minimums.float().unbind(dim=1)
-    return (q * d[..., None] + m[..., None]).reshape(n, -1)
+def dequantize_q4(packed: Tensor, scales_minimums: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The (N, K) weight `pack_q4`'s layout holds, in `dtype` (float32 or bfloat16)."""
+    library = _library()[0]
+    weight = torch.empty(packed.shape[0], 2 * packed.shape[1], dtype=dtype)
+    status = library.specdec_dequantize_q4(packed.data_ptr(), scales_minimums.data_ptr(), weight.data_ptr(),
+                                           weight.shape[0], weight.shape[1], int(dtype == torch.bfloat16),
+                                           torch.get_num_threads())
+    if status != 0 or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the 4-bit kernel cannot dequantize a ({weight.shape[0]}, {weight.shape[1]}) weight to {dtype}")
+    return weight
 
 
 def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor) -> Tensor:
