@@ -139,12 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=3, help="HumanEval development prompts decoded (even task ids: 0, 2, 4, ...)")
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("benchmarks/results/passes"))
     parser.add_argument("--emulate-avx2", action="store_true", help="hold this process to an AVX2-only CPU's code")
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="the target quantized (load_model's quantize=)")
     args = cli.parse(parser, argv)
     if args.emulate_avx2:
         emulate_avx2(sys.argv[1:] if argv is None else argv)
     native.gemm, native.gemm_q4 = profiled(native.gemm), profiled(native.gemm_q4)
     console = Console(stderr=True)
-    target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     models = {"target": target}
     if args.drafter:
         models["drafter"] = load_model(args.drafter, dtype=args.dtype, device=args.device)[0]
@@ -154,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     passes = [pass_report(model, label, bandwidth, args.repeats) for label, model in models.items()]
     prompts = [encode(tokenizer, text) for _, text in load_humaneval(args.prompts)]  # the file holds even ids only
     decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
-    result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "read_gb_per_s": bandwidth / 1e9, "passes": passes,
-              "plain_decoding": decoding}
+    result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "quantize": args.quantize,
+              "read_gb_per_s": bandwidth / 1e9, "passes": passes, "plain_decoding": decoding}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     table = Table(title=f"Passes against the read bound ({bandwidth / 1e9:.1f} GB/s)")
