@@ -336,10 +336,11 @@ def test_the_kernel_table_takes_our_kernel_only_as_a_whole_family(monkeypatch, t
     if not _native_expected():
         pytest.skip("no C compiler or no AVX2 with FMA here: torch's products run instead")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv(kernels.INVARIANT_ENV, "1")  # the invariant family whatever its price (the default weighs it)
     monkeypatch.setattr(kernels, "PROBE_BYTES", 1 << 20)
     kernels.kernel_table.cache_clear()
     table = kernels.kernel_table((64, 96), torch.bfloat16)
-    assert kernels.NATIVE in kernels._candidates(1, (64, 96), torch.bfloat16)
+    assert kernels.NATIVE in kernels._candidates(1, (64, 96), torch.bfloat16) and table.invariant
     invariant = {table(rows) for rows in range(1, 33)}
     assert invariant == {kernels.NATIVE} or kernels.NATIVE not in invariant
     kernels.kernel_table.cache_clear()
