@@ -1,5 +1,8 @@
-/* y = x W^T (+ b) for bfloat16 weights W (out, in) and up to MAX_ROWS rows of x (rows, in); x, b and y in float32
-   or bfloat16. Built for the CPU it runs on by `utils/lean/native.py` (cc -O3 -march=native -fopenmp).
+/* Our GEMM kernels, built for the CPU they run on by `utils/lean/native.py` (cc -O3 -march=native -fopenmp):
+   bfloat16 weights (specdec_gemm, below) and 4-bit weights (specdec_gemm_q4, at the end of the file).
+
+   y = x W^T (+ b) for bfloat16 weights W (out, in) and up to MAX_ROWS rows of x (rows, in); x, b and y in float32
+   or bfloat16.
 
    Why our own: torch's fastest product for one row streams the weights at ~80% of what a `sum` reads, and a
    float32 model on an AVX2 machine reads its weights in float32 though most checkpoints hold exact bfloat16

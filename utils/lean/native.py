@@ -1,19 +1,19 @@
-"""Our own GEMM kernel for bfloat16 weights (`gemm.c`): built for this CPU by its C compiler on first use (under a
-second), kept under `SPECDEC_CACHE/kernels`, called through ctypes. One candidate among torch's products in the
-kernel table (`kernels.py`): it is used where it is measured fastest here, and never where it cannot be built (no
-C compiler, a CPU without AVX2 and FMA): torch's products run then, as before.
+"""Our own GEMM kernels (`gemm.c`): built for this CPU by its C compiler on first use (under a second), kept under
+`SPECDEC_CACHE/kernels`, called through ctypes, never used where they cannot be built (no C compiler, a CPU without
+AVX2 and FMA): torch's products run then, as before.
 
-    unavailable()                why the kernel cannot run here, None when it can
-    supports(shape, dtype)       whether it can multiply a weight of `shape` (out, in) held in `dtype`
-    gemm(x, weight, bias)        x W^T + b, in x's dtype (float32 or bfloat16), W bfloat16
+    unavailable()                why the kernels cannot run here, None when they can
+    supports(shape, dtype)       whether the bfloat16 kernel can multiply a weight of `shape` (out, in) in `dtype`
+    gemm(x, weight, bias)        x W^T + b, in x's dtype (float32 or bfloat16), W bfloat16: one candidate among
+                                 torch's products in the kernel table (`kernels.py`), used where measured fastest
     compute_dtype(weights)       the dtype a lean forward computes in over these weights
-    pack_q4, gemm_q4             4-bit weights in groups of 32 (w = d q + m) times activations quantized to int8 per
-                                 group (llama.cpp's Q4_1 x Q8_1): integer dot products, for `utils/quantize.py`
+    supports_q4, pack_q4,        4-bit weights in groups of 32 (w = d q + m) times activations quantized to int8 per
+    gemm_q4, dequantize_q4       group (llama.cpp's Q4_1 x Q8_1): integer dot products, for `utils/quantize.py`
 
-It reads bfloat16 weights and multiplies in float32, so on a CPU without bfloat16 arithmetic (AVX2 only) a model
-held in bfloat16 (its checkpoint's dtype, most Hub checkpoints) computes in float32 at half the bytes a float32
-model reads; each output is one fixed chain of multiply-adds, so a row's result is the same bits whatever the
-number of rows (width-invariant by construction).
+The bfloat16 kernel multiplies in float32, so on a CPU without bfloat16 arithmetic (AVX2 only) a model held in
+bfloat16 (its checkpoint's dtype, most Hub checkpoints) computes in float32 at half the bytes a float32 model
+reads. Each output of either kernel is one fixed chain of operations per row, so a row's result is the same bits
+whatever the number of rows (width-invariant by construction).
 """
 
 from __future__ import annotations
