@@ -268,22 +268,43 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
           if (b + 8 <= blocks) _mm256_storeu_ps(scale[r] + b, _mm256_mul_ps(d, _mm256_loadu_ps(dx + (size_t)(r0 + r) * blocks + b)));
           else for (int i = b; i < blocks; i++) scale[r][i] = _cvtsh_ss(dj[i]) * dx[(size_t)(r0 + r) * blocks + i];
         }
+      /* acc[r]: 8 float lanes for the pairs' first blocks, 8 for their second ones (one 512-bit register with
+         AVX-512 VNNI: both blocks in one dot product; two 256-bit ones elsewhere: the same operations per lane) */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+      __m512 acc[4];
+      for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+#else
       __m256 acc[4][2];
       for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#endif
       const __m256i low = _mm256_set1_epi8(0x0f);
       for (int b = 0; b < blocks; b += 2) {
         __builtin_prefetch(wj + (size_t)b * (Q4_BLOCK / 2) + 2048, 0, 3);
         __m256i w = _mm256_loadu_si256((const __m256i*)(wj + (size_t)b * (Q4_BLOCK / 2)));
         __m256i first = _mm256_and_si256(w, low), second = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+        for (int r = 0; r < nr; r++) {
+          __m512i xs = _mm512_loadu_si512((const void*)(qx + (size_t)(r0 + r) * in + (size_t)b * Q4_BLOCK));
+          __m512 scales = _mm512_insertf32x8(_mm512_set1_ps(scale[r][b]), _mm256_set1_ps(scale[r][b + 1]), 1);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), both, xs)), scales, acc[r]);
+        }
+#else
         for (int r = 0; r < nr; r++) {
           const int8_t* xr = qx + (size_t)(r0 + r) * in + (size_t)b * Q4_BLOCK;
           __m256i x0 = _mm256_loadu_si256((const __m256i*)xr), x1 = _mm256_loadu_si256((const __m256i*)(xr + Q4_BLOCK));
           acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot(first, x0)), _mm256_broadcast_ss(scale[r] + b), acc[r][0]);
           acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot(second, x1)), _mm256_broadcast_ss(scale[r] + b + 1), acc[r][1]);
         }
+#endif
       }
       for (int r = 0; r < nr; r++) {
-        float v = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + dot_half(mj, sx + (size_t)(r0 + r) * blocks, blocks);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+        __m256 pair = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+#else
+        __m256 pair = _mm256_add_ps(acc[r][0], acc[r][1]);
+#endif
+        float v = hsum8(pair) + dot_half(mj, sx + (size_t)(r0 + r) * blocks, blocks);
         if (bias) v += x_bf16 ? bf16_to_f32(((const uint16_t*)bias)[j]) : ((const float*)bias)[j];
         size_t at = (size_t)(r0 + r) * out + j;
         if (y_bf16) ((uint16_t*)y)[at] = f32_to_bf16(v);
