@@ -21,7 +21,7 @@ from utils.paths import CACHE_ENV, cache_dir
 from utils.quantized_models import QUANTIZE_KINDS, quantize_model
 
 __all__ = ["CACHE_ENV", "DEFAULT_MODEL", "cache_dir", "default_model_path", "end_token_ids", "fastest_dtype",
-           "load_model", "native_bfloat16", "resolve"]
+           "load_model", "resolve"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # what the Hub accepts as a repository id
@@ -81,11 +81,6 @@ def resolve(name_or_path: str | os.PathLike | None) -> str:
                             f"cannot be reached from here; offline models by name: {known}")
 
 
-def native_bfloat16() -> bool:
-    """Whether this CPU computes in bfloat16 (`utils.lean.native.bfloat16_arithmetic`)."""
-    return native.bfloat16_arithmetic()
-
-
 @functools.cache
 def fastest_dtype() -> torch.dtype:
     """float32 or bfloat16 for the offline real models: whichever multiplies a 1.5B model's MLP weight by 1 token
@@ -95,7 +90,7 @@ def fastest_dtype() -> torch.dtype:
     float32 model); with neither, float32."""
     weight = torch.randn(8960, 1536)
     held = weight.to(torch.bfloat16)
-    if native_bfloat16():
+    if native.bfloat16_arithmetic():
         products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: lambda x: F.linear(x.to(held.dtype), held)}
     elif native.unavailable() is None:
         products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: lambda x: native.gemm(x, held, None)}
@@ -164,7 +159,7 @@ def load_model(
         check_4bit_runs_here(model)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     model.eval()
-    if chosen_here and model.dtype == torch.bfloat16 and not native_bfloat16() and unsupported(model) is not None:
+    if chosen_here and model.dtype == torch.bfloat16 and not native.bfloat16_arithmetic() and unsupported(model) is not None:
         model.float()  # bfloat16 weights compute in float32 in our own forward only (`fastest_dtype`): not this one
     if quantize is not None:
         quantize_model(model, quantize)

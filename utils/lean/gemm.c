@@ -262,12 +262,14 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
     float scale[4][Q4_MAX_BLOCKS]; /* d * dx per block, for four rows of x */
     for (int r0 = 0; r0 < rows; r0 += 4) { /* four rows of x at a time over this weight row (from L1 after the first) */
       int nr = rows - r0 < 4 ? rows - r0 : 4;
-      for (int r = 0; r < nr; r++)
-        for (int b = 0; b < blocks; b += 8) {
-          __m256 d = b + 8 <= blocks ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dj + b))) : _mm256_setzero_ps();
-          if (b + 8 <= blocks) _mm256_storeu_ps(scale[r] + b, _mm256_mul_ps(d, _mm256_loadu_ps(dx + (size_t)(r0 + r) * blocks + b)));
-          else for (int i = b; i < blocks; i++) scale[r][i] = _cvtsh_ss(dj[i]) * dx[(size_t)(r0 + r) * blocks + i];
-        }
+      for (int r = 0; r < nr; r++) {
+        const float* dxr = dx + (size_t)(r0 + r) * blocks;
+        int b = 0;
+        for (; b + 8 <= blocks; b += 8)
+          _mm256_storeu_ps(scale[r] + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dj + b))),
+                                                      _mm256_loadu_ps(dxr + b)));
+        for (; b < blocks; b++) scale[r][b] = _cvtsh_ss(dj[b]) * dxr[b];
+      }
       /* acc[r]: 8 float lanes for the pairs' first blocks, 8 for their second ones (one 512-bit register with
          AVX-512 VNNI: both blocks in one dot product; two 256-bit ones elsewhere: the same operations per lane) */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)

@@ -115,6 +115,7 @@ def gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return out
 
 
+@cache
 def bfloat16_arithmetic() -> bool:
     """Whether this CPU computes in bfloat16 (AVX-512-BF16 or AMX). Elsewhere a bfloat16 matmul over a few rows is
     converted on the fly and grows with the rows: on a 2-core AMD EPYC with AVX2 only, the 1.5B's pass over 5 tokens
