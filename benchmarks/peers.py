@@ -182,6 +182,8 @@ def parse_args(argv: list[str] | None):
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("bench_results/peers"))
     parser.add_argument("--llama-draft-max", type=int, default=DRAFT_MAX,
                         help=f"tokens llama.cpp's drafter model drafts at most (llama.cpp's default: {DRAFT_MAX})")
+    parser.add_argument("--quantize", choices=["int8", "int4"],
+                        help="our target quantized (load_model's quantize=): int4 against llama.cpp's Q4_K_M")
     args = cli.parse(parser, argv)
     if args.llama_draft_max < 1:
         parser.error(f"--llama-draft-max must be >= 1, got {args.llama_draft_max}")
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     texts = load_workload(args.workload, args.per_category, path=args.data)
     if not texts:
         raise SystemExit(f"no prompts: --per-category {args.per_category} of workload {args.workload}")
-    target, tokenizer = load_model(args.model, dtype=args.dtype)
+    target, tokenizer = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     drafter = load_model(args.drafter, dtype=target.dtype)[0] if args.drafter else None
     prompts = [(index, task, encode(tokenizer, text)) for index, (task, text) in enumerate(texts)]
     threads = torch.get_num_threads()
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_outputs(records, {index: ids for index, _, ids in prompts}, Classifier(target))
     summary = summarise(records, methods)
     origin = " (the GGUF de-quantized)" if offline_model(args.model) is not None else ""
-    weights = {"ours": f"{str(target.dtype).removeprefix('torch.')}{origin}",
+    quantized = f", {args.quantize} weights" if args.quantize else ""
+    weights = {"ours": f"{str(target.dtype).removeprefix('torch.')}{origin}{quantized}",
                "llama.cpp": peer.weights if peer else "-"}
     notes += peer_notes(peer, args.llama_draft_max)
     settings = {"workload": args.workload, "model": args.model or "smollm2-135m-instruct", "drafter": args.drafter,

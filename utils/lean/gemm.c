@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_ROWS 32
 #define JB 4
 #define KC 512
@@ -65,19 +67,6 @@ int specdec_block(void) { return KB; }
 #if KB
 #define HALF (KB / 2)
 
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's conversion */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* a NaN stays a NaN */
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* acc[r][b] += weight row j0+b times activation row r0+r over elements [k0, k1); xp holds each KB-block of the
    activations as its even elements then its odd ones, in float32. */

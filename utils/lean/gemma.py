@@ -79,6 +79,7 @@ class LeanGemma(LeanLlama):
     """The passes of a Gemma-family model (`unsupported(model)` is None) over a static KV buffer."""
 
     layer_class = GemmaLayer
+    norm_plus_one = True
 
     def __init__(self, model) -> None:
         super().__init__(model)
@@ -103,13 +104,16 @@ class LeanGemma(LeanLlama):
         return self._rotaries[kind](probe, positions)
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        if self.native:
+            return super()._norm(x, weight)
         return gemma_norm(x, weight, self.eps)
 
     def _block(self, layer: GemmaLayer, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots, kv,
                index: int) -> Tensor:
         out = self._attention(layer, self._norm(h, layer.attention_norm), rope, mask, slots, kv, index)
-        h = h + (out if layer.post_attention_norm is None else self._norm(out, layer.post_attention_norm))
-        out = self._mlp(layer, self._norm(h, layer.mlp_norm))
+        out = out if layer.post_attention_norm is None else self._norm(out, layer.post_attention_norm)
+        h, x = self._add_norm(h, out, layer.mlp_norm)
+        out = self._mlp(layer, x)
         return h + (out if layer.post_mlp_norm is None else self._norm(out, layer.post_mlp_norm))
 
     @torch.no_grad()

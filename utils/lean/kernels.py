@@ -53,7 +53,7 @@ Kernel = tuple[str, int]
 LINEAR: Kernel = ("linear", 0)
 REFERENCE: Kernel = ("weight_major", 32)  # the product every width-invariant torch kernel agrees with, bit for bit
 NATIVE: Kernel = ("native", 0)
-_CODE = hashlib.sha256(Path(__file__).read_bytes() + native.SOURCE.read_bytes()).hexdigest()[:12]  # a table's version
+_CODE = hashlib.sha256(Path(__file__).read_bytes() + native.GEMM_SOURCE.read_bytes()).hexdigest()[:12]  # a table's version
 INVARIANT_ENV = "SPECDEC_WIDTH_INVARIANT"  # "0": the fastest kernel per width; "1": the invariant ones at any price
 INVARIANCE_PAYS = 1.05  # the invariant family's mean price over the row counts that it may cost by default
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from utils.lean import native
 from utils.lean.linear import Linear, numerics
 from utils.lean.static_kv import PassSlots, StaticKV
 
@@ -99,6 +100,7 @@ class LeanLlama(nn.Module):
     `softcap` choose its rotary table, its mask and its attention (`_attend`)."""
 
     layer_class = Layer
+    norm_plus_one = False  # RMSNorm's weight applied as (1 + weight) in float32 (Gemma's)
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -120,19 +122,28 @@ class LeanLlama(nn.Module):
         # whatever its width; invariance pads the attention's queries (`_sdpa`) and reads the keys in whole blocks
         # of torch's CPU attention kernel (512), so that a row's bits do not depend on how far the others reach.
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype)
-        self.kv_step = KV_BLOCK if self.invariant else 64  # the buffer's slots a pass reads: the longest row's, rounded up
+        # Our own norms, rotary step and attention (`layer.c`) where they run: one call each for several eager
+        # operations, the attention width-invariant with no padding; the rotary step too unless q and k are
+        # normalised first (Qwen3's q/k norms run in torch).
+        self.native = native.layer_ops(self.dtype, config.hidden_size, self.head_dim)
+        self.native_rope = self.native and all(layer.qk_norms is None for layer in self.layers)
+        padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
+        self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
         self._tables: dict[str | None, tuple[Tensor, Tensor]] = {}
 
     def _rope(self, positions: Tensor, slots: int, kind: str | None = None) -> tuple[Tensor, Tensor]:
         """cos and sin at `positions` (rows, width) -> each (rows, 1, width, head_dim), from a table computed
         once by the model's rotary module for a buffer's `slots` positions (a position never passes them);
-        `kind`: the layer type a rotary module of several tables is asked for (Gemma 3's), None: its only one."""
+        `kind`: the layer type a rotary module of several tables is asked for (Gemma 3's), None: its only one.
+        Where our rotary step runs (`native_rope`), the tables themselves, (positions, head_dim): it reads them."""
         if kind not in self._tables or slots > self._tables[kind][0].shape[0]:
             probe = torch.empty(0, dtype=self.dtype, device=self.norm.device)
             cos, sin = self._rotary_at(probe, torch.arange(slots, device=self.norm.device)[None], kind)
-            self._tables[kind] = cos[0], sin[0]
+            self._tables[kind] = cos[0].contiguous(), sin[0].contiguous()
         cos, sin = self._tables[kind]
+        if self.native_rope:
+            return cos, sin
         return cos[positions][:, None], sin[positions][:, None]
 
     def _rotary_at(self, probe: Tensor, positions: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
@@ -143,7 +154,16 @@ class LeanLlama(nn.Module):
         return self.embed(ids)
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        if self.native:
+            return native.rms_norm(x, weight, self.eps, plus_one=self.norm_plus_one)
         return rms_norm(x, weight, self.eps)
+
+    def _add_norm(self, h: Tensor, delta: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """(h + delta, its norm): the residual addition and the next norm, one call where ours run."""
+        if self.native:
+            return native.add_rms_norm(h, delta, weight, self.eps, plus_one=self.norm_plus_one)
+        h = h + delta
+        return h, self._norm(h, weight)
 
     @torch.no_grad()
     def forward(self, ids: Tensor, slots: PassSlots, kv: StaticKV, num_logits: int) -> Tensor:
@@ -160,8 +180,9 @@ class LeanLlama(nn.Module):
     def _block(self, layer: Layer, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots: PassSlots,
                kv: StaticKV, index: int) -> Tensor:
         """One decoder layer: `h` after it."""
-        h = h + self._attention(layer, self._norm(h, layer.attention_norm), rope, mask, slots, kv, index)
-        return h + self._mlp(layer, self._norm(h, layer.mlp_norm))
+        out = self._attention(layer, self._norm(h, layer.attention_norm), rope, mask, slots, kv, index)
+        h, x = self._add_norm(h, out, layer.mlp_norm)
+        return h + self._mlp(layer, x)
 
     def _mlp(self, layer: Layer, x: Tensor) -> Tensor:
         gate, up = layer.gate_up.split(layer.gate_up(x))
@@ -170,6 +191,11 @@ class LeanLlama(nn.Module):
     def _attention(self, layer: Layer, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots: PassSlots,
                    kv: StaticKV, index: int) -> Tensor:
         rows, width, _ = x.shape
+        if self.native_rope:  # rotated and written in one call
+            qkv = layer.qkv(x)
+            keys, values = kv.layer(index, qkv.new_empty(rows, self.kv_heads, 0, self.head_dim))
+            q = native.rope_write(qkv, *rope, slots.positions, slots.write_index, keys, values, self.heads)
+            return layer.o(self._attend(layer, q.transpose(1, 2), keys, values, mask))
         q, k, v = layer.qkv.split(layer.qkv(x))
         q = q.view(rows, width, self.heads, self.head_dim)
         k = k.view(rows, width, self.kv_heads, self.head_dim)
@@ -179,16 +205,23 @@ class LeanLlama(nn.Module):
         k = rotate(k.transpose(1, 2), *rope)
         v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
         keys, values = kv.write(index, k, v, slots.write_index, slots.start)
-        used = mask.shape[-1]
-        out = self._attend(layer, q, keys[:, :, :used], values[:, :, :used], mask)
-        return layer.o(out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim))
+        return layer.o(self._attend(layer, q, keys, values, mask))
 
     def _attend(self, layer: Layer, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """The model's attention: its eager one mirrored when it runs "eager" or caps the layer's logits (torch's
-        kernel cannot), else torch's."""
+        """Attention of q (rows, heads, width, head_dim) over the buffer's first `mask.shape[-1]` slots ->
+        (rows, width, heads * head_dim): ours where it runs, up to `native.MAX_ROWS` queries as our GEMMs (scores in
+        float32, capped where the layer caps them); else the model's eager one mirrored when it runs "eager" or caps
+        the layer's logits (torch's kernel cannot), else torch's."""
+        if self.native and q.shape[2] <= native.MAX_ROWS:  # a prompt's wider pass: torch's blocked kernel is faster
+            return native.attention(q, keys, values, mask, self.scaling, layer.softcap)
+        used = mask.shape[-1]
+        keys, values = keys[:, :, :used], values[:, :, :used]
         if self.eager or layer.softcap is not None:
-            return self._eager_attention(q, keys, values, mask, layer.softcap)
-        return self._sdpa(q, keys, values, mask)
+            out = self._eager_attention(q, keys, values, mask, layer.softcap)
+        else:
+            out = self._sdpa(q, keys, values, mask)
+        rows, _, width, _ = q.shape
+        return out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim)
 
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """torch's attention kernel. Width-invariant (`kernels.INVARIANT_ENV`): its CPU kernel blocks the queries

@@ -1,6 +1,6 @@
-"""Our own GEMM kernels (`gemm.c`): built for this CPU by its C compiler on first use (under a second), kept under
-`SPECDEC_CACHE/kernels`, called through ctypes, never used where they cannot be built (no C compiler, a CPU without
-AVX2 and FMA): torch's products run then, as before.
+"""Our own kernels: GEMMs (`gemm.c`) and a layer's small operations (`layer.c`), built for this CPU by its C compiler
+on first use (about a second), kept under `SPECDEC_CACHE/kernels`, called through ctypes, never used where they
+cannot be built (no C compiler, a CPU without AVX2 and FMA) or with `SPECDEC_NATIVE=0`: torch's operations run then.
 
     unavailable()                why the kernels cannot run here, None when they can
     supports(shape, dtype)       whether the bfloat16 kernel can multiply a weight of `shape` (out, in) in `dtype`
@@ -9,6 +9,9 @@ AVX2 and FMA): torch's products run then, as before.
     compute_dtype(weights)       the dtype a lean forward computes in over these weights
     supports_q4, pack_q4,        4-bit weights in groups of 32 (w = d q + m) times activations quantized to int8 per
     gemm_q4, dequantize_q4       group (llama.cpp's Q4_1 x Q8_1): integer dot products, for `utils/quantize.py`
+    layer_ops(dtype, head_dim)   whether the lean forward's norms, rotary step and attention run here (`layer.c`):
+    rms_norm, add_rms_norm,      one call each where torch takes several eager operations; attention is
+    rope_write, attention        width-invariant without padding (each query alone, in one fixed order)
 
 The bfloat16 kernel multiplies in float32, so on a CPU without bfloat16 arithmetic (AVX2 only) a model held in
 bfloat16 (its checkpoint's dtype, most Hub checkpoints) computes in float32 at half the bytes a float32 model
@@ -31,13 +34,19 @@ from torch import Tensor
 
 from utils.paths import cache_dir
 
-__all__ = ["MAX_ROWS", "Q4_BLOCK", "bfloat16_arithmetic", "compute_dtype", "dequantize_q4", "gemm", "gemm_q4", "pack_q4",
-           "supports", "supports_q4", "unavailable"]
+__all__ = ["MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "add_rms_norm", "attention", "bfloat16_arithmetic", "compute_dtype",
+           "dequantize_q4", "gemm", "gemm_q4", "layer_ops", "pack_q4", "rms_norm", "rope_write", "supports",
+           "supports_q4", "unavailable"]
 
-SOURCE = Path(__file__).with_name("gemm.c")
+GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
+SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by both: part of the build's key
+NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations everywhere
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
 Q4_BLOCK = 32  # gemm.c's 4-bit block: the group of input columns a scale and a minimum serve
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LANES = 16  # layer.c's LANES: a norm's width and a head's size must be multiples of it
+# -ffp-contract=off: a product and a sum written apart stay apart (rounded as torch's eager steps round them)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 
 
 def _cpu_flags() -> str:
@@ -53,7 +62,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (cc, gcc or $CC) to build it"
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
@@ -64,13 +73,13 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True,
-                                   text=True, timeout=120)
+            built = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
+                                   capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as error:
             built = subprocess.CompletedProcess([], returncode=1, stderr=str(error))
         if built.returncode != 0:
             partial.unlink(missing_ok=True)
-            return None, f"{compiler} could not build {SOURCE.name}: {built.stderr.strip()[-300:]}"
+            return None, f"{compiler} could not build {' and '.join(p.name for p in SOURCES)}: {built.stderr.strip()[-300:]}"
         partial.replace(path)
     try:
         library = ctypes.CDLL(str(path))
@@ -82,19 +91,34 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.specdec_gemm_q4.restype = ctypes.c_int
     library.specdec_dequantize_q4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     library.specdec_dequantize_q4.restype = ctypes.c_int
+    pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    library.specdec_rms_norm.argtypes = [pointer] * 4 + [i32, i32, f32, i32, i32, i32]
+    library.specdec_rope_write.argtypes = [pointer] * 8 + [i32] * 7
+    library.specdec_attention.argtypes = ([pointer, i64, i64, i64, pointer, pointer, pointer, i64, i64, pointer]
+                                          + [i32] * 7 + [f32, f32, i32, i32])
+    for function in (library.specdec_rms_norm, library.specdec_rope_write, library.specdec_attention):
+        function.restype = ctypes.c_int
     if library.specdec_block() == 0:
         return None, "this CPU has neither AVX-512 nor AVX2 with FMA"
     return library, None
 
 
 def unavailable() -> str | None:
-    """Why the kernel cannot run here (no compiler, no vector unit it is written for), None when it can."""
+    """Why the kernels cannot run here (no compiler, no vector unit they are written for, `SPECDEC_NATIVE=0`), None
+    when they can."""
+    if os.environ.get(NATIVE_ENV) == "0":
+        return f"{NATIVE_ENV}=0"
     return _library()[1]
+
+
+def _loaded() -> ctypes.CDLL | None:
+    """The kernels' library, None where they cannot run (`unavailable`)."""
+    return None if unavailable() else _library()[0]
 
 
 def supports(shape: tuple[int, int], dtype: torch.dtype) -> bool:
     """Whether the kernel can multiply a weight of `shape` (out, in) held in `dtype` here."""
-    library = _library()[0]
+    library = _loaded()
     return library is not None and dtype == torch.bfloat16 and shape[1] % library.specdec_block() == 0
 
 
@@ -135,7 +159,7 @@ def compute_dtype(weights: list[Tensor]) -> torch.dtype:
 
 def supports_q4(in_features: int, group_size: int) -> bool:
     """Whether the 4-bit kernel can run a linear of `in_features` quantized in groups of `group_size` here."""
-    library = _library()[0]
+    library = _loaded()
     return (library is not None and library.specdec_q4_block() > 0 and group_size == Q4_BLOCK
             and in_features % library.specdec_q4_block() == 0 and in_features <= 32768)
 
@@ -173,4 +197,76 @@ def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor) -> Tensor:
     if status != 0:
         raise ValueError(f"the 4-bit kernel cannot multiply x {tuple(x.shape)} {x.dtype}: at most {MAX_ROWS} rows, "
                          f"the input width a multiple of {library.specdec_q4_block()}")
+    return out
+
+
+def layer_ops(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
+    """Whether `layer.c` runs a lean forward's norms, rotary step and attention here, for a pass computing in `dtype`
+    with `hidden` features and heads of `head_dim` (float32 or bfloat16; float64 keeps torch's operations)."""
+    return (_loaded() is not None and dtype in (torch.float32, torch.bfloat16) and hidden % LANES == 0
+            and head_dim % LANES == 0)
+
+
+def _bf16(tensor: Tensor) -> int:
+    return int(tensor.dtype == torch.bfloat16)
+
+
+def _checked(status: int, what: str) -> None:
+    if status != 0:
+        raise ValueError(f"layer.c's {what} failed (status {status}): a width or head size not a multiple of {LANES}, "
+                         f"or no memory")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, plus_one: bool = False) -> Tensor:
+    """RMSNorm over x's last dimension, the model's (`plus_one`: Gemma's, times 1 + weight in float32): `llama.py`'s
+    `rms_norm` or `gemma.py`'s `gemma_norm` in one call."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _checked(_loaded().specdec_rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                                        x.shape[-1], eps, int(plus_one), _bf16(x), _bf16(weight)), "RMSNorm")
+    return out
+
+
+def add_rms_norm(h: Tensor, delta: Tensor, weight: Tensor, eps: float, *, plus_one: bool = False) -> tuple[Tensor, Tensor]:
+    """(h + delta, its RMSNorm) in one call: the residual addition is written into `h` (made contiguous first)."""
+    h, delta = h.contiguous(), delta.to(h.dtype).contiguous()
+    out = torch.empty_like(h)
+    _checked(_loaded().specdec_rms_norm(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                        h.numel() // h.shape[-1], h.shape[-1], eps, int(plus_one), _bf16(h),
+                                        _bf16(weight)), "RMSNorm")
+    return h, out
+
+
+def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_index: Tensor, keys: Tensor,
+               values: Tensor, heads: int) -> Tensor:
+    """The q/k/v product's output (rows, width, (heads + 2 kv_heads) head_dim) -> the rotated queries (rows, width,
+    heads, head_dim); the rotated keys and the values are written into the buffer `keys` and `values` (rows, kv_heads,
+    slots, head_dim) at `write_index` (rows, width). cos and sin: the rotary tables (positions, head_dim), taken at
+    `positions` (rows, width)."""
+    rows, width, _ = qkv.shape
+    kv_heads, slots, head_dim = keys.shape[1:]
+    qkv = qkv.contiguous()
+    positions, write_index = positions.contiguous(), write_index.to(torch.int64).contiguous()
+    q = qkv.new_empty(rows, width, heads, head_dim)
+    _checked(_loaded().specdec_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                          write_index.data_ptr(), q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows,
+                                          width, heads, kv_heads, slots, head_dim, _bf16(qkv)), "rotary step")
+    return q
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """Attention of the queries q (rows, heads, width, head_dim; any strides but the last) over the first
+    `mask.shape[-1]` slots of the buffer's keys and values (rows, kv_heads, slots, head_dim), `mask` (rows, 1, width,
+    used) added to the scores (the dtype's minimum hides a key) -> (rows, width, heads * head_dim), the output
+    projection's input. Scores scaled by `scale`, capped at `softcap` by a tanh (Gemma 2); softmax and sums in float32,
+    each query alone in one fixed order: the same bits whatever the pass's width."""
+    rows, heads, width, head_dim = q.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    mask = mask if mask.stride(-1) == 1 and mask.dtype == q.dtype else mask.to(q.dtype).contiguous()
+    out = q.new_empty(rows, width, heads * head_dim)
+    _checked(_loaded().specdec_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), keys.data_ptr(),
+                                         values.data_ptr(), mask.data_ptr(), mask.stride(0), mask.stride(2),
+                                         out.data_ptr(), rows, heads, keys.shape[1], width, mask.shape[-1], keys.shape[2],
+                                         head_dim, scale, softcap or 0.0, _bf16(q), torch.get_num_threads()),
+             "attention")
     return out

@@ -71,11 +71,7 @@ class StaticKV:
               start: int | None = None) -> tuple[Tensor, Tensor]:
         """`update` with the slots given: `write_index` (rows, width), or for one row `start`, its first slot
         (a plain copy into consecutive slots)."""
-        if layer_idx == len(self.keys):  # the first pass: this layer's buffers, once
-            shape = (self.rows, key.shape[1], self.slots, key.shape[3])
-            self.keys.append(key.new_zeros(shape))
-            self.values.append(value.new_zeros(shape))
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.layer(layer_idx, key)
         if start is not None:
             width = key.shape[2]
             keys[:, :, start : start + width] = key
@@ -85,6 +81,15 @@ class StaticKV:
         keys.scatter_(2, index, key.to(keys.dtype))
         values.scatter_(2, index, value.to(values.dtype))
         return keys, values
+
+    def layer(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer `layer_idx`'s keys and values, allocated at its first pass (layers come in order) with `like`'s
+        heads, head size, dtype and device (a (rows, kv_heads, width, head_dim) tensor of the pass's keys)."""
+        if layer_idx == len(self.keys):
+            shape = (self.rows, like.shape[1], self.slots, like.shape[3])
+            self.keys.append(like.new_zeros(shape))
+            self.values.append(like.new_zeros(shape))
+        return self.keys[layer_idx], self.values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The slots a query may see (a model that builds its own positions would read this; the
