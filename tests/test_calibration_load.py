@@ -125,6 +125,12 @@ def test_a_noisy_calibration_is_not_repeated_in_the_same_process(fresh_process, 
     assert len(told(capsys)) == 1
 
 
+def warm_up(costs, *widths) -> None:
+    """Each width's first pass: a warm-up, never counted (`PassCosts.observe`)."""
+    for k in widths:
+        costs.observe(k, 100.0)
+
+
 def test_a_stored_table_that_online_timings_contradict_is_measured_again(fresh_process, monkeypatch):
     monkeypatch.setattr(calibration, "_scheduler_times", lambda: (0.0, 0.0))
     monkeypatch.setattr(calibration, "time_passes", fake_timings(lambda k: 1.0 + k / 10))  # k = 8: 1.8x
@@ -135,6 +141,7 @@ def test_a_stored_table_that_online_timings_contradict_is_measured_again(fresh_p
 
     del calibration._COSTS[model]  # a later start: read from disk; these passes agree with it
     costs = pass_costs(model)
+    warm_up(costs, 0, 8)
     for _ in range(2 * STALE_AFTER):
         costs.observe(0, 0.010)
         costs.observe(8, 0.019)
@@ -142,6 +149,7 @@ def test_a_stored_table_that_online_timings_contradict_is_measured_again(fresh_p
 
     del calibration._COSTS[model]  # another start, on a machine whose wide passes cost nothing extra
     costs = pass_costs(model)
+    warm_up(costs, 0, 8)
     for _ in range(STALE_AFTER - 1):
         costs.observe(0, 0.010)
         costs.observe(8, 0.010)
@@ -158,6 +166,7 @@ def test_a_stored_table_that_online_timings_contradict_is_measured_again(fresh_p
 def test_the_tolerance_is_the_tables_own_spread():
     def checked(spread):
         costs = PassCosts(relative={0: 1.0, 8: 4.0, 31: 8.0}, one_token_seconds=1.0, measured=True, spread=spread)
+        warm_up(costs, 0, 8)
         for _ in range(STALE_AFTER):
             costs.observe(0, 1.0)
             costs.observe(8, 2.0)  # half the table's 4.0

@@ -107,10 +107,16 @@ def test_a_real_calibration_measures_every_size():
 
 
 def test_online_observations_replace_the_calibration_and_a_burst_moves_little():
-    costs = PassCosts(relative={0: 1.0, 1: 2.0, 31: 4.0}, one_token_seconds=0.1)
-    for _ in range(3):
+    costs = PassCosts(relative={0: 1.0, 1: 2.0, 31: 4.0}, one_token_seconds=0.1, measured=True)
+    costs.observe(0, 0.5)  # each width's first pass is a warm-up: not a cost
+    costs.observe(1, 0.5)
+    assert costs.seconds(0) == pytest.approx(0.1) and costs(1) == pytest.approx(2.0)
+    for _ in range(2):
         costs.observe(0, 0.1)
         costs.observe(1, 0.11)
+    assert costs.seconds(0) == pytest.approx(0.1) and costs(1) == pytest.approx(2.0)  # two timings: not yet
+    costs.observe(0, 0.1)
+    costs.observe(1, 0.11)
     assert costs(1) == pytest.approx(1.1)  # measured where it runs now, not at calibration time
     assert costs(2) == pytest.approx(2.0 + 2 / 30)  # never observed: still the calibration
     costs.observe(1, 100.0)  # one pass during a burst of load

@@ -74,6 +74,7 @@ class PassCosts:
     on_stale: Callable[[], None] | None = field(default=None, repr=False, compare=False)  # called once
     stale: bool = False  # online timings disagreed with the table
     _online: dict[int, list[float]] = field(default_factory=dict, repr=False)  # k -> [seconds, count]
+    _warmed: set = field(default_factory=set, repr=False)  # the k whose first pass (a warm-up, never timed) ran
     # Batched passes, timed as they run: (rows, tokens per row) -> [seconds, count].
     _batches: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
 
@@ -87,8 +88,10 @@ class PassCosts:
         return _interpolate(self.relative, num_drafts)
 
     def seconds(self, num_drafts: int = 0) -> float | None:
-        """Estimated seconds of a pass over 1 + `num_drafts` tokens (None before any timing)."""
-        base = self._online[0][0] if 0 in self._online else self.one_token_seconds
+        """Estimated seconds of a pass over 1 + `num_drafts` tokens (None before any timing): the one-token pass as
+        timed online once it has been seen `ONLINE_MIN` times (as `__call__` takes the ratios), else as calibrated."""
+        online = self._online.get(0)
+        base = online[0] if online and (online[1] >= ONLINE_MIN or self.one_token_seconds is None) else self.one_token_seconds
         return None if base is None else base * self(num_drafts)
 
     def shortcuts_for(self, num_drafts: int) -> Shortcuts:
@@ -99,7 +102,13 @@ class PassCosts:
 
     def observe(self, num_drafts: int, seconds: float) -> None:
         """A pass over 1 + `num_drafts` tokens took `seconds`: refine the running estimate, and
-        check the table against it."""
+        check the table against it. The first pass of each width is a warm-up, not a cost: a model's first
+        passes pay once for what is built or touched at first use (measured: the self-drafter's first one-token
+        pass took 184 ms against 68 ms calibrated; taken as its cost, it priced every later draft out of paying
+        and no draft was made again to correct it)."""
+        if num_drafts not in self._warmed:
+            self._warmed.add(num_drafts)
+            return
         _refine(self._online, num_drafts, seconds)
         if not self.stale and self.spread is not None and self._disagrees(num_drafts):
             self.stale = True
