@@ -143,6 +143,27 @@ def test_fused_weights_are_the_models_own():
     assert torch.equal(_reference(model, prompt(4, 10)), reference)  # the Hugging Face path runs as before
 
 
+def test_weights_move_to_huge_pages_once_and_a_tied_head_stays_tied():
+    """A weight of a huge page or more is moved to memory advised for huge pages (`huge_pages.py`) where the kernel
+    gives them: the same values, one copy, and a head tied to the embedding still one parameter."""
+    from utils.lean import huge_pages
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16384, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).float().eval()  # a 4 MB head (16384 x 64 float32): two huge pages
+    head = model.lm_head.weight.detach().clone()
+    reference = _reference(model, prompt(4, 10, vocab=16384))
+    lean_decoder(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and torch.equal(model.lm_head.weight, head)
+    moved = huge_pages.thp_mode() in ("always", "madvise")
+    assert (model.lm_head.weight.data_ptr() % huge_pages.HUGE_PAGE == 0) == moved
+    assert torch.equal(_reference(model, prompt(4, 10, vocab=16384)), reference)
+    small = torch.ones(10)
+    assert huge_pages.on_huge_pages(small) is small  # under a huge page: kept as it is
+    forget(model)
+
+
 def test_quantized_linears_run_unfused_and_a_replaced_linear_is_seen():
     from utils.quantized_models import quantize_model
 

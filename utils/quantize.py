@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.lean import native
+from utils.lean import huge_pages, native
 
 __all__ = ["QuantizedLinear", "compute_dtype", "int4_fits", "quantized_linear", "linear_weight"]
 
@@ -96,7 +96,7 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size, self.kernel = bits, group_size, kernel
         self.in_features, self.out_features = in_features, out_features
         self.compute = compute_dtype(dtype)
-        self.register_buffer("weight_q", weight_q)
+        self.register_buffer("weight_q", huge_pages.on_huge_pages(weight_q))  # streamed every pass (huge_pages.py)
         self.register_buffer("scales", scales if kernel == "native" else scales.to(self.compute))
         self.bias = bias
 

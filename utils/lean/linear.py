@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.lean import native
+from utils.lean import huge_pages, native
 from utils.lean.kernels import INVARIANT_ENV, LINEAR, apply, kernel_table, prepare
 
 __all__ = ["Linear", "fused", "numerics", "release_file_pages"]
@@ -83,11 +83,20 @@ class Linear:
 
 
 def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
-    """`tensors` (each module's parameter `name`) concatenated on dim 0 into one tensor, each module's
-    parameter then a view into it: one copy in memory, the model's own modules unchanged in value."""
+    """`tensors` (each module's parameter `name`) concatenated on dim 0 into one tensor in memory advised for huge
+    pages (`huge_pages.py`), each module's parameter then a view into it: one copy in memory, the model's own modules
+    unchanged in value. One tensor is moved there alone where huge pages can back it (its parameter's data swapped,
+    so that a tied head and embedding stay one parameter), else kept as it is."""
     if len(tensors) == 1:
-        return tensors[0].detach()
-    whole = torch.cat([t.detach() for t in tensors])
+        tensor, old = tensors[0], tensors[0].detach()
+        moved = huge_pages.on_huge_pages(old)
+        if moved is not old:
+            tensor.data = moved
+            release_file_pages([old])
+        return tensor.detach()
+    rows = sum(t.shape[0] for t in tensors)
+    whole = huge_pages.advised_empty((rows, *tensors[0].shape[1:]), tensors[0].dtype, tensors[0].device)
+    torch.cat([t.detach() for t in tensors], out=whole)
     release_file_pages(tensors)
     start = 0
     for tensor, module in zip(tensors, modules, strict=True):

@@ -1,0 +1,66 @@
+"""Weights in memory backed by 2 MB pages (Linux's transparent huge pages), where the kernel gives them.
+
+A pass streams every weight once, and over 4 KB pages it also walks a page table entry every 4 KB: on the Xeon of
+docs/results.md the 1.5B's one-token pass took 151.5 ms with its weights as loaded (the checkpoint file's pages and
+torch's 4 KB anonymous pages), 144.3 ms copied to fresh anonymous memory and 134.9 ms in memory advised for huge
+pages (`madvise(MADV_HUGEPAGE)`; the kernel's default mode on most distributions, "madvise", gives them only
+there). So the lean forward's weights (`linear.py`) and the 4-bit kernel's packed weights (`utils/quantize.py`) are
+placed in such memory once, when they are built: one copy each, the old one given back.
+
+    advised_empty(shape, dtype)   an empty tensor in memory advised for huge pages, or a plain one where that cannot
+                                  help (not Linux, huge pages "never", under one huge page)
+    on_huge_pages(tensor)         `tensor`'s values there (a copy), or `tensor` itself where that cannot help
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["HUGE_PAGE", "advised_empty", "on_huge_pages", "thp_mode"]
+
+HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KB base pages) transparent huge page
+_MADV_HUGEPAGE = 14  # Linux
+
+
+@cache
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"), "" where there is none (not Linux)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
+
+
+def _helps(nbytes: int, device: torch.device) -> bool:
+    return sys.platform.startswith("linux") and thp_mode() in ("always", "madvise") and device.type == "cpu" \
+        and nbytes >= HUGE_PAGE
+
+
+def advised_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """An uninitialised tensor of `shape` whose memory is advised for huge pages before it is first touched (its
+    pages are faulted in as 2 MB ones when written), or a plain `torch.empty` where that cannot help."""
+    device = torch.device(device)
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if not _helps(nbytes, device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # room to start on a huge page boundary
+    start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE), _MADV_HUGEPAGE)
+    offset = start - raw.data_ptr()
+    return raw[offset : offset + nbytes].view(dtype).view(shape)  # the view keeps the whole allocation alive
+
+
+def on_huge_pages(tensor: Tensor) -> Tensor:
+    """`tensor`'s values in memory advised for huge pages (a contiguous copy), or `tensor` itself where that cannot
+    help (`advised_empty`)."""
+    if not _helps(tensor.numel() * tensor.element_size(), tensor.device):
+        return tensor
+    return advised_empty(tuple(tensor.shape), tensor.dtype, tensor.device).copy_(tensor)
