@@ -35,7 +35,7 @@ from benchmarks.exactness import Classifier, counts, describe, transformers_gree
 from benchmarks.prompts import encode, load_humaneval
 from sampling import autoregressive_generate, quantized_drafter
 from utils.calibration import pass_costs
-from utils.lean import forward_path, native
+from utils.lean import forward_path, huge_pages, native
 from utils.loading import end_token_ids, load_model
 from utils.machine import machine
 from utils.runners.static import StaticSequence
@@ -56,17 +56,18 @@ def emulate_avx2(argv: list[str]) -> None:
     native.bfloat16_arithmetic = lambda: False
 
 
-def profiled(kernel):
+def profiled(kernel, name: str = "specdec::gemm"):
     """Our kernel under a name torch's profiler sees (its time is in a ctypes call torch does not know)."""
-    def run(*args):
-        with torch.profiler.record_function("specdec::gemm"):
-            return kernel(*args)
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return kernel(*args, **kwargs)
     return run
 
 
 def read_bandwidth(gigabytes: float = 2.0, repeats: int = 5) -> float:
-    """Bytes per second a memory-bound `sum` reads here (the best of `repeats`)."""
-    data = torch.ones(int(gigabytes * 2**30 // 4))
+    """Bytes per second a memory-bound `sum` reads here (the best of `repeats`), over memory of the weights' kind
+    (huge pages where the lean forward puts them: `utils/lean/huge_pages.py`)."""
+    data = huge_pages.advised_empty((int(gigabytes * 2**30 // 4),), torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.emulate_avx2:
         emulate_avx2(sys.argv[1:] if argv is None else argv)
     native.gemm, native.gemm_q4 = profiled(native.gemm), profiled(native.gemm_q4)
+    for op in ("rms_norm", "add_rms_norm", "rope_write", "attention"):  # in the pass's total, not in the GEMMs'
+        setattr(native, op, profiled(getattr(native, op), "specdec::layer"))
     console = Console(stderr=True)
     target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     models = {"target": target}
