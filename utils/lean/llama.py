@@ -119,12 +119,13 @@ class LeanLlama(nn.Module):
         self.norm = decoder.norm.weight
         self.head = Linear([model.lm_head])
         # What a pass computes in (the buffer, the masks and the logits too) and whether its rows' bits are the same
-        # whatever its width; invariance pads the attention's queries (`_sdpa`) and reads the keys in whole blocks
-        # of torch's CPU attention kernel (512), so that a row's bits do not depend on how far the others reach.
+        # whatever its width (up to 32 tokens, our GEMMs' and attention's limit).
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype)
         # Our own norms, rotary step and attention (`layer.c`) where they run: one call each for several eager
-        # operations, the attention width-invariant with no padding; the rotary step too unless q and k are
-        # normalised first (Qwen3's q/k norms run in torch).
+        # operations, the attention width-invariant by construction; the rotary step too unless q and k are
+        # normalised first (Qwen3's and Gemma 3's q/k norms run in torch). Where ours do not run, invariance pads
+        # torch's attention's queries (`_sdpa`) and reads the keys in whole blocks of its CPU kernel (512), so that
+        # a row's bits do not depend on how far the others reach.
         self.native = native.layer_ops(self.dtype, config.hidden_size, self.head_dim)
         self.native_rope = self.native and all(layer.qk_norms is None for layer in self.layers)
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)

@@ -9,7 +9,7 @@ cannot be built (no C compiler, a CPU without AVX2 and FMA) or with `SPECDEC_NAT
     compute_dtype(weights)       the dtype a lean forward computes in over these weights
     supports_q4, pack_q4,        4-bit weights in groups of 32 (w = d q + m) times activations quantized to int8 per
     gemm_q4, dequantize_q4       group (llama.cpp's Q4_1 x Q8_1): integer dot products, for `utils/quantize.py`
-    layer_ops(dtype, head_dim)   whether the lean forward's norms, rotary step and attention run here (`layer.c`):
+    layer_ops(dtype, hidden, hd) whether the lean forward's norms, rotary step and attention run here (`layer.c`):
     rms_norm, add_rms_norm,      one call each where torch takes several eager operations; attention is
     rope_write, attention        width-invariant without padding (each query alone, in one fixed order)
 
