@@ -10,8 +10,8 @@
 
    Width invariance by construction: every query's attention is computed alone (its scores, their maximum, its
    softmax's sum and its output, each in one fixed order over the keys it sees), whatever the number of queries in
-   the pass, of keys the pass reads beyond a row's length (hidden keys are skipped, not added as zeros) or of
-   threads; the norms and the rotary step work on one token at a time. So no padding of queries or keys is needed
+   the pass, of keys the pass reads beyond a row's length (a hidden key's weight is exactly zero, and adding a zero
+   changes no float32 sum: the buffer holds only finite values) or of threads; the norms and the rotary step work on one token at a time. So no padding of queries or keys is needed
    (torch's attention kernel blocks queries by their count: `llama.py` pads for it). */
 #include <math.h>
 #include <stddef.h>

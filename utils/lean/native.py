@@ -246,7 +246,7 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
     rows, width, _ = qkv.shape
     kv_heads, slots, head_dim = keys.shape[1:]
     qkv = qkv.contiguous()
-    positions, write_index = positions.contiguous(), write_index.to(torch.int64).contiguous()
+    positions, write_index = positions.to(torch.int64).contiguous(), write_index.to(torch.int64).contiguous()
     q = qkv.new_empty(rows, width, heads, head_dim)
     _checked(_loaded().specdec_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                           write_index.data_ptr(), q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows,
