@@ -163,6 +163,26 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* q[i] = v[i] * inverse rounded to the nearest integer (ties to even, as lrintf), clamped to [-127, 127], for one
+   block of Q4_BLOCK (32) values -> the sum of the q. */
+static inline int quantize_block(const float* v, float inverse, int8_t* q) {
+  const __m256 scale = _mm256_set1_ps(inverse);
+  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+  __m256i part[4], sum = _mm256_setzero_si256();
+  for (int k = 0; k < 4; k++) {
+    part[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), scale));
+    part[k] = _mm256_max_epi32(_mm256_min_epi32(part[k], top), bottom);
+    sum = _mm256_add_epi32(sum, part[k]);
+  }
+  __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(part[0], part[1]), _mm256_packs_epi32(part[2], part[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* back to element order */
+  _mm256_storeu_si256((__m256i*)q, bytes);
+  __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
+  return _mm_cvtsi128_si32(half);
+}
+
 /* sum_b h[b] * f[b] over n values: float16 h, float32 f, 8 at a time then the rest, in one order. */
 static inline float dot_half(const uint16_t* h, const float* f, int n) {
   __m256 acc = _mm256_setzero_ps();
@@ -234,13 +254,7 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
         amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
       }
       float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
-      int sum = 0;
-      for (int i = 0; i < Q4_BLOCK; i++) {
-        int q = (int)lrintf(v[i] * inverse);
-        q = q > 127 ? 127 : q < -127 ? -127 : q;
-        qx[(size_t)r * in + b * Q4_BLOCK + i] = (int8_t)q;
-        sum += q;
-      }
+      int sum = quantize_block(v, inverse, qx + (size_t)r * in + b * Q4_BLOCK);
       dx[(size_t)r * blocks + b] = d;
       sx[(size_t)r * blocks + b] = d * (float)sum;
     }
