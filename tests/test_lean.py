@@ -253,6 +253,34 @@ def test_invariance_is_taken_by_default_only_where_it_costs_at_most_five_percent
     assert not kernels.KernelTable(measured(1.0)).invariant
 
 
+def test_invariance_is_priced_over_the_whole_pass(monkeypatch):
+    """A small matrix whose invariant kernels cost 20% more does not make a pass dearer by 20%: the model's linears
+    are weighed by their seconds (and how often a pass runs them), and every table then takes the same family."""
+    from types import SimpleNamespace
+
+    from utils.lean import kernels, linear
+
+    fast, padded = ("mv", 0), kernels.REFERENCE
+
+    def table(fast_seconds: float, price: float) -> kernels.KernelTable:
+        return kernels.KernelTable({bucket: {"fastest": fast, "invariant": padded,
+                                             "seconds": [[*fast, fast_seconds], [*padded, fast_seconds * price]]}
+                                    for bucket in kernels.BUCKETS})
+
+    monkeypatch.delenv(kernels.INVARIANT_ENV, raising=False)
+    small, big = table(1.0, 1.2), table(20.0, 1.0)  # the small one alone would not be invariant
+    assert not small.invariant and big.invariant
+    shapes = {(64, 32): small, (640, 32): big}
+    monkeypatch.setattr(linear, "kernel_table", lambda shape, dtype, device: shapes[shape])
+    monkeypatch.setattr(linear, "prepare", lambda weights: None)
+    monkeypatch.setattr(linear.native, "compute_dtype", lambda weights: torch.bfloat16)
+    layers = [SimpleNamespace(weight=torch.zeros(shape, dtype=torch.bfloat16)) for shape in shapes]
+    assert linear.numerics(layers, torch.bfloat16, [28, 28]) == (torch.bfloat16, True)  # (1.2 + 20) / (1 + 20) = 1.01
+    assert small.invariant and small(1) == padded
+    assert linear.numerics(layers, torch.bfloat16, [28, 0]) == (torch.bfloat16, False)  # the small one alone: 1.2
+    assert not small.invariant and not big.invariant and big(1) == fast
+
+
 @pytest.mark.parametrize(("family", "context"), [("llama", 200), ("qwen2", 200), ("qwen2", 570)])
 def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(family, context, monkeypatch, tmp_path):
     """Width invariance (asked for: by default it is taken where it costs at most 5%, which a probe this small does

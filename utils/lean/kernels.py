@@ -123,22 +123,32 @@ class KernelTable:
     the same bits whatever the pass's width: greedy speculation then equals plain greedy decoding to the bit in
     every dtype) where it costs at most `INVARIANCE_PAYS` of the fastest kernels on average over the row counts,
     else the fastest per row count (`invariant` False). `SPECDEC_WIDTH_INVARIANT=1` takes the invariant family
-    whatever its price, `=0` the fastest. `price`: how much slower the invariant family is, by bucket (1.0: free).
+    whatever its price, `=0` the fastest. `price`: how much slower the invariant family is, by bucket (1.0: free);
+    `seconds`: by bucket, (the invariant family's kernel, the fastest one), what a model weighs its layers by
+    (`linear.numerics`: a model's passes are priced whole, and `take` then sets every table alike).
 
     Why a price limit: where no torch product agrees across widths (MKL's float32 products on an AVX2-only CPU
     differ between 8 rows and the same rows among 32), the invariant choice is the 32-row product itself, and a
     one-row pass would cost 32 rows' arithmetic (seen with torch held to AVX2 on the Xeon)."""
 
     def __init__(self, measured: dict[int, dict]) -> None:
-        self.price = {}
+        self._measured = measured
+        self.price, self.seconds = {}, {}
         for bucket, entry in measured.items():
             seconds = {(name, pad): t for name, pad, t in entry.get("seconds", [])}
             if seconds:
-                self.price[bucket] = seconds.get(tuple(entry["invariant"]), min(seconds.values())) / min(seconds.values())
+                fastest = min(seconds.values())
+                self.seconds[bucket] = (seconds.get(tuple(entry["invariant"]), fastest), fastest)
+                self.price[bucket] = self.seconds[bucket][0] / fastest
         mode = os.environ.get(INVARIANT_ENV)
         mean_price = sum(self.price.values()) / len(self.price) if self.price else 1.0
-        self.invariant = mode == "1" or (mode != "0" and mean_price <= INVARIANCE_PAYS)
-        by_bucket = {bucket: tuple(entry["invariant" if self.invariant else "fastest"]) for bucket, entry in measured.items()}
+        self.take(mode == "1" or (mode != "0" and mean_price <= INVARIANCE_PAYS))
+
+    def take(self, invariant: bool) -> None:
+        """Use the invariant family's kernels (`invariant`) or the fastest per row count."""
+        self.invariant = invariant
+        kind = "invariant" if invariant else "fastest"
+        by_bucket = {bucket: tuple(entry[kind]) for bucket, entry in self._measured.items()}
         self._by_rows = [LINEAR] + [by_bucket[next(b for b in BUCKETS if b >= rows)] for rows in range(1, BUCKETS[-1] + 1)]
 
     def __call__(self, rows: int) -> Kernel:

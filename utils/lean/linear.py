@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.lean import huge_pages, native
-from utils.lean.kernels import INVARIANT_ENV, LINEAR, apply, kernel_table, prepare
+from utils.lean.kernels import INVARIANCE_PAYS, INVARIANT_ENV, LINEAR, apply, kernel_table, prepare
 
 __all__ = ["Linear", "fused", "numerics", "release_file_pages"]
 
@@ -144,15 +144,18 @@ def release_file_pages(tensors: list[Tensor]) -> None:
             libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
-def numerics(linears: list[Linear], dtype: torch.dtype) -> tuple[torch.dtype, bool]:
+def numerics(linears: list[Linear], dtype: torch.dtype, counts: list[int] | None = None) -> tuple[torch.dtype, bool]:
     """(the dtype a lean forward computes in, whether its passes are width-invariant) for a model whose layers
-    have `linears` (one layer's and the head: every layer has the same shapes) and whose norms are in `dtype`.
+    have `linears` (one layer's and the head: every layer has the same shapes), each `counts` times in a pass (1
+    each when not given), and whose norms are in `dtype`.
 
     The dtype: the weights', or float32 over bfloat16 weights on a CPU without bfloat16 arithmetic
     (`native.compute_dtype`: our kernel alone, invariant by construction). Otherwise the kernel tables of these
-    shapes are measured now (`kernels.prepare`, once per machine) and the passes are invariant where each table
-    took its invariant family (`kernels.KernelTable`). Never in float64 (it rounds far below any tie), nor with
-    `SPECDEC_WIDTH_INVARIANT=0`."""
+    shapes are measured now (`kernels.prepare`, once per machine) and invariance is priced over the whole pass:
+    the invariant kernels' seconds over the fastest ones' for all its linears, averaged over the row buckets; at
+    most `kernels.INVARIANCE_PAYS`, every table takes its invariant family (one small matrix dearer by 20% is not a
+    dearer pass: measured on the Xeon, q/k/v and o at 1.19-1.26 for one to four rows, the 1.5B's pass at 1.02).
+    Never in float64 (it rounds far below any tie), nor with `SPECDEC_WIDTH_INVARIANT=0`; with `=1` at any price."""
     weights = [linear.weight for linear in linears if linear.weight is not None]
     computed = native.compute_dtype(weights) if weights else dtype
     if os.environ.get(INVARIANT_ENV) == "0" or computed == torch.float64:
@@ -160,4 +163,14 @@ def numerics(linears: list[Linear], dtype: torch.dtype) -> tuple[torch.dtype, bo
     if computed != (weights[0].dtype if weights else dtype):
         return computed, True
     prepare(weights)
-    return computed, all(kernel_table(tuple(w.shape), w.dtype, w.device.type).invariant for w in weights)
+    tables = [kernel_table(tuple(w.shape), w.dtype, w.device.type) for w in weights]
+    counts = counts or [1] * len(linears)
+    counts = [count for linear, count in zip(linears, counts, strict=True) if linear.weight is not None]
+    mode = os.environ.get(INVARIANT_ENV)
+    buckets = set.intersection(*(set(table.seconds) for table in tables)) if tables else set()
+    prices = [sum(c * t.seconds[b][0] for c, t in zip(counts, tables, strict=True))
+              / sum(c * t.seconds[b][1] for c, t in zip(counts, tables, strict=True)) for b in sorted(buckets)]
+    invariant = mode == "1" or (mode != "0" and (sum(prices) / len(prices) if prices else 1.0) <= INVARIANCE_PAYS)
+    for table in tables:  # tables are shared by shape: a model with the same shapes decides the same
+        table.take(invariant)
+    return computed, invariant

@@ -120,7 +120,8 @@ class LeanLlama(nn.Module):
         self.head = Linear([model.lm_head])
         # What a pass computes in (the buffer, the masks and the logits too) and whether its rows' bits are the same
         # whatever its width (up to 32 tokens, our GEMMs' and attention's limit).
-        self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype)
+        self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype,
+                                              [len(self.layers)] * len(self.layers[0].linears) + [1])
         # Our own norms, rotary step and attention (`layer.c`) where they run: one call each for several eager
         # operations, the attention width-invariant by construction; the rotary step too unless q and k are
         # normalised first (Qwen3's and Gemma 3's q/k norms run in torch). Where ours do not run, invariance pads
