@@ -79,6 +79,7 @@ class LeanGemma(LeanLlama):
     """The passes of a Gemma-family model (`unsupported(model)` is None) over a static KV buffer."""
 
     layer_class = GemmaLayer
+    reference_norm = staticmethod(gemma_norm)
     norm_plus_one = True
 
     def __init__(self, model) -> None:
@@ -102,11 +103,6 @@ class LeanGemma(LeanLlama):
         if self._rotaries is None:
             return super()._rotary_at(probe, positions, kind)
         return self._rotaries[kind](probe, positions)
-
-    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        if self.native:
-            return super()._norm(x, weight)
-        return gemma_norm(x, weight, self.eps)
 
     def _block(self, layer: GemmaLayer, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots, kv,
                index: int) -> Tensor:

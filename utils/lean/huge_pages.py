@@ -43,6 +43,11 @@ def thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
 
 
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _helps(nbytes: int, device: torch.device) -> bool:
     return (sys.platform.startswith("linux") and os.environ.get(HUGE_PAGES_ENV) != "0"
             and thp_mode() in ("always", "madvise") and device.type == "cpu" and nbytes >= HUGE_PAGE)
@@ -57,8 +62,7 @@ def advised_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         return torch.empty(shape, dtype=dtype, device=device)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # room to start on a huge page boundary
     start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE), _MADV_HUGEPAGE)
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE), _MADV_HUGEPAGE)
     offset = start - raw.data_ptr()
     return raw[offset : offset + nbytes].view(dtype).view(shape)  # the view keeps the whole allocation alive
 

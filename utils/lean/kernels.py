@@ -44,7 +44,8 @@ from tqdm import tqdm
 from utils.lean import native
 from utils.paths import cache_dir
 
-__all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "kernel_table", "prepare"]
+__all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "invariance_pays", "kernel_table",
+           "prepare"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows r take the table's entry for the smallest bucket >= r; past 32, F.linear
 PROBE_BYTES = 1 << 29  # matrices timed in turn: beyond the caches, so that the weights come from memory
@@ -140,9 +141,7 @@ class KernelTable:
                 fastest = min(seconds.values())
                 self.seconds[bucket] = (seconds.get(tuple(entry["invariant"]), fastest), fastest)
                 self.price[bucket] = self.seconds[bucket][0] / fastest
-        mode = os.environ.get(INVARIANT_ENV)
-        mean_price = sum(self.price.values()) / len(self.price) if self.price else 1.0
-        self.take(mode == "1" or (mode != "0" and mean_price <= INVARIANCE_PAYS))
+        self.take(invariance_pays([self], [1]))
 
     def take(self, invariant: bool) -> None:
         """Use the invariant family's kernels (`invariant`) or the fastest per row count."""
@@ -153,6 +152,19 @@ class KernelTable:
 
     def __call__(self, rows: int) -> Kernel:
         return self._by_rows[rows] if rows < len(self._by_rows) else LINEAR
+
+
+def invariance_pays(tables: list[KernelTable], counts: list[int]) -> bool:
+    """Whether a pass running the linears of `tables`, each `counts` times, takes the invariant families: their
+    seconds over the fastest kernels' for the whole pass, averaged over the row buckets, at most `INVARIANCE_PAYS`
+    (one table alone: its own mean price). `SPECDEC_WIDTH_INVARIANT=1`: at any price; `=0`: never."""
+    mode = os.environ.get(INVARIANT_ENV)
+    if mode in ("0", "1"):
+        return mode == "1"
+    buckets = sorted(set.intersection(*(set(table.seconds) for table in tables))) if tables else []
+    prices = [sum(c * t.seconds[b][0] for c, t in zip(counts, tables, strict=True))
+              / sum(c * t.seconds[b][1] for c, t in zip(counts, tables, strict=True)) for b in buckets]
+    return (sum(prices) / len(prices) if prices else 1.0) <= INVARIANCE_PAYS
 
 
 @cache

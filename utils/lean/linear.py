@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.lean import huge_pages, native
-from utils.lean.kernels import INVARIANCE_PAYS, INVARIANT_ENV, LINEAR, apply, kernel_table, prepare
+from utils.lean.kernels import INVARIANT_ENV, LINEAR, apply, invariance_pays, kernel_table, prepare
 
 __all__ = ["Linear", "fused", "numerics", "release_file_pages"]
 
@@ -153,8 +153,8 @@ def numerics(linears: list[Linear], dtype: torch.dtype, counts: list[int] | None
     (`native.compute_dtype`: our kernel alone, invariant by construction). Otherwise the kernel tables of these
     shapes are measured now (`kernels.prepare`, once per machine) and invariance is priced over the whole pass:
     the invariant kernels' seconds over the fastest ones' for all its linears, averaged over the row buckets; at
-    most `kernels.INVARIANCE_PAYS`, every table takes its invariant family (one small matrix dearer by 20% is not a
-    dearer pass: measured on the Xeon, q/k/v and o at 1.19-1.26 for one to four rows, the 1.5B's pass at 1.02).
+    most `kernels.INVARIANCE_PAYS` (`kernels.invariance_pays`), every table takes its invariant family: one small
+    matrix dearer by 20% is not a dearer pass (docs/results.md, tenth round).
     Never in float64 (it rounds far below any tie), nor with `SPECDEC_WIDTH_INVARIANT=0`; with `=1` at any price."""
     weights = [linear.weight for linear in linears if linear.weight is not None]
     computed = native.compute_dtype(weights) if weights else dtype
@@ -166,11 +166,7 @@ def numerics(linears: list[Linear], dtype: torch.dtype, counts: list[int] | None
     tables = [kernel_table(tuple(w.shape), w.dtype, w.device.type) for w in weights]
     counts = counts or [1] * len(linears)
     counts = [count for linear, count in zip(linears, counts, strict=True) if linear.weight is not None]
-    mode = os.environ.get(INVARIANT_ENV)
-    buckets = set.intersection(*(set(table.seconds) for table in tables)) if tables else set()
-    prices = [sum(c * t.seconds[b][0] for c, t in zip(counts, tables, strict=True))
-              / sum(c * t.seconds[b][1] for c, t in zip(counts, tables, strict=True)) for b in sorted(buckets)]
-    invariant = mode == "1" or (mode != "0" and (sum(prices) / len(prices) if prices else 1.0) <= INVARIANCE_PAYS)
+    invariant = invariance_pays(tables, counts)
     for table in tables:  # tables are shared by shape: a model with the same shapes decides the same
         table.take(invariant)
     return computed, invariant

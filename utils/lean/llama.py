@@ -100,7 +100,8 @@ class LeanLlama(nn.Module):
     `softcap` choose its rotary table, its mask and its attention (`_attend`)."""
 
     layer_class = Layer
-    norm_plus_one = False  # RMSNorm's weight applied as (1 + weight) in float32 (Gemma's)
+    reference_norm = staticmethod(rms_norm)  # the model's RMSNorm in torch's steps, where ours do not run
+    norm_plus_one = False  # RMSNorm's weight applied as (1 + weight) in float32 (Gemma's): ours, the same norm
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -158,7 +159,7 @@ class LeanLlama(nn.Module):
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         if self.native:
             return native.rms_norm(x, weight, self.eps, plus_one=self.norm_plus_one)
-        return rms_norm(x, weight, self.eps)
+        return self.reference_norm(x, weight, self.eps)
 
     def _add_norm(self, h: Tensor, delta: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """(h + delta, its norm): the residual addition and the next norm, one call where ours run."""

@@ -217,24 +217,25 @@ def _checked(status: int, what: str) -> None:
                          f"or no memory")
 
 
+def _rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, plus_one: bool) -> Tensor:
+    """layer.c's RMSNorm of the contiguous `x`, `delta` added into it first where given."""
+    out = torch.empty_like(x)
+    _checked(_loaded().specdec_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                        out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, int(plus_one),
+                                        _bf16(x), _bf16(weight)), "RMSNorm")
+    return out
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, plus_one: bool = False) -> Tensor:
     """RMSNorm over x's last dimension, the model's (`plus_one`: Gemma's, times 1 + weight in float32): `llama.py`'s
     `rms_norm` or `gemma.py`'s `gemma_norm` in one call."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _checked(_loaded().specdec_rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
-                                        x.shape[-1], eps, int(plus_one), _bf16(x), _bf16(weight)), "RMSNorm")
-    return out
+    return _rms_norm(x.contiguous(), None, weight, eps, plus_one)
 
 
 def add_rms_norm(h: Tensor, delta: Tensor, weight: Tensor, eps: float, *, plus_one: bool = False) -> tuple[Tensor, Tensor]:
     """(h + delta, its RMSNorm) in one call: the residual addition is written into `h` (made contiguous first)."""
-    h, delta = h.contiguous(), delta.to(h.dtype).contiguous()
-    out = torch.empty_like(h)
-    _checked(_loaded().specdec_rms_norm(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                        h.numel() // h.shape[-1], h.shape[-1], eps, int(plus_one), _bf16(h),
-                                        _bf16(weight)), "RMSNorm")
-    return h, out
+    h = h.contiguous()
+    return h, _rms_norm(h, delta.to(h.dtype).contiguous(), weight, eps, plus_one)
 
 
 def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_index: Tensor, keys: Tensor,
