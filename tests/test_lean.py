@@ -360,7 +360,9 @@ def _our_kernels_run_here() -> bool:
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_our_kernel_computes_the_product_in_float32_the_same_bits_at_every_width(x_dtype):
     """gemm.c: bfloat16 weights times bfloat16 or float32 activations, summed in float32, one fixed order per
-    output whatever the number of rows or threads; outputs not a multiple of its block of 4 and a bias."""
+    output whatever the number of rows or threads; outputs not a multiple of its blocks (4 weight rows, 32 on the
+    tile unit, which bfloat16 activations take on a CPU with AMX) and a bias; up to 16 and over 16 rows (one or
+    two tiles of activations)."""
     from utils.lean import native
 
     if not _our_kernels_run_here():
@@ -374,7 +376,7 @@ def test_our_kernel_computes_the_product_in_float32_the_same_bits_at_every_width
     # float32 sums of exact products; a bfloat16 result is rounded once (a relative half-ulp of 2^-9)
     tolerance = 1e-5 if x_dtype == torch.float32 else 2 ** -8
     assert full.dtype == x_dtype and torch.allclose(full.double(), exact, rtol=tolerance, atol=tolerance)
-    for rows in (1, 2, 3, 5, 8, 13, 31):
+    for rows in (1, 2, 3, 5, 8, 13, 16, 17, 31):
         assert torch.equal(native.gemm(x[:rows], weight, bias), full[:rows]), rows
     threads = torch.get_num_threads()
     try:

@@ -1,5 +1,6 @@
 /* Our GEMM kernels, built for the CPU they run on by `utils/lean/native.py` (cc -O3 -march=native -fopenmp):
-   bfloat16 weights (specdec_gemm, below) and 4-bit weights (specdec_gemm_q4, at the end of the file).
+   bfloat16 weights (specdec_gemm, below: vector units, or the tile unit for bfloat16 activations where the CPU has
+   AMX) and 4-bit weights (specdec_gemm_q4, at the end of the file).
 
    y = x W^T (+ b) for bfloat16 weights W (out, in) and up to MAX_ROWS rows of x (rows, in); x, b and y in float32
    or bfloat16.
@@ -87,12 +88,156 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
 }
 #endif
 
+/* ---- bfloat16 activations on AMX (Intel's tile unit: Sapphire Rapids and later) ----
+   The same y = x W^T (+ b) with bfloat16 x, on the tile unit: W's rows are read as they lie in memory (A tiles of
+   16 weight rows x 32 inputs), the activations packed as B tiles (16 pairs of inputs x 16 rows, zero rows where the
+   pass has fewer), and a block of AMX_M weight rows is multiplied by every row at once. The unit does 8192
+   multiply-adds an instruction, so thirty-two rows cost what one does: the weights' reading alone. Width
+   invariance: an output is one chain of tile products over its inputs in order, AMX_K at a time, whichever rows
+   share the B tile; a row's column never meets another's. Used where the CPU has AMX and Linux lets this process
+   use it (`specdec_amx`); the bits differ from the vector kernel's above, so a machine uses one or the other. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_M 32 /* weight rows a block: two A tiles */
+#define AMX_K 32 /* inputs a tile step: 64 bytes of each weight row */
+#define AMX_TILE 512 /* bfloat16 values a 16 x 64-byte tile holds */
+
+static int amx_state = -1; /* -1: not asked yet; 0: no; 1: the kernel's permission granted */
+
+static void amx_configure(void) {
+  struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+/* 16 float32 -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even, a NaN stays a NaN). */
+static inline __m256i bf16_round16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* y[r][j0 + m] = c[m][n] (+ bias[j0 + m]) for the tile's 16 weight rows (nj of them real) and 16 activation rows
+   from r0 (nr real): one column of c (gathered) is one row of y. */
+static inline void amx_write(const float c[16][16], const uint16_t* bias, void* y, int j0, int nj, int r0, int nr,
+                             int out, int y_bf16) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  if (nj <= 0) return;
+  __mmask16 real = nj >= 16 ? 0xffff : (__mmask16)((1u << nj) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(real, bias + j0)), 16));
+  for (int n = 0; n < nr; n++) {
+    __m512 v = _mm512_i32gather_ps(column, &c[0][n], 4);
+    if (bias) v = _mm512_add_ps(v, b);
+    size_t at = (size_t)(r0 + n) * out + j0;
+    if (y_bf16) _mm256_mask_storeu_epi16((uint16_t*)y + at, real, bf16_round16(v));
+    else _mm512_mask_storeu_ps((float*)y + at, real, v);
+  }
+}
+
+static int gemm_amx(const uint16_t* W, const uint16_t* x, const uint16_t* bias, void* y, int rows, int out, int in,
+                    int y_bf16, int threads) {
+  int steps = in / AMX_K, sets = rows > 16 ? 2 : 1; /* B tiles a step: one per 16 rows */
+  uint32_t* packed = (uint32_t*)aligned_alloc(64, (size_t)steps * sets * AMX_TILE * sizeof(uint16_t));
+  if (!packed) return -1;
+  int blocks = (out + AMX_M - 1) / AMX_M, failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    /* B tile (step s, set): its row p holds input pair p of the step (two bfloat16 as one 32-bit value) for each
+       of 16 activation rows, zero past the pass's rows: a gather from 16 rows of x */
+    const __m512i stride = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(in / 2));
+#pragma omp for schedule(static)
+    for (int tile = 0; tile < steps * sets; tile++) {
+      int s = tile / sets, r0 = 16 * (tile % sets), nr = rows - r0 < 16 ? rows - r0 : 16;
+      __mmask16 real = (__mmask16)((1u << nr) - 1);
+      const uint32_t* from = (const uint32_t*)x + (size_t)r0 * (in / 2) + (size_t)s * (AMX_K / 2);
+      for (int p = 0; p < 16; p++)
+        _mm512_store_si512((void*)(packed + (size_t)tile * 256 + 16 * p),
+                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, stride, from + p, 4));
+    }
+    amx_configure();
+    float c[16][16] __attribute__((aligned(64)));
+    uint16_t* tail = NULL; /* the last block's weight rows padded with zero rows, where out % AMX_M != 0 */
+#pragma omp for schedule(static)
+    for (int jb = 0; jb < blocks; jb++) {
+      int j0 = jb * AMX_M, nj = out - j0 < AMX_M ? out - j0 : AMX_M;
+      const uint16_t* A = W + (size_t)j0 * in;
+      if (nj < AMX_M) {
+        tail = (uint16_t*)calloc((size_t)AMX_M * in, sizeof(uint16_t));
+        if (!tail) {
+          failed = 1;
+          continue;
+        }
+        memcpy(tail, A, (size_t)nj * in * sizeof(uint16_t));
+        A = tail;
+      }
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int s = 0; s < steps; s++) {
+        const uint16_t* a = A + (size_t)s * AMX_K;
+        const uint32_t* b = packed + (size_t)s * sets * 256;
+        _tile_loadd(4, a, in * 2);
+        _tile_loadd(5, a + (size_t)16 * in, in * 2);
+        _tile_loadd(6, b, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (sets == 2) {
+          _tile_loadd(7, b + 256, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      /* tile t: weight rows j0 + 16 (t % 2) on, activation rows 16 (t / 2) on */
+      _tile_stored(0, c, 64);
+      amx_write(c, bias, y, j0, nj, 0, rows < 16 ? rows : 16, out, y_bf16);
+      _tile_stored(1, c, 64);
+      amx_write(c, bias, y, j0 + 16, nj - 16, 0, rows < 16 ? rows : 16, out, y_bf16);
+      if (sets == 2) {
+        _tile_stored(2, c, 64);
+        amx_write(c, bias, y, j0, nj, 16, rows - 16, out, y_bf16);
+        _tile_stored(3, c, 64);
+        amx_write(c, bias, y, j0 + 16, nj - 16, 16, rows - 16, out, y_bf16);
+      }
+    }
+    free(tail);
+    _tile_release();
+  }
+  free(packed);
+  return failed ? -1 : 0;
+}
+#endif
+
+/* 1 where bfloat16 activations take the tile unit (built for it, and Linux granted this process its state), else 0. */
+int specdec_amx(void) {
+#ifdef AMX
+  if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return amx_state;
+#else
+  return 0;
+#endif
+}
+
 /* x_bf16, y_bf16: 1 where x (and the bias), y are bfloat16, 0 where float32; bias: NULL or `out` values.
    Returns 0, or -1 where no kernel was built, rows > MAX_ROWS, in % KB != 0 or memory ran out. */
 int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, int rows, int out, int in,
                  int x_bf16, int y_bf16, int threads) {
 #if KB
   if (rows < 1 || rows > MAX_ROWS || in % KB) return -1;
+#ifdef AMX
+  if (x_bf16 && specdec_amx() == 1 && in % AMX_K == 0)
+    return gemm_amx(W, (const uint16_t*)x, (const uint16_t*)bias, y, rows, out, in, y_bf16, threads);
+#endif
   float* xp = (float*)malloc((size_t)rows * in * sizeof(float));
   if (!xp) return -1;
   for (int r = 0; r < rows; r++)
