@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from utils.lean import native, unsupported
+from utils.machine import machine_key
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir
 from utils.quantized_models import QUANTIZE_KINDS, quantize_model
@@ -84,27 +87,53 @@ def resolve(name_or_path: str | os.PathLike | None) -> str:
 @functools.cache
 def fastest_dtype() -> torch.dtype:
     """float32 or bfloat16 for the offline real models: whichever multiplies a 1.5B model's MLP weight by 1 token
-    (plain decoding) plus 9 tokens (verifying 8 drafts) faster here, timed once per process (~0.2 s; bfloat16 must
-    win by 15%). A bfloat16 model computes in bfloat16 where this CPU has bfloat16 arithmetic, elsewhere in float32
-    over its bfloat16 weights (our own kernel, `utils.lean.native`, in a lean forward's passes: half the bytes of a
-    float32 model); with neither, float32."""
+    (plain decoding) plus 9 tokens (verifying 8 drafts) faster here (bfloat16 must win by 15%), measured once per
+    machine (about a second, warmed up, interleaved) and kept under `SPECDEC_CACHE/kernels`, so that every process
+    on a machine loads the same dtype. A bfloat16 model computes in bfloat16 where this CPU has bfloat16 arithmetic
+    (its product here: our kernel where it runs, on the tile unit where there is one, else torch's), elsewhere in
+    float32 over its bfloat16 weights (our own kernel, `utils.lean.native`, in a lean forward's passes: half the
+    bytes of a float32 model); with neither, float32.
+
+    Why once per machine: timed in each process (0.2 s, the tenth round), one process on a busy moment took float32
+    on the Xeon where bfloat16 runs 1.7x faster, and its benchmark measured a float32 model (docs/results.md)."""
+    ours, arithmetic = native.unavailable() is None, native.bfloat16_arithmetic()
+    if not ours and not arithmetic:
+        return torch.float32
+    key = "bfloat16 arithmetic" if arithmetic else "float32 over bfloat16"
+    key += f", our kernel {hashlib.sha256(native.GEMM_SOURCE.read_bytes()).hexdigest()[:12]}" if ours else ", torch's"
+    path = cache_dir() / "kernels" / f"dtype-{machine_key(key)}.json"
+    try:
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[json.loads(path.read_text())["dtype"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    chosen = _time_dtypes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"dtype": str(chosen).removeprefix("torch."), "why": key}))
+    partial.replace(path)
+    return chosen
+
+
+def _time_dtypes() -> torch.dtype:
+    """`fastest_dtype`'s measurement: medians of 7 interleaved rounds after a warm-up one."""
     weight = torch.randn(8960, 1536)
     held = weight.to(torch.bfloat16)
-    if native.bfloat16_arithmetic():
-        products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: lambda x: F.linear(x.to(held.dtype), held)}
-    elif native.unavailable() is None:
-        products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: lambda x: native.gemm(x, held, None)}
+    if native.unavailable() is None:  # activations in bfloat16 where the CPU computes in it, else float32
+        activations = torch.bfloat16 if native.bfloat16_arithmetic() else torch.float32
+        bf16 = lambda x: native.gemm(x.to(activations), held, None)  # noqa: E731
     else:
-        return torch.float32
+        bf16 = lambda x: F.linear(x.to(held.dtype), held)  # noqa: E731
+    products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: bf16}
     times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in products}
-    for _ in range(5):  # interleaved: a burst of load lands on both
+    for round_ in range(8):  # interleaved: a burst of load lands on both; the first round warms up
         for dtype, product in products.items():
             start = time.perf_counter()
             for rows in (1, 9):
                 product(torch.randn(rows, 1536))
-            times[dtype].append(time.perf_counter() - start)
-    fp32, bf16 = (statistics.median(times[dtype]) for dtype in (torch.float32, torch.bfloat16))
-    return torch.bfloat16 if bf16 * 1.15 < fp32 else torch.float32
+            if round_:
+                times[dtype].append(time.perf_counter() - start)
+    fp32, bf16_seconds = (statistics.median(times[dtype]) for dtype in (torch.float32, torch.bfloat16))
+    return torch.bfloat16 if bf16_seconds * 1.15 < fp32 else torch.float32
 
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,

@@ -5,6 +5,7 @@ measurement."""
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from utils import cost_model, cpu_passes, lean
 from utils.lean import forward_path
 from utils.runners.model_info import input_device
 
-__all__ = ["calibration_key", "machine"]
+__all__ = ["calibration_key", "machine", "machine_key"]
 
 
 def _cpu_name() -> str:
@@ -46,6 +47,14 @@ def machine() -> dict:
         "transformers": transformers.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def machine_key(what: str) -> str:
+    """A cache file's key for a measurement of `what` on this machine: its CPU and vector extensions, the thread
+    count and torch's version (`utils.loading.fastest_dtype`)."""
+    key = {"what": what, "cpu": _cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "flags": machine()["flags"], "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def calibration_key(model: PreTrainedModel) -> dict:

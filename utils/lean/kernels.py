@@ -11,7 +11,8 @@ Kernels, for x (rows, in) and W (out, in):
     ("linear", 0)        F.linear(x, W, b)
     ("mv", 0)            torch.mv(W, x[0]): one row
     ("weight_major", p)  (W @ x.T).T with x padded by zero rows to p rows (0: not padded)
-    ("native", 0)        our own kernel for bfloat16 weights (`native.py`, `gemm.c`), where it builds here
+    ("native", 0)        our own kernel for bfloat16 weights (`native.py`, `gemm.c`), where it builds here: on a CPU
+                         with AMX, bfloat16 activations take the tile unit (32 rows for one row's price)
 A float64 weight always takes F.linear: the exact tests compare it with the Hugging Face model's own.
 
 Width invariance: in bfloat16 a pass over k tokens must give each token the very bits a one-token pass gives it,
@@ -23,7 +24,8 @@ cost less over the row counts (the mean of each count's time over that count's f
 it is taken where that mean is at most `INVARIANCE_PAYS` (`KernelTable`); every other op of a pass is computed per
 row already. Measured on the Xeon (bfloat16): `torch.mv` and every
 padded product agree except one-row products over an 8960-wide input, so torch's family costs nothing there; in
-float32 no one-row torch kernel agrees with the multi-row ones (a one-row pass is padded to two).
+float32 no one-row torch kernel agrees with the multi-row ones (a one-row pass is padded to two). With AMX our own
+kernel is the faster at every row count there (docs/results.md, eleventh round): its family is the invariant choice.
 """
 
 from __future__ import annotations
