@@ -46,9 +46,9 @@ from utils.logits_processors import GreedyProcessor, NucleusProcessor
 from utils.machine import machine
 from utils.runners.model_info import input_device
 
-METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_g31", "ours_nasd_n3", "ours_nasd_chain",
-           "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd", "ours_sd_chain", "ours_hybrid",
-           "ours_self", "ours_self_cascade"]
+METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_g31",
+           "ours_nasd_n3", "ours_nasd_chain", "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd",
+           "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_cascade"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
                     "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
