@@ -62,7 +62,7 @@ def calibration_key(model: PreTrainedModel) -> dict:
     device = input_device(model)
     parameter = next(model.parameters())
     sources = (cpu_passes.__file__, cost_model.__file__, Path(__file__).with_name("calibration.py"),  # what times them
-               *sorted(Path(lean.__file__).parent.glob("*.py")))
+               *sorted(path for path in Path(lean.__file__).parent.iterdir() if path.suffix in (".py", ".c", ".h")))
     kernels = hashlib.sha256(b"".join(Path(source).read_bytes() for source in sources)).hexdigest()[:12]
     return {
         "model": type(model).__name__,
