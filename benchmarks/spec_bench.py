@@ -46,7 +46,7 @@ from utils.logits_processors import GreedyProcessor, NucleusProcessor
 from utils.machine import machine
 from utils.runners.model_info import input_device
 
-METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_g31",
+METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_g16",
            "ours_nasd_n3", "ours_nasd_chain", "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd",
            "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_cascade"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
@@ -55,7 +55,7 @@ OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmark
 NASD = {
     "ours_nasd": dict(ngram=lambda: MultiDynaGram(8)),
     "ours_nasd_g10": dict(ngram=lambda: MultiDynaGram(8), gamma=10),  # prompt lookup's draft length (10 tokens)
-    "ours_nasd_g31": dict(ngram=lambda: MultiDynaGram(8), gamma=31),  # the longest draft one 32-token pass verifies
+    "ours_nasd_g16": dict(ngram=lambda: MultiDynaGram(8), gamma=16),  # the default before the eleventh round
     "ours_nasd_n3": dict(ngram=lambda: MultiDynaGram(3)),  # the setting before 2026-12-01
     "ours_nasd_chain": dict(ngram=lambda: MultiDynaGram(8), branching=1),
     "ours_anpd": dict(ngram=lambda: SimpleDynaGram(3), gamma=5, top_k_filler=1, stop_if_unknown=False),
@@ -64,7 +64,7 @@ NASD = {
 }
 # The step-time breakdown's comparisons: ours against transformers' nearest method.
 BREAKDOWN_PAIRS = [("ours_nasd_g10", "hf_prompt_lookup", "both draft 10 tokens at most"),
-                   ("ours_nasd", "hf_prompt_lookup", "16 (its default, cut by the costs) against 10 tokens at most"),
+                   ("ours_nasd", "hf_prompt_lookup", "31 (its default, cut by the costs) against 10 tokens at most"),
                    ("ours_sd", "hf_assisted", "the same drafter model"), ("ours_ar", BASELINE, "no drafts")]
 
 

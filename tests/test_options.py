@@ -43,7 +43,7 @@ def test_every_public_default_is_the_options_own(function, types):
         owners = [own[name] for own in field_defaults(*types) if name in own]
         assert owners, f"{function.__name__}'s {name} is in no options dataclass"
         assert all(owner is default or owner == default for owner in owners), (name, default, owners)
-    assert defaults["gamma"] == (16 if function is ngram_assisted_speculative_generate else 5)
+    assert defaults["gamma"] == (31 if function is ngram_assisted_speculative_generate else 5)
 
 
 SPECULATIVE = [
