@@ -99,8 +99,9 @@ def ngram_assisted_speculative_generate(
     position; it keeps what it learned across calls (call `ngram.reset()` to forget). Drafts are up
     to `gamma` tokens (31 by default: room for a long copy, which prompt lookup drafts 10 tokens of,
     in one pass of 32 tokens, our kernels' widest; the cost cut keeps only what pays); with
-    `stop_if_unknown` a draft stops at the first unknown n-gram and is cut to the length that pays under `draft_cost` (the cost of verifying k drafts relative to one plain
-    step; by default measured on this machine for this model, `utils.calibration`). `branching`:
+    `stop_if_unknown` a draft stops at the first unknown n-gram and is cut to the length that pays
+    under `draft_cost` (the cost of verifying k drafts relative to one plain step; by default
+    measured on this machine for this model, `utils.calibration`). `branching`:
     the most candidate continuations drafted per node, verified as a token tree in one pass (1: a
     chain; None: up to 3, kept only where the cost model says they pay; `gamma` then counts every
     node). Models that cannot verify a tree (encoder-decoder, no cache, flash attention) draft
