@@ -120,6 +120,31 @@ def test_attention_gives_the_reference_values_and_each_query_the_same_bits_at_ev
     assert native.attention(q[:, :, :1], keys, values, blind, scale, softcap).abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tree_nodes_attention_is_the_bits_it_gets_once_moved_next_to_its_ancestors(dtype):
+    """A tree's node sees its context, its ancestors and itself, with hidden siblings between them; once accepted its
+    keys move next to each other (`keep_path_row`) and a later pass reads them there: the same keys in the same order,
+    so the same bits (the softmax's sum is laid out by the keys a query sees, not by their slots)."""
+    if not _ours_run_here():
+        return
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, context = 4, 2, 32, 45
+    keys, values = torch.randn(1, kv_heads, 64, head_dim).to(dtype), torch.randn(1, kv_heads, 64, head_dim).to(dtype)
+    q = torch.randn(1, heads, 1, head_dim).to(dtype)
+    hidden = torch.finfo(dtype).min
+    for seen_slots in ([45, 49, 52], [46, 47, 55], [50]):  # ancestors and the node itself, after hidden siblings
+        tree_mask = torch.full((1, 1, 1, 64), hidden, dtype=dtype)
+        tree_mask[..., :context] = 0
+        tree_mask[..., seen_slots] = 0
+        moved = list(range(context, context + len(seen_slots)))
+        moved_keys, moved_values = keys.clone(), values.clone()
+        moved_keys[:, :, moved], moved_values[:, :, moved] = keys[:, :, seen_slots], values[:, :, seen_slots]
+        chain_mask = torch.full((1, 1, 1, 64), hidden, dtype=dtype)
+        chain_mask[..., : context + len(seen_slots)] = 0
+        tree = native.attention(q, keys, values, tree_mask, head_dim**-0.5, None)
+        assert torch.equal(tree, native.attention(q, moved_keys, moved_values, chain_mask, head_dim**-0.5, None)), seen_slots
+
+
 def _model(family: str):
     """A float32 model of `family` with heads of 16 (the size our operations need), two layers, grouped heads."""
     torch.manual_seed(0)

@@ -284,7 +284,7 @@ def test_invariance_is_priced_over_the_whole_pass(monkeypatch):
 @pytest.mark.parametrize(("family", "context"), [("llama", 200), ("qwen2", 200), ("qwen2", 570)])
 def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(family, context, monkeypatch, tmp_path):
     """Width invariance (asked for: by default it is taken where it costs at most 5%, which a probe this small does
-    not measure reliably): greedy speculation then equals plain greedy decoding to the bit."""
+    not measure reliably): greedy speculation then equals plain greedy decoding to the bit, over chains and trees."""
     from utils.lean import kernels
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -305,6 +305,13 @@ def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(f
     runner.rollback_row(0, len(ids))
     ones = torch.cat([runner.forward_rows([([token], None)], [1])[0] for token in new])
     assert torch.equal(wide, ones)
+    # A tree: the accepted path's nodes sit after hidden siblings, then move next to their root (keep_path); each
+    # node's logits and the next pass's are a chain's (attention's sums follow the keys a query sees, not slots).
+    runner.rollback_row(0, len(ids))
+    tree = runner.forward_rows([([new[0], 12, 13, new[1], 14, new[2]], [-1, 0, 0, 0, 3, 3])], [6])[0]
+    assert torch.equal(tree[[0, 3, 5]], ones[:3])
+    runner.keep_path_row(0, len(ids), [2, 4])
+    assert torch.equal(runner.forward_rows([([new[3]], None)], [1])[0], ones[3:4])
     kernels.kernel_table.cache_clear()
 
 

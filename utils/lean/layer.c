@@ -322,6 +322,10 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
           }
           float most = -INFINITY;
           for (int l = 0; l < LANES; l++) most = top[l] > most ? top[l] : most;
+          /* The sum's lanes follow the visible keys' count, not their slots: the v-th key the query sees goes
+             to lane v % LANES, so a tree node's sum (hidden siblings between its ancestors and itself) is the
+             sum it gets once accepted and moved next to them. Vectors while every key so far is seen. */
+          int seen_all = 1, visible = 0;
           for (int j = 0; j < padded; j += LANES) {
             vec s = vload(p + j), e = vexp(s - most);
             ivec seen = s > -INFINITY, bits;
@@ -329,7 +333,18 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
             bits &= seen;
             memcpy(&e, &bits, sizeof(vec));
             vstore(p + j, e);
-            sum = sum + e; /* key j in lane j % LANES, in key order: hidden keys add zeros */
+            if (seen_all) {
+              int whole = 1;
+              for (int l = 0; l < LANES; l++) whole &= seen[l] != 0;
+              if (whole) {
+                sum = sum + e;
+                visible += LANES;
+                continue;
+              }
+              seen_all = 0;
+            }
+            for (int l = 0; l < LANES; l++)
+              if (seen[l]) sum[visible++ % LANES] += e[l];
           }
           sums[pair] = most == -INFINITY ? 0.0f : hsum(sum);
         }
