@@ -101,8 +101,8 @@ class DecodingOptions:
 class NasdDecodingOptions(DecodingOptions):
     """NASD's shared options: drafts of up to 31 tokens by default (room for a long copy, which
     prompt lookup drafts 10 tokens of: a verification of 32 tokens, the widest pass of our own
-    kernels; the pool's cost cut keeps only what pays). On the Xeon with AMX, HumanEval: 10.31x
-    transformers' plain generate against 9.15x with 16; Spec-Bench level (docs/results.md)."""
+    kernels; the pool's cost cut keeps only what pays; measured against 16: docs/results.md,
+    eleventh round)."""
 
     gamma: int = 31
 
