@@ -174,6 +174,7 @@ static int gemm_amx(const uint16_t* W, const uint16_t* x, const uint16_t* bias, 
       if (nj < AMX_M) {
         tail = (uint16_t*)calloc((size_t)AMX_M * in, sizeof(uint16_t));
         if (!tail) {
+#pragma omp atomic write
           failed = 1;
           continue;
         }

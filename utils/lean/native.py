@@ -16,8 +16,7 @@ cannot be built (no C compiler, a CPU without AVX2 and FMA) or with `SPECDEC_NAT
     rope_write, attention        width-invariant without padding (each query alone, in one fixed order)
 
 On AMX (Intel Xeon from Sapphire Rapids) bfloat16 activations take the tile unit: 32 rows cost what one costs,
-the weights' reading alone; measured on a Xeon with AMX (2 threads, in-model, alternated with torch's products):
-the 1.5B's one-token pass 8% faster, its 8-token pass 11%, the 0.5B's one-token pass 14% (docs/results.md).
+the weights' reading alone (measured against torch's products: docs/results.md, eleventh round).
 Elsewhere the bfloat16 kernel multiplies in float32, so on a CPU without bfloat16 arithmetic (AVX2 only) a model held in
 bfloat16 (its checkpoint's dtype, most Hub checkpoints) computes in float32 at half the bytes a float32 model
 reads. Each output of either kernel is one fixed chain of operations per row, so a row's result is the same bits
