@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from utils.lean import native, unsupported
 from utils.machine import machine_key
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
-from utils.paths import CACHE_ENV, cache_dir
+from utils.paths import CACHE_ENV, cache_dir, write_cached
 from utils.quantized_models import QUANTIZE_KINDS, quantize_model
 
 __all__ = ["CACHE_ENV", "DEFAULT_MODEL", "cache_dir", "default_model_path", "end_token_ids", "fastest_dtype",
@@ -107,10 +107,7 @@ def fastest_dtype() -> torch.dtype:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     chosen = _time_dtypes()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"dtype": str(chosen).removeprefix("torch."), "why": key}))
-    partial.replace(path)
+    write_cached(path, lambda file: file.write_text(json.dumps({"dtype": str(chosen).removeprefix("torch."), "why": key})))
     return chosen
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 CACHE_ENV = "SPECDEC_CACHE"
@@ -14,3 +15,12 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "speculative-decoding"
+
+
+def write_cached(path: Path, write: Callable[[Path], object]) -> None:
+    """Keep a file under the cache: `write(partial)` fills a file of this process's own, then it is moved to `path`
+    in one step, so that a reader (another process measuring the same) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    write(partial)
+    partial.replace(path)

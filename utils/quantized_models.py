@@ -21,7 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from utils.lean import forget, native
-from utils.paths import cache_dir
+from utils.paths import cache_dir, write_cached
 from utils.quantize import BITS, QuantizedLinear, linear_weight, quantized_linear
 
 __all__ = ["QUANTIZE_KINDS", "check_quantization", "install", "linear_names", "quantize_linears", "quantize_model",
@@ -136,10 +136,7 @@ def quantize_linears(model: nn.Module, bits: int, group_size: int, *,
     if path.exists():
         return _from_state(model, names, torch.load(path, weights_only=True, mmap=True))
     layers = _build(model, names, bits, group_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(_state(layers), partial)
-    partial.replace(path)  # a reader never sees half a file
+    write_cached(path, lambda file: torch.save(_state(layers), file))
     return layers
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from utils.machine import machine
-from utils.paths import cache_dir
+from utils.paths import cache_dir, write_cached
 from utils.quantized_models import quantized_state_key
 from utils.runners.model_info import vocab_size
 from utils.runners.sequence import SequenceRunner
@@ -95,10 +94,7 @@ def choose_bits(target: PreTrainedModel, group_size: int, build: Callable[[int],
     figures = _stored(path)
     if figures is None:
         figures = measure(target, build)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(figures, indent=1))
-        partial.replace(path)  # a reader never sees half a file
+        write_cached(path, lambda file: file.write_text(json.dumps(figures, indent=1)))
     speedups = {bits: expected_speedup(f["agreement"], f["cost"]) for bits, f in figures.items()}
     return 4 if speedups[4] >= speedups[8] else 8
 

@@ -44,7 +44,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from utils.lean import native
-from utils.paths import cache_dir
+from utils.paths import cache_dir, write_cached
 
 __all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "invariance_pays", "kernel_table",
            "prepare"]
@@ -181,10 +181,7 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
     table = _measure(shape, dtype, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({str(bucket): entry for bucket, entry in table.items()}))
-    partial.replace(path)
+    write_cached(path, lambda file: file.write_text(json.dumps({str(bucket): entry for bucket, entry in table.items()})))
     return KernelTable(table)
 
 
