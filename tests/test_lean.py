@@ -472,12 +472,12 @@ def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_ev
     if not _our_kernels_run_here():
         assert quantized_linear(torch.nn.Linear(128, 48), 4, 32).kernel == "torch"
         return
-    assert native.supports_q4(128, 32) and not native.supports_q4(96, 32) and not native.supports_q4(128, 64)
+    assert native.supports_q4(96, 32) and not native.supports_q4(80, 32) and not native.supports_q4(128, 64)
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 40, bias=True)
     layer = quantized_linear(linear, 4, 32)
-    assert layer.kernel == "native" and layer.weight_q.shape == (40, 64)
-    dequantized = native.dequantize_q4(layer.weight_q, layer.scales)
+    assert layer.kernel == "native" and layer.weight_q.shape == (3, 4, 256)  # 40 rows in groups of 16, 4 blocks
+    dequantized = native.dequantize_q4(layer.weight_q, layer.scales, 40)
     assert (dequantized - linear.weight).abs().max() < (linear.weight.abs().max() / 15)  # within half a step (+fp16)
     x = torch.randn(native.MAX_ROWS, 128)
     with torch.no_grad():

@@ -5,8 +5,9 @@ ragged batches, trees, the cascade and the static buffer; the sampling law; seed
 prompt pass gone where it drafts over the target's cache, the disk cache, `bits="auto"`,
 `load_model(quantize=)`, and bad arguments refused by name.
 
-The tiny models (hidden 32, MLP 64, vocabulary 96) have widths the int4 kernel takes in groups of 32; a
-vocabulary of 100 is one it refuses for the head (100 is no multiple of 16)."""
+The tiny models (hidden 32, MLP 64, vocabulary 96) have widths our int4 kernel takes in groups of 32 (any output
+width, inputs a multiple of 32); in groups of 64 it refuses them all and torch's int4 kernel takes only a weight of
+64 inputs whose rows are a multiple of 16, so a head of 100 rows over 32 inputs is int8."""
 
 import pytest
 import torch
@@ -64,10 +65,11 @@ def test_the_int4_kernel_computes_the_dequantized_product():
     assert not torch.allclose(layer(x), x @ weight.T, atol=0.5)  # and it is the four-bit weight's product
 
 
-def test_a_head_the_int4_kernel_refuses_falls_back_to_int8_and_stays_exact():
+def test_a_head_no_int4_kernel_takes_falls_back_to_int8_and_stays_exact():
     target = tiny_model("llama", vocab=100)
-    drafter = quantized_drafter(target)
-    assert drafter.lm_head.bits == 8 and drafter.model.layers[0].mlp.up_proj.bits == 4
+    drafter = quantized_drafter(target, group_size=64)
+    down, head = drafter.model.layers[0].mlp.down_proj, drafter.lm_head
+    assert (head.bits, down.bits, down.kernel) == (8, 4, "torch")
     inputs = prompt(0, vocab=100)
     reference = autoregressive_generate(inputs, target, max_gen_len=16)
     assert speculative_generate(inputs, drafter, target, gamma=4, max_gen_len=16)[0] == reference

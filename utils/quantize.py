@@ -26,7 +26,6 @@ A weight on another device than the CPU keeps its float form (`quantized_linear`
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.lean import huge_pages, native
@@ -87,7 +86,7 @@ class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held in 8 or 4 bits (`bits`); `bias` (N,) is the float layer's own,
     shared. Buffers: `weight_q` (int8 (N, K), torch's int4 packing, or our kernel's (`kernel` "native",
     `native.pack_q4`)) and `scales` ((N,), scales_and_zeros (K / group_size, N, 2), or our kernel's float16
-    scales and minimums (N, 2, K / 32)); torch's scales in the compute dtype of `dtype`."""
+    scales and minimums by groups of 16 rows); torch's scales in the compute dtype of `dtype`."""
 
     def __init__(self, bits: int, in_features: int, out_features: int, weight_q: Tensor, scales: Tensor,
                  bias: Tensor | None, *, group_size: int | None, dtype: torch.dtype, kernel: str = "torch") -> None:
@@ -102,25 +101,17 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        if self.kernel == "native":
-            y = self._native(x.reshape(-1, self.in_features))
+        rows = x.reshape(-1, self.in_features)
+        if self.kernel == "native":  # the bias added inside
+            return native.gemm_q4(rows, self.weight_q, self.scales, self.out_features, self.bias).reshape(
+                *shape[:-1], self.out_features)
+        rows = rows.to(self.compute)
+        if self.bits == 8:
+            y = torch._weight_int8pack_mm(rows, self.weight_q, self.scales)
         else:
-            rows = x.reshape(-1, self.in_features).to(self.compute)
-            if self.bits == 8:
-                y = torch._weight_int8pack_mm(rows, self.weight_q, self.scales)
-            else:
-                y = torch._weight_int4pack_mm_for_cpu(rows, self.weight_q, self.group_size, self.scales)
+            y = torch._weight_int4pack_mm_for_cpu(rows, self.weight_q, self.group_size, self.scales)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-    def _native(self, rows: Tensor) -> Tensor:
-        """Our 4-bit kernel over a few rows (float32 or bfloat16 as they come, other dtypes in float32); a prompt's
-        many rows by the weight dequantized (by the kernel's library, in a few milliseconds) and torch's GEMM."""
-        if rows.shape[0] > native.MAX_ROWS:  # bfloat16 where this CPU computes in it (AMX's GEMMs), else float32
-            dtype = torch.bfloat16 if native.bfloat16_arithmetic() else torch.float32
-            return F.linear(rows.to(dtype), native.dequantize_q4(self.weight_q, self.scales, dtype))
-        return native.gemm_q4(rows if rows.dtype in (torch.float32, torch.bfloat16) else rows.float(), self.weight_q,
-                              self.scales)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""

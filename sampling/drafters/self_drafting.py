@@ -59,8 +59,8 @@ def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: 
     """A drafter model from `target`'s own weights (module docstring), for `speculative_generate(inputs,
     quantized_drafter(target), target, ...)`.
 
-    `bits`: 4 (int4 in groups of `group_size` input columns; a layer the int4 kernel refuses, its
-    output width not a multiple of 16 or its input width not of the group, is int8) or 8 (int8, one
+    `bits`: 4 (int4 in groups of `group_size` input columns: our kernel's in groups of 32, else torch's where
+    the output width is a multiple of 16; a layer neither takes is int8) or 8 (int8, one
     scale per output channel), or "auto" (`sampling.drafters.self_bits.choose_bits`: measured once per model
     and machine). `group_size`: 32, 64, 128 or 256, and it must divide some linear's input width.
     `share_cache`: draft over the target's cache (no prompt pass of its own) where its runner allows.

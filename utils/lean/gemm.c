@@ -281,35 +281,37 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
 #endif
 }
 
-/* ---- 4-bit weights (llama.cpp's Q4_1 x Q8_1 way) ----
-   y = x W^T (+ b) for W in blocks of 32 input columns, w = d * q + m with q in 0..15. Two blocks (64 columns) in 32
-   bytes: byte i holds element i of the first block in its low nibble and element i of the second in its high one;
-   d and m float16, (out, 2, in / 32): each row's scales, then its minimums. Each row of x is quantized per block
-   to int8 (scale max|x| / 127), so a block's products are one integer dot product (exact), scaled once:
-   sum_k w_k x_k = d dx sum_k q_k qx_k + m dx sum_k qx_k. Per row, one order whatever the number of rows or threads
-   (width-invariant). Needs AVX2 with FMA and F16C; AVX-VNNI where there is one (the same sums); with AVX-512 VNNI
-   four blocks a step from one 64-byte load, in two chains of sums (Q4_WIDE: other bits, still one order per row;
-   measured on the Xeon, 3-7% faster at one row). */
+/* ---- 4-bit weights (llama.cpp's Q4_1 x Q8_1 numbers, laid out for 16 weight rows at once) ----
+   y = x W^T (+ b) for W in blocks of 32 input columns, w = d * q + m with q in 0..15, d and m float16. Each row of x
+   is quantized per block to int8 (scale max|x| / 127), so a block's products are one integer dot product (exact),
+   scaled once: sum_k w_k x_k = d dx sum_k q_k qx_k + m dx sum_k qx_k.
+
+   Layout: weight rows in groups of Q4_ROWS (16), the last one padded with zero rows. Group g, block b: 256 bytes,
+   four 64-byte vectors; in vector v, bytes 4l..4l+3 belong to row 16g + l: byte i holds its input 32b + 8v + i in
+   the low nibble and 32b + 8v + 4 + i in the high one. Then d and m: (groups, blocks, 2, 16) float16, the group's 16
+   scales of block b, then its 16 minimums. So one integer dot-product instruction (VNNI's vpdpbusd, four bytes of
+   the activations broadcast) advances sixteen rows at once, each row in its own lane: no horizontal sums, block
+   scales loaded as vectors, a third of the instructions of a row-at-a-time kernel, and the weights read as one
+   stream (measured on the Xeon, docs/results.md, twelfth round).
+
+   Per output one order whatever the number of rows or threads (width-invariant): its lane's integer sums (exact),
+   then float32 steps in block order. AVX-512 VNNI takes a group as one 512-bit register; AVX2 (with AVX-VNNI where
+   there is one, else maddubs) as two 256-bit halves doing the same steps per lane: the same bits on either. */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q4 1
 #define Q4_BLOCK 32
-#define Q4_MAX_BLOCKS 1024 /* in <= 32768 */
+#define Q4_ROWS 16
+#define Q4_GROUP_BYTES (Q4_ROWS * Q4_BLOCK / 2) /* one block of a group */
+#define Q4_X 4 /* activation rows a group's pass serves (the weights then come from L1 for the next four) */
+#define Q4_AHEAD 16 /* blocks prefetched ahead: 4 KB of weights (in memory: 24 against 19 GB/s without, Xeon) */
 
-static inline __m256i q4_dot(__m256i w, __m256i x) { /* 8 int32 lanes, each the sum of 4 products */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); /* 2 * 15 * 127 fits 16 bits */
+static inline void q4_prefetch(const uint8_t* w, const uint16_t* dm) {
+  for (int line = 0; line < Q4_GROUP_BYTES; line += 64) __builtin_prefetch(w + Q4_AHEAD * Q4_GROUP_BYTES + line, 0, 3);
+  __builtin_prefetch(dm + Q4_AHEAD * 2 * Q4_ROWS, 0, 3);
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define Q4_512 1
 #endif
-}
-
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 /* q[i] = v[i] * inverse rounded to the nearest integer (ties to even, as lrintf), clamped to [-127, 127], for one
    block of Q4_BLOCK (32) values -> the sum of the q. */
@@ -331,42 +333,86 @@ static inline int quantize_block(const float* v, float inverse, int8_t* q) {
   return _mm_cvtsi128_si32(half);
 }
 
-/* sum_b h[b] * f[b] over n values: float16 h, float32 f, 16 at a time in two chains, 8, then the rest, in one
-   order. */
-static inline float dot_half(const uint16_t* h, const float* f, int n) {
-  __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-  int b = 0;
-  for (; b + 16 <= n; b += 16) {
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + b))), _mm256_loadu_ps(f + b), acc);
-    acc2 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + b + 8))), _mm256_loadu_ps(f + b + 8), acc2);
+#ifdef Q4_512
+/* out[r][l] = row 16g + l of W times activation row r (nr <= Q4_X of them), before the bias. */
+static inline void q4_group(const uint8_t* w, const uint16_t* dm, const int8_t* qx, const float* dx, const float* sx,
+                            int blocks, int in, int nr, float out[Q4_X][Q4_ROWS]) {
+  __m512 acc[Q4_X], accm[Q4_X];
+  for (int r = 0; r < Q4_X; r++) acc[r] = accm[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES, dm += 2 * Q4_ROWS) {
+    q4_prefetch(w, dm);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dm));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + Q4_ROWS)));
+    __m512i q[8]; /* q[2v]: inputs 8v..8v+3 of each row, q[2v + 1]: 8v+4..8v+7 */
+    for (int v = 0; v < 4; v++) {
+      __m512i bytes = _mm512_loadu_si512((const void*)(w + 64 * v));
+      q[2 * v] = _mm512_and_si512(bytes, low);
+      q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+    }
+    for (int r = 0; r < nr; r++) {
+      const int32_t* x4 = (const int32_t*)(qx + (size_t)r * in + (size_t)b * Q4_BLOCK); /* four inputs each */
+      __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512(); /* two chains: integer sums, exact */
+      for (int u = 0; u < 4; u++) {
+        s = _mm512_dpbusd_epi32(s, q[u], _mm512_set1_epi32(x4[u]));
+        t = _mm512_dpbusd_epi32(t, q[u + 4], _mm512_set1_epi32(x4[u + 4]));
+      }
+      __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[(size_t)r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s, t)), scale, acc[r]);
+      accm[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(size_t)r * blocks + b]), accm[r]);
+    }
   }
-  acc = _mm256_add_ps(acc, acc2);
-  for (; b + 8 <= n; b += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + b))), _mm256_loadu_ps(f + b), acc);
-  float sum = hsum8(acc);
-  for (; b < n; b++) sum += _cvtsh_ss(h[b]) * f[b];
-  return sum;
+  for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(acc[r], accm[r]));
+}
+#else
+static inline __m256i q4_dot(__m256i sum, __m256i w, __m256i x) { /* sum + 8 int32 lanes, each of 4 products */
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(sum, w, x);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))); /* 2 * 15 * 127 fits 16 bits */
+#endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-#define Q4_WIDE 1 /* four blocks a step: one 64-byte load of weights, its low nibbles blocks 0 and 2, its high 1 and 3 */
-#endif
-
-/* Where block b of a row of quantized activations is kept: with Q4_WIDE, each whole group of four in the order
-   0, 2, 1, 3 (the order of a 64-byte load's low nibbles, then its high ones), else in place. */
-static inline int q4_slot(int b, int blocks) {
-#ifdef Q4_WIDE
-  if (b < blocks / 4 * 4 && (b % 4 == 1 || b % 4 == 2)) return b + (b % 4 == 1 ? 1 : -1);
-#endif
-  (void)blocks;
-  return b;
+/* The same as the AVX-512 one, lanes 0..7 and 8..15 as two halves (each vector's first and last 32 bytes). */
+static inline void q4_group(const uint8_t* w, const uint16_t* dm, const int8_t* qx, const float* dx, const float* sx,
+                            int blocks, int in, int nr, float out[Q4_X][Q4_ROWS]) {
+  __m256 acc[Q4_X][2], accm[Q4_X][2];
+  for (int r = 0; r < Q4_X; r++) acc[r][0] = acc[r][1] = accm[r][0] = accm[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES, dm += 2 * Q4_ROWS) {
+    q4_prefetch(w, dm);
+    for (int h = 0; h < 2; h++) {
+      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + 8 * h)));
+      __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + Q4_ROWS + 8 * h)));
+      __m256i q[8];
+      for (int v = 0; v < 4; v++) {
+        __m256i bytes = _mm256_loadu_si256((const __m256i*)(w + 64 * v + 32 * h));
+        q[2 * v] = _mm256_and_si256(bytes, low);
+        q[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      }
+      for (int r = 0; r < nr; r++) {
+        const int32_t* x4 = (const int32_t*)(qx + (size_t)r * in + (size_t)b * Q4_BLOCK);
+        __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+        for (int u = 0; u < 4; u++) {
+          s = q4_dot(s, q[u], _mm256_set1_epi32(x4[u]));
+          t = q4_dot(t, q[u + 4], _mm256_set1_epi32(x4[u + 4]));
+        }
+        __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(size_t)r * blocks + b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s, t)), scale, acc[r][h]);
+        accm[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(size_t)r * blocks + b]), accm[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < nr; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(acc[r][h], accm[r][h]));
 }
+#endif
 #endif
 
 /* The input width must be a multiple of this (0: no 4-bit kernel was built). */
 int specdec_q4_block(void) {
 #ifdef Q4
-  return 2 * Q4_BLOCK;
+  return Q4_BLOCK;
 #else
   return 0;
 #endif
@@ -377,20 +423,22 @@ int specdec_q4_block(void) {
 int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int y_bf16, int threads) {
 #ifdef Q4
   int blocks = in / Q4_BLOCK;
-  if (in % (2 * Q4_BLOCK)) return -1;
+  if (in % Q4_BLOCK) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int j = 0; j < out; j++) {
-    const uint8_t* wj = Wq + (size_t)j * in / 2;
-    const uint16_t *dj = dm + (size_t)j * 2 * blocks, *mj = dj + blocks;
+    int g = j / Q4_ROWS, l = j % Q4_ROWS;
     for (int b = 0; b < blocks; b++) {
-      float d = _cvtsh_ss(dj[b]), m = _cvtsh_ss(mj[b]);
-      const uint8_t* pair = wj + (size_t)(b / 2) * Q4_BLOCK;
+      const uint8_t* block = Wq + ((size_t)g * blocks + b) * Q4_GROUP_BYTES;
+      const uint16_t* scales = dm + ((size_t)g * blocks + b) * 2 * Q4_ROWS;
+      float d = _cvtsh_ss(scales[l]), m = _cvtsh_ss(scales[Q4_ROWS + l]);
       for (int i = 0; i < Q4_BLOCK; i++) {
-        int q = b % 2 ? pair[i] >> 4 : pair[i] & 0x0f;
-        float v = d * (float)q + m;
+        int v = i / 8, within = i % 8;
+        uint8_t byte = block[64 * v + 4 * l + within % 4];
+        int q = within < 4 ? byte & 0x0f : byte >> 4;
+        float value = d * (float)q + m;
         size_t at = (size_t)j * in + (size_t)b * Q4_BLOCK + i;
-        if (y_bf16) ((uint16_t*)w)[at] = f32_to_bf16(v);
-        else ((float*)w)[at] = v;
+        if (y_bf16) ((uint16_t*)w)[at] = f32_to_bf16(value);
+        else ((float*)w)[at] = value;
       }
     }
   }
@@ -404,9 +452,9 @@ int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int ou
 int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
                     int in, int x_bf16, int y_bf16, int threads) {
 #ifdef Q4
-  int blocks = in / Q4_BLOCK;
-  if (rows < 1 || rows > MAX_ROWS || in % (2 * Q4_BLOCK) || blocks > Q4_MAX_BLOCKS) return -1;
-  int8_t* qx = (int8_t*)malloc((size_t)rows * in);
+  int blocks = in / Q4_BLOCK, groups = (out + Q4_ROWS - 1) / Q4_ROWS;
+  if (rows < 1 || rows > MAX_ROWS || in % Q4_BLOCK) return -1;
+  int8_t* qx = (int8_t*)aligned_alloc(64, ((size_t)rows * in + 63) / 64 * 64);
   float* dx = (float*)malloc((size_t)rows * blocks * sizeof(float));
   float* sx = (float*)malloc((size_t)rows * blocks * sizeof(float)); /* dx * the block's sum of qx */
   if (!qx || !dx || !sx) {
@@ -422,74 +470,27 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
         amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
       }
       float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
-      int sum = quantize_block(v, inverse, qx + (size_t)r * in + q4_slot(b, blocks) * Q4_BLOCK);
+      int sum = quantize_block(v, inverse, qx + (size_t)r * in + (size_t)b * Q4_BLOCK);
       dx[(size_t)r * blocks + b] = d;
       sx[(size_t)r * blocks + b] = d * (float)sum;
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int j = 0; j < out; j++) {
-    const uint8_t* wj = Wq + (size_t)j * in / 2;
-    const uint16_t *dj = dm + (size_t)j * 2 * blocks, *mj = dj + blocks;
-    float scale[4][Q4_MAX_BLOCKS]; /* d * dx per block, for four rows of x */
-    for (int r0 = 0; r0 < rows; r0 += 4) { /* four rows of x at a time over this weight row (from L1 after the first) */
-      int nr = rows - r0 < 4 ? rows - r0 : 4;
-      for (int r = 0; r < nr; r++) {
-        const float* dxr = dx + (size_t)(r0 + r) * blocks;
-        int b = 0;
-        for (; b + 8 <= blocks; b += 8)
-          _mm256_storeu_ps(scale[r] + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dj + b))),
-                                                      _mm256_loadu_ps(dxr + b)));
-        for (; b < blocks; b++) scale[r][b] = _cvtsh_ss(dj[b]) * dxr[b];
-      }
-      /* acc[r]: 8 float lanes for the pairs' first blocks, 8 for their second ones (two 256-bit registers; with
-         AVX-512 VNNI two 512-bit ones, each over two pairs (Q4_WIDE): two chains of additions, not one) */
-      const __m256i low = _mm256_set1_epi8(0x0f);
-      int b = 0;
-#ifdef Q4_WIDE
-      __m512 wide[4][2];
-      for (int r = 0; r < 4; r++) wide[r][0] = wide[r][1] = _mm512_setzero_ps();
-      const __m512i low4 = _mm512_set1_epi8(0x0f);
-      for (; b + 4 <= blocks; b += 4) {
-        __builtin_prefetch(wj + (size_t)b * (Q4_BLOCK / 2) + 2048, 0, 3);
-        __m512i w = _mm512_loadu_si512((const void*)(wj + (size_t)b * (Q4_BLOCK / 2)));
-        __m512i even = _mm512_and_si512(w, low4), odd = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-        for (int r = 0; r < nr; r++) { /* even: blocks b and b + 2; odd: b + 1 and b + 3 (`q4_slot`) */
-          const int8_t* xr = qx + (size_t)(r0 + r) * in + (size_t)b * Q4_BLOCK;
-          const float* sr = scale[r] + b;
-          __m512i de = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_loadu_si512((const void*)xr));
-          __m512i dd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), odd, _mm512_loadu_si512((const void*)(xr + 2 * Q4_BLOCK)));
-          __m512 se = _mm512_insertf32x8(_mm512_set1_ps(sr[0]), _mm256_set1_ps(sr[2]), 1);
-          __m512 sd = _mm512_insertf32x8(_mm512_set1_ps(sr[1]), _mm256_set1_ps(sr[3]), 1);
-          wide[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(de), se, wide[r][0]);
-          wide[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), sd, wide[r][1]);
+  for (int g = 0; g < groups; g++) {
+    float o[Q4_X][Q4_ROWS] __attribute__((aligned(64)));
+    int real = out - g * Q4_ROWS < Q4_ROWS ? out - g * Q4_ROWS : Q4_ROWS;
+    for (int r0 = 0; r0 < rows; r0 += Q4_X) { /* after the first four rows, the group's weights come from L1 */
+      int nr = rows - r0 < Q4_X ? rows - r0 : Q4_X;
+      q4_group(Wq + (size_t)g * blocks * Q4_GROUP_BYTES, dm + (size_t)g * blocks * 2 * Q4_ROWS, qx + (size_t)r0 * in,
+               dx + (size_t)r0 * blocks, sx + (size_t)r0 * blocks, blocks, in, nr, o);
+      for (int r = 0; r < nr; r++)
+        for (int l = 0; l < real; l++) {
+          int j = g * Q4_ROWS + l;
+          float v = o[r][l];
+          if (bias) v += x_bf16 ? bf16_to_f32(((const uint16_t*)bias)[j]) : ((const float*)bias)[j];
+          size_t at = (size_t)(r0 + r) * out + j;
+          if (y_bf16) ((uint16_t*)y)[at] = f32_to_bf16(v);
+          else ((float*)y)[at] = v;
         }
-      }
-#endif
-      __m256 acc[4][2];
-      for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      for (; b < blocks; b += 2) {
-        __builtin_prefetch(wj + (size_t)b * (Q4_BLOCK / 2) + 2048, 0, 3);
-        __m256i w = _mm256_loadu_si256((const __m256i*)(wj + (size_t)b * (Q4_BLOCK / 2)));
-        __m256i first = _mm256_and_si256(w, low), second = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-        for (int r = 0; r < nr; r++) {
-          const int8_t* xr = qx + (size_t)(r0 + r) * in + (size_t)b * Q4_BLOCK;
-          __m256i x0 = _mm256_loadu_si256((const __m256i*)xr), x1 = _mm256_loadu_si256((const __m256i*)(xr + Q4_BLOCK));
-          acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot(first, x0)), _mm256_broadcast_ss(scale[r] + b), acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot(second, x1)), _mm256_broadcast_ss(scale[r] + b + 1), acc[r][1]);
-        }
-      }
-      for (int r = 0; r < nr; r++) {
-        __m256 pair = _mm256_add_ps(acc[r][0], acc[r][1]);
-#ifdef Q4_WIDE
-        __m512 both = _mm512_add_ps(wide[r][0], wide[r][1]);
-        pair = _mm256_add_ps(pair, _mm256_add_ps(_mm512_castps512_ps256(both), _mm512_extractf32x8_ps(both, 1)));
-#endif
-        float v = hsum8(pair) + dot_half(mj, sx + (size_t)(r0 + r) * blocks, blocks);
-        if (bias) v += x_bf16 ? bf16_to_f32(((const uint16_t*)bias)[j]) : ((const float*)bias)[j];
-        size_t at = (size_t)(r0 + r) * out + j;
-        if (y_bf16) ((uint16_t*)y)[at] = f32_to_bf16(v);
-        else ((float*)y)[at] = v;
-      }
     }
   }
   free(qx), free(dx), free(sx);

@@ -3,9 +3,10 @@ once at build time without a second copy, and the kernel for the weight's format
 
 Fusing: the fused weight is one new tensor, and the model's own `nn.Linear` weights become views into it (the
 same values, the same bytes: the Hugging Face model still runs, and memory holds each weight once: the pages of a
-checkpoint file the originals were read from are given back, `release_file_pages`). A linear that
-is not a plain `nn.Linear` (a 4- or 8-bit `QuantizedLinear`, accelerate's hooked modules) is never fused: its own
-module runs it.
+checkpoint file the originals were read from are given back, `release_file_pages`). 4-bit `QuantizedLinear`s of
+our kernel (a quantized target, the self-drafter) are fused alike, their packed weights and scales (groups of 16
+rows side by side) and their biases: one kernel call where there were three, the bias added inside. Any other
+linear (int8, torch's int4, accelerate's hooked modules) is never fused: its own module runs it.
 
 Kernels (float weights): the one measured fastest here for the pass's row count (`kernels.py`: `F.linear`, the
 weight-major product, `torch.mv`, padded or not, our own), once per weight shape and machine. Float32 activations
@@ -43,16 +44,22 @@ class Linear:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.widths = [module.out_features for module in modules]
-        if all(_plain(module) for module in modules) and len({m.weight.dtype for m in modules}) == 1:
+        self.q4 = None  # the fused 4-bit weight and its scales (`native.pack_q4`'s layout), where the modules are ours
+        if _our_four_bits(modules):  # their packed weights are on huge pages already (`QuantizedLinear`)
+            self.q4 = ((modules[0].weight_q, modules[0].scales) if len(modules) == 1 else
+                       (fused([m.weight_q for m in modules], modules, "weight_q"),
+                        fused([m.scales for m in modules], modules, "scales")))
+            self.bias = _fused_bias(modules)
+            self.weight, self.modules = None, None
+        elif all(_plain(module) for module in modules) and len({m.weight.dtype for m in modules}) == 1:
             self.weight = fused([module.weight for module in modules], modules, "weight")
             biases = [module.bias for module in modules]
             if all(b is None for b in biases):
                 self.bias = None
             elif all(b is not None for b in biases):
                 self.bias = fused(biases, modules, "bias")
-            else:  # some without a bias: theirs are zeros (small vectors, a copy)
-                self.bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                                       for b, m in zip(biases, modules, strict=True)])
+            else:
+                self.bias = _fused_bias(modules)
             self.modules = None
             self.kernels = None  # its shape's kernel table, at the first pass (`kernels.prepare` measures them first)
         else:
@@ -64,6 +71,9 @@ class Linear:
             outputs = [module(x) for module in self.modules]
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         rows = x.numel() // x.shape[-1]
+        if self.q4 is not None:
+            out = native.gemm_q4(x.reshape(rows, -1), *self.q4, sum(self.widths), self.bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if x.dtype != self.weight.dtype:  # float32 activations over bfloat16 weights (`native.compute_dtype`)
             if rows > native.MAX_ROWS:
                 bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -82,11 +92,28 @@ class Linear:
         return list(y.split(self.widths, dim=-1))
 
 
+def _our_four_bits(modules: list[nn.Module]) -> bool:
+    """Whether `modules` are 4-bit linears of our kernel that fuse: one input width, and each but the last a whole
+    number of the layout's groups of rows."""
+    return (all(getattr(m, "kernel", None) == "native" and getattr(m, "bits", None) == 4 for m in modules)
+            and len({m.in_features for m in modules}) == 1
+            and all(m.out_features % native.Q4_ROWS == 0 for m in modules[:-1]))
+
+
+def _fused_bias(modules: list[nn.Module]) -> Tensor | None:
+    """The modules' biases side by side (zeros for a module without one; a small vector, a copy), None if none has
+    one."""
+    if all(m.bias is None for m in modules):
+        return None
+    like = next(m.bias for m in modules if m.bias is not None)
+    return torch.cat([m.bias.detach() if m.bias is not None else like.new_zeros(m.out_features) for m in modules])
+
+
 def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
     """`tensors` (each module's parameter `name`) concatenated on dim 0 into one tensor in memory advised for huge
     pages (`huge_pages.py`), each module's parameter then a view into it: one copy in memory, the model's own modules
-    unchanged in value. One tensor is moved there alone where huge pages can back it (its parameter's data swapped,
-    so that a tied head and embedding stay one parameter), else kept as it is."""
+    unchanged in value (a buffer stays a buffer). One tensor is moved there alone where huge pages can back it (its
+    parameter's data swapped, so that a tied head and embedding stay one parameter), else kept as it is."""
     if len(tensors) == 1:
         tensor, old = tensors[0], tensors[0].detach()
         moved = huge_pages.on_huge_pages(old)
@@ -101,7 +128,8 @@ def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
     start = 0
     for tensor, module in zip(tensors, modules, strict=True):
         end = start + tensor.shape[0]
-        setattr(module, name, nn.Parameter(whole[start:end], requires_grad=False))
+        view = whole[start:end]
+        setattr(module, name, view if name in module._buffers else nn.Parameter(view, requires_grad=False))
         start = end
     return whole
 

@@ -34,12 +34,13 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from utils.paths import cache_dir
 
-__all__ = ["MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "add_rms_norm", "attention", "bfloat16_arithmetic", "compute_dtype",
-           "dequantize_q4", "gemm", "gemm_q4", "layer_ops", "pack_q4", "rms_norm", "rope_write", "supports",
+__all__ = ["MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_ROWS", "add_rms_norm", "attention", "bfloat16_arithmetic",
+           "compute_dtype", "dequantize_q4", "gemm", "gemm_q4", "layer_ops", "pack_q4", "rms_norm", "rope_write", "supports",
            "supports_q4", "tile_unit", "unavailable"]
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
@@ -48,6 +49,7 @@ HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by both: part of the
 NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations everywhere
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
 Q4_BLOCK = 32  # gemm.c's 4-bit block: the group of input columns a scale and a minimum serve
+Q4_ROWS = 16  # and its weight rows laid out together (one per vector lane)
 LANES = 16  # layer.c's LANES: a norm's width and a head's size must be multiples of it
 # -ffp-contract=off: a product and a sum written apart stay apart (rounded as torch's eager steps round them)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
@@ -173,42 +175,66 @@ def supports_q4(in_features: int, group_size: int) -> bool:
     """Whether the 4-bit kernel can run a linear of `in_features` quantized in groups of `group_size` here."""
     library = _loaded()
     return (library is not None and library.specdec_q4_block() > 0 and group_size == Q4_BLOCK
-            and in_features % library.specdec_q4_block() == 0 and in_features <= 32768)
+            and in_features % library.specdec_q4_block() == 0)
 
 
 def pack_q4(q: Tensor, scales: Tensor, minimums: Tensor) -> tuple[Tensor, Tensor]:
-    """q (N, K) in 0..15, scales and minimums (N, K / 32) (w = scale q + minimum) -> the kernel's layout: (N, K / 2)
-    uint8, two blocks of 32 in 32 bytes (element i of the first in byte i's low nibble, of the second in its high
-    one), and (N, 2, K / 32) float16 (each row's scales, then its minimums)."""
+    """q (N, K) in 0..15, scales and minimums (N, K / 32) (w = scale q + minimum) -> the kernel's layout (gemm.c):
+    the rows in groups of `Q4_ROWS` (the last padded with zero rows), (groups, K / 32, 256) uint8, each block of a
+    group four 64-byte vectors whose four bytes at lane l hold row l's inputs 8v..8v+3 of the block (low nibbles)
+    and 8v+4..8v+7 (high ones); and (groups, K / 32, 2, Q4_ROWS) float16, the group's scales of each block, then
+    its minimums."""
     n, k = q.shape
-    pairs = q.to(torch.uint8).reshape(n, k // (2 * Q4_BLOCK), 2, Q4_BLOCK)
-    packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return packed, torch.stack([scales, minimums], dim=1).to(torch.float16).contiguous()
+    groups, blocks = -(-n // Q4_ROWS), k // Q4_BLOCK
+    padded = q.new_zeros(groups * Q4_ROWS, k, dtype=torch.uint8)
+    padded[:n] = q
+    nibbles = padded.reshape(groups, Q4_ROWS, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # g, b, v, lane, i, half
+    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(groups, blocks, Q4_ROWS * Q4_BLOCK // 2).contiguous()
+
+    def by_group(values: Tensor) -> Tensor:  # (N, blocks) -> (groups, blocks, Q4_ROWS)
+        whole = values.new_zeros(groups * Q4_ROWS, blocks)
+        whole[:n] = values
+        return whole.reshape(groups, Q4_ROWS, blocks).transpose(1, 2)
+
+    return packed, torch.stack([by_group(scales), by_group(minimums)], dim=2).to(torch.float16).contiguous()
 
 
-def dequantize_q4(packed: Tensor, scales_minimums: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The (N, K) weight `pack_q4`'s layout holds, in `dtype` (float32 or bfloat16)."""
+def dequantize_q4(packed: Tensor, scales_minimums: Tensor, out_features: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The (out_features, K) weight `pack_q4`'s layout holds, in `dtype` (float32 or bfloat16)."""
     library = _library()[0]
-    weight = torch.empty(packed.shape[0], 2 * packed.shape[1], dtype=dtype)
-    status = library.specdec_dequantize_q4(packed.data_ptr(), scales_minimums.data_ptr(), weight.data_ptr(),
-                                           weight.shape[0], weight.shape[1], int(dtype == torch.bfloat16),
-                                           torch.get_num_threads())
-    if status != 0 or dtype not in (torch.float32, torch.bfloat16):
+    weight = torch.empty(out_features, packed.shape[1] * Q4_BLOCK, dtype=dtype)
+    fits = packed.shape[0] * Q4_ROWS >= out_features and dtype in (torch.float32, torch.bfloat16)
+    status = -1 if not fits else library.specdec_dequantize_q4(
+        packed.data_ptr(), scales_minimums.data_ptr(), weight.data_ptr(), weight.shape[0], weight.shape[1],
+        int(dtype == torch.bfloat16), torch.get_num_threads())
+    if status != 0:
         raise ValueError(f"the 4-bit kernel cannot dequantize a ({weight.shape[0]}, {weight.shape[1]}) weight to {dtype}")
     return weight
 
 
-def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor) -> Tensor:
-    """x (rows <= MAX_ROWS, K) float32 or bfloat16 times the 4-bit weight `pack_q4` made -> (rows, N) in x's dtype."""
+def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
+    """x (rows, K) times the 4-bit weight `pack_q4` made, plus `bias` -> (rows, out_features) in x's dtype: up to
+    MAX_ROWS rows by the kernel (float32 or bfloat16 rows as they come, others in float32; the bias added in
+    float32), a prompt's more rows by the weight dequantized (by the kernel's library, in a few milliseconds) and
+    torch's GEMM, in bfloat16 where this CPU computes in it (AMX's GEMMs), else float32."""
     library = _library()[0]
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return gemm_q4(x.float(), packed, scales_minimums, out_features, bias).to(x.dtype)
+    if x.shape[0] > MAX_ROWS:
+        dtype = torch.bfloat16 if bfloat16_arithmetic() else torch.float32
+        y = F.linear(x.to(dtype), dequantize_q4(packed, scales_minimums, out_features, dtype)).to(x.dtype)
+        return y if bias is None else y + bias.to(x.dtype)
     x = x.contiguous()
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
-    status = library.specdec_gemm_q4(packed.data_ptr(), scales_minimums.data_ptr(), x.data_ptr(), None, out.data_ptr(),
-                                     x.shape[0], packed.shape[0], x.shape[1], int(x.dtype == torch.bfloat16),
-                                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    fits = packed.shape[0] * Q4_ROWS >= out_features and packed.shape[1] * Q4_BLOCK == x.shape[1]
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    status = -1 if not fits else library.specdec_gemm_q4(
+        packed.data_ptr(), scales_minimums.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), x.shape[0], out_features, x.shape[1], _bf16(x), _bf16(x), torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"the 4-bit kernel cannot multiply x {tuple(x.shape)} {x.dtype}: at most {MAX_ROWS} rows, "
-                         f"the input width a multiple of {library.specdec_q4_block()}")
+        raise ValueError(f"the 4-bit kernel cannot multiply x {tuple(x.shape)} {x.dtype} by a weight of "
+                         f"{out_features} rows packed as {tuple(packed.shape)}: float32 or bfloat16 rows, the input "
+                         f"width a multiple of {library.specdec_q4_block()}")
     return out
 
 
