@@ -7,7 +7,8 @@ For each model: the bytes a one-token pass reads (its weights, the input embeddi
 bandwidth of a memory-bound `sum` measured in the same process, so the bound; then per pass width (1, 4, 8, 16 new
 tokens after `CONTEXT` cached ones, the runner generation gives the model, the kernels its calibration chose) the
 median time, its fraction of the bound (bound / time: 1.0 is at the bound) and the share of the pass spent in
-GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total). Then plain greedy
+GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total); the models'
+passes interleaved round by round, and each one-token pass against the target's of the same round. Then plain greedy
 decoding of even HumanEval prompts, ours and transformers' eager `generate` interleaved, medians of tokens/s, every
 output checked against transformers' (near-ties told from defects, `benchmarks/exactness.py`).
 
@@ -94,23 +95,37 @@ def gemm_share(runner: StaticSequence, costs, width: int) -> float:
     return gemm / total if total else 0.0
 
 
-def pass_report(model, label: str, bandwidth: float, repeats: int) -> dict:
-    """The bound and every width's pass of `model`."""
-    costs = pass_costs(model)
-    runner = StaticSequence(model, slots=CONTEXT + max(WIDTHS) + 64, costs=None)
-    runner.forward(list(range(3, 3 + CONTEXT)))
-    bound = weight_bytes(model) / bandwidth
-    times: dict[int, list[float]] = {width: [] for width in WIDTHS}
+def pass_reports(models: dict, bandwidth: float, repeats: int) -> list[dict]:
+    """The bound and every width's pass of each model in `models` (label -> model), their passes interleaved round by
+    round (a shared machine's bandwidth moves within a minute: measured model after model, a ratio between them
+    drifts with it), and each model's one-token pass against the first model's (the target's) in the same round."""
+    runners = {}
+    for label, model in models.items():
+        runner = StaticSequence(model, slots=CONTEXT + max(WIDTHS) + 64, costs=None)
+        runner.forward(list(range(3, 3 + CONTEXT)))
+        runners[label] = (pass_costs(model), runner)
+    times = {label: {width: [] for width in WIDTHS} for label in models}
     for round_ in range(repeats + 1):  # the first round warms up
-        for width in WIDTHS:
-            seconds = _pass(runner, costs, width)
-            if round_:
-                times[width].append(seconds)
-    one = statistics.median(times[1])
-    return {"model": label, "path": forward_path(model), "weight_gb": weight_bytes(model) / 1e9, "bound_ms": 1000 * bound,
+        for label, (costs, runner) in runners.items():
+            for width in WIDTHS:
+                seconds = _pass(runner, costs, width)
+                if round_:
+                    times[label][width].append(seconds)
+    first = next(iter(models))
+    reports = []
+    for label, model in models.items():
+        costs, runner = runners[label]
+        bound = weight_bytes(model) / bandwidth
+        one = statistics.median(times[label][1])
+        of_target = statistics.median(mine / theirs for mine, theirs in zip(times[label][1], times[first][1], strict=True))
+        reports.append({
+            "model": label, "path": forward_path(model), "weight_gb": weight_bytes(model) / 1e9,
+            "bound_ms": 1000 * bound, "of_target": of_target,
             "widths": {width: {"ms": 1000 * statistics.median(values), "of_bound": bound / statistics.median(values),
-                               "relative": statistics.median(values) / one, "gemm_share": gemm_share(runner, costs, width)}
-                       for width, values in times.items()}}
+                               "relative": statistics.median(values) / one,
+                               "gemm_share": gemm_share(runner, costs, width)}
+                       for width, values in times[label].items()}})
+    return reports
 
 
 def plain_decoding(model, tokenizer, prompts: list[list[int]], tokens: int, repeats: int) -> dict:
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_self_drafter:
         models["self-drafter (int4)"] = quantized_drafter(target, bits=4)
     bandwidth = read_bandwidth()
-    passes = [pass_report(model, label, bandwidth, args.repeats) for label, model in models.items()]
+    passes = pass_reports(models, bandwidth, args.repeats)
     prompts = [encode(tokenizer, text) for _, text in load_humaneval(args.prompts)]  # the file holds even ids only
     decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
     result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "quantize": args.quantize,
@@ -163,10 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     table = Table(title=f"Passes against the read bound ({bandwidth / 1e9:.1f} GB/s)")
-    for column in ("model", "path", "bound ms", *(f"{w} tok: ms / of bound / gemm" for w in WIDTHS)):
+    for column in ("model", "path", "bound ms", "1 tok / target's", *(f"{w} tok: ms / of bound / gemm" for w in WIDTHS)):
         table.add_column(column)
     for report in passes:
-        table.add_row(report["model"], report["path"], f"{report['bound_ms']:.1f}",
+        table.add_row(report["model"], report["path"], f"{report['bound_ms']:.1f}", f"{report['of_target']:.2f}",
                       *(f"{r['ms']:.1f} / {r['of_bound']:.2f} / {r['gemm_share']:.2f}" for r in report["widths"].values()))
     console.print(table)
     console.print(f"plain decoding: ours {decoding['tokens_per_s']['ours']:.2f} tok/s, transformers' eager "

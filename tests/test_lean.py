@@ -176,6 +176,33 @@ def test_quantized_linears_run_unfused_and_a_replaced_linear_is_seen():
     assert (got - _reference(model, ids)).abs().max() < 1e-4  # float32 model; the same int8 kernel on both paths
 
 
+def test_our_four_bit_linears_fuse_into_one_call_and_give_the_hugging_face_logits():
+    """Our kernel's 4-bit q/k/v and gate/up (a quantized target, the self-drafter) become one packed weight each, the
+    modules' buffers views into it, the biases added in the kernel: each output the bits its own module gives, and
+    the logits the Hugging Face path's over the same modules (to the activations' rounding to float32 and int8)."""
+    from utils.quantized_models import quantize_model
+
+    model = tiny_model("qwen2")  # q/k/v with biases; 32 + 16 + 16 rows
+    quantize_model(model, "int4", cache=False)
+    lean = lean_decoder(model)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    if not _our_kernels_run_here():  # torch's int4 or int8: each module runs as it is
+        assert lean.layers[0].qkv.q4 is None and attention.k_proj.kernel == "torch"
+        return
+    packed, scales = lean.layers[0].qkv.q4
+    assert attention.k_proj.weight_q.data_ptr() == packed[2].data_ptr()  # q's two groups of 16 rows, then k's
+    assert attention.v_proj.scales.data_ptr() == scales[3].data_ptr() and "weight_q" in attention.v_proj._buffers
+    x = torch.randn(5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(lean.layers[0].qkv(x), torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], -1))
+        assert torch.equal(lean.layers[0].gate_up(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
+    ids = prompt(5, 12)
+    runner = StaticRunner(model, rows=1, slots=64)
+    got = torch.cat([runner.forward_rows([(ids[:7], None)], [7])[0], runner.forward_rows([([ids[7]], None)], [1])[0],
+                     runner.forward_rows([(ids[8:], None)], [4])[0]])
+    assert (got - _reference(model, ids)).abs().max() < 1e-4
+
+
 def test_the_fallback_is_said_and_kept(monkeypatch):
     gpt2 = tiny_model("gpt2")
     assert forward_path(gpt2).startswith("Hugging Face forward (model type 'gpt2'")

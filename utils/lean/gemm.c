@@ -291,8 +291,8 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
    the low nibble and 32b + 8v + 4 + i in the high one. Then d and m: (groups, blocks, 2, 16) float16, the group's 16
    scales of block b, then its 16 minimums. So one integer dot-product instruction (VNNI's vpdpbusd, four bytes of
    the activations broadcast) advances sixteen rows at once, each row in its own lane: no horizontal sums, block
-   scales loaded as vectors, a third of the instructions of a row-at-a-time kernel, and the weights read as one
-   stream (measured on the Xeon, docs/results.md, twelfth round).
+   scales loaded as vectors, under half the instructions of a row-at-a-time kernel, and the weights read as one
+   stream, prefetched Q4_AHEAD blocks ahead (docs/results.md, twelfth round).
 
    Per output one order whatever the number of rows or threads (width-invariant): its lane's integer sums (exact),
    then float32 steps in block order. AVX-512 VNNI takes a group as one 512-bit register; AVX2 (with AVX-VNNI where
@@ -303,7 +303,7 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
 #define Q4_ROWS 16
 #define Q4_GROUP_BYTES (Q4_ROWS * Q4_BLOCK / 2) /* one block of a group */
 #define Q4_X 4 /* activation rows a group's pass serves (the weights then come from L1 for the next four) */
-#define Q4_AHEAD 16 /* blocks prefetched ahead: 4 KB of weights (in memory: 24 against 19 GB/s without, Xeon) */
+#define Q4_AHEAD 16 /* blocks prefetched ahead: 4 KB of weights (docs/results.md, twelfth round) */
 
 static inline void q4_prefetch(const uint8_t* w, const uint16_t* dm) {
   for (int line = 0; line < Q4_GROUP_BYTES; line += 64) __builtin_prefetch(w + Q4_AHEAD * Q4_GROUP_BYTES + line, 0, 3);
