@@ -7,8 +7,9 @@ For each model: the bytes a one-token pass reads (its weights, the input embeddi
 bandwidth of a memory-bound `sum` measured in the same process, so the bound; then per pass width (1, 4, 8, 16 new
 tokens after `CONTEXT` cached ones, the runner generation gives the model, the kernels its calibration chose) the
 median time, its fraction of the bound (bound / time: 1.0 is at the bound) and the share of the pass spent in
-GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total); the models'
-passes interleaved round by round, and each one-token pass against the target's of the same round. Then plain greedy
+GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total). Every model's
+passes and the `sum` are interleaved round by round (a shared VM's bandwidth moves within a minute): each pass
+against its round's bound, each one-token pass against the target's of the same round. Then plain greedy
 decoding of even HumanEval prompts, ours and transformers' eager `generate` interleaved, medians of tokens/s, every
 output checked against transformers' (near-ties told from defects, `benchmarks/exactness.py`).
 
@@ -95,17 +96,21 @@ def gemm_share(runner: StaticSequence, costs, width: int) -> float:
     return gemm / total if total else 0.0
 
 
-def pass_reports(models: dict, bandwidth: float, repeats: int) -> list[dict]:
+def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
     """The bound and every width's pass of each model in `models` (label -> model), their passes interleaved round by
-    round (a shared machine's bandwidth moves within a minute: measured model after model, a ratio between them
-    drifts with it), and each model's one-token pass against the first model's (the target's) in the same round."""
+    round with a `sum`'s read (a shared machine's bandwidth moves within a minute: measured apart, a pass and its
+    bound, or two models, drift apart): each pass against the bound of its round's bandwidth, each model's one-token
+    pass against the first model's (the target's) of the same round -> (reports, each round's bandwidth)."""
     runners = {}
     for label, model in models.items():
         runner = StaticSequence(model, slots=CONTEXT + max(WIDTHS) + 64, costs=None)
         runner.forward(list(range(3, 3 + CONTEXT)))
         runners[label] = (pass_costs(model), runner)
     times = {label: {width: [] for width in WIDTHS} for label in models}
+    bandwidths = []
     for round_ in range(repeats + 1):  # the first round warms up
+        if round_:
+            bandwidths.append(read_bandwidth(repeats=3))
         for label, (costs, runner) in runners.items():
             for width in WIDTHS:
                 seconds = _pass(runner, costs, width)
@@ -115,17 +120,19 @@ def pass_reports(models: dict, bandwidth: float, repeats: int) -> list[dict]:
     reports = []
     for label, model in models.items():
         costs, runner = runners[label]
-        bound = weight_bytes(model) / bandwidth
+        bytes_read = weight_bytes(model)
         one = statistics.median(times[label][1])
         of_target = statistics.median(mine / theirs for mine, theirs in zip(times[label][1], times[first][1], strict=True))
         reports.append({
-            "model": label, "path": forward_path(model), "weight_gb": weight_bytes(model) / 1e9,
-            "bound_ms": 1000 * bound, "of_target": of_target,
-            "widths": {width: {"ms": 1000 * statistics.median(values), "of_bound": bound / statistics.median(values),
+            "model": label, "path": forward_path(model), "weight_gb": bytes_read / 1e9,
+            "bound_ms": 1000 * bytes_read / statistics.median(bandwidths), "of_target": of_target,
+            "widths": {width: {"ms": 1000 * statistics.median(values),
+                               "of_bound": statistics.median(bytes_read / bandwidth / seconds
+                                                             for bandwidth, seconds in zip(bandwidths, values, strict=True)),
                                "relative": statistics.median(values) / one,
                                "gemm_share": gemm_share(runner, costs, width)}
                        for width, values in times[label].items()}})
-    return reports
+    return reports, bandwidths
 
 
 def plain_decoding(model, tokenizer, prompts: list[list[int]], tokens: int, repeats: int) -> dict:
@@ -169,15 +176,17 @@ def main(argv: list[str] | None = None) -> None:
         models["drafter"] = load_model(args.drafter, dtype=args.dtype, device=args.device)[0]
     if not args.no_self_drafter:
         models["self-drafter (int4)"] = quantized_drafter(target, bits=4)
-    bandwidth = read_bandwidth()
-    passes = pass_reports(models, bandwidth, args.repeats)
+    passes, bandwidths = pass_reports(models, args.repeats)
+    bandwidth = statistics.median(bandwidths)
     prompts = [encode(tokenizer, text) for _, text in load_humaneval(args.prompts)]  # the file holds even ids only
     decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
     result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "quantize": args.quantize,
-              "read_gb_per_s": bandwidth / 1e9, "passes": passes, "plain_decoding": decoding}
+              "read_gb_per_s": bandwidth / 1e9, "read_gb_per_s_by_round": [b / 1e9 for b in bandwidths],
+              "passes": passes, "plain_decoding": decoding}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
-    table = Table(title=f"Passes against the read bound ({bandwidth / 1e9:.1f} GB/s)")
+    table = Table(title=f"Passes against the read bound (median {bandwidth / 1e9:.1f} GB/s, "
+                        f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} over the rounds)")
     for column in ("model", "path", "bound ms", "1 tok / target's", *(f"{w} tok: ms / of bound / gemm" for w in WIDTHS)):
         table.add_column(column)
     for report in passes:
