@@ -5,6 +5,8 @@ copy); the fallback said in one line."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -182,7 +184,7 @@ def test_our_four_bit_linears_fuse_into_one_call_and_give_the_hugging_face_logit
     the logits the Hugging Face path's over the same modules (to the activations' rounding to float32 and int8)."""
     from utils.quantized_models import quantize_model
 
-    model = tiny_model("qwen2")  # q/k/v with biases; 32 + 16 + 16 rows
+    model = copy.deepcopy(tiny_model("qwen2"))  # q/k/v with biases, 32 + 16 + 16 rows; the shared one stays float
     quantize_model(model, "int4", cache=False)
     lean = lean_decoder(model)
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
