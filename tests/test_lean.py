@@ -496,7 +496,7 @@ def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_ev
     minimums as torch's int4 form), activations quantized to int8 per group of 32; within that rounding of the
     float product, the same bits at every row count; a prompt's many rows by the dequantized weight."""
     from utils.lean import native
-    from utils.quantize import quantized_linear
+    from utils.quantize import _int4_groups, quantized_linear
 
     if not _our_kernels_run_here():
         assert quantized_linear(torch.nn.Linear(128, 48), 4, 32).kernel == "torch"
@@ -507,6 +507,10 @@ def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_ev
     layer = quantized_linear(linear, 4, 32)
     assert layer.kernel == "native" and layer.weight_q.shape == (3, 4, 256)  # 40 rows in groups of 16, 4 blocks
     dequantized = native.dequantize_q4(layer.weight_q, layer.scales, 40)
+    q, scales, minimums = _int4_groups(linear.weight, 32)  # the same values as torch's steps: d * q, then + m
+    expected = (q * scales.half().float() + minimums.half().float()).reshape(40, 128)
+    assert torch.equal(dequantized, expected)
+    assert torch.equal(native.dequantize_q4(layer.weight_q, layer.scales, 40, torch.bfloat16), expected.bfloat16())
     assert (dequantized - linear.weight).abs().max() < (linear.weight.abs().max() / 15)  # within half a step (+fp16)
     x = torch.randn(native.MAX_ROWS, 128)
     with torch.no_grad():

@@ -418,8 +418,23 @@ int specdec_q4_block(void) {
 #endif
 }
 
-/* The (out, in) weight the 4-bit layout holds, in bfloat16 (y_bf16) or float32: for a prompt's pass over more rows
-   than MAX_ROWS, which then multiplies by it with torch's GEMM. */
+#ifdef Q4
+/* 8 float32 -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even, a NaN stays a NaN). */
+static inline __m128i bf16_round8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  __m256i packed = _mm256_packus_epi32(rounded, rounded); /* per 128-bit half: its four values twice */
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
+
+/* The (out, in) weight the 4-bit layout holds, d * q + m (a product, then a sum) in float32, stored in bfloat16
+   (y_bf16) or float32: for a prompt's pass over more rows than MAX_ROWS, which then multiplies by it with torch's
+   GEMM. A row's block is its four bytes of each of the block's four vectors: their low nibbles and high ones
+   interleaved four by four are its 32 inputs in order. */
 int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int y_bf16, int threads) {
 #ifdef Q4
   int blocks = in / Q4_BLOCK;
@@ -427,18 +442,22 @@ int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int ou
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int j = 0; j < out; j++) {
     int g = j / Q4_ROWS, l = j % Q4_ROWS;
+    const __m128i low = _mm_set1_epi8(0x0f);
     for (int b = 0; b < blocks; b++) {
       const uint8_t* block = Wq + ((size_t)g * blocks + b) * Q4_GROUP_BYTES;
       const uint16_t* scales = dm + ((size_t)g * blocks + b) * 2 * Q4_ROWS;
-      float d = _cvtsh_ss(scales[l]), m = _cvtsh_ss(scales[Q4_ROWS + l]);
-      for (int i = 0; i < Q4_BLOCK; i++) {
-        int v = i / 8, within = i % 8;
-        uint8_t byte = block[64 * v + 4 * l + within % 4];
-        int q = within < 4 ? byte & 0x0f : byte >> 4;
-        float value = d * (float)q + m;
-        size_t at = (size_t)j * in + (size_t)b * Q4_BLOCK + i;
-        if (y_bf16) ((uint16_t*)w)[at] = f32_to_bf16(value);
-        else ((float*)w)[at] = value;
+      __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[l])), m = _mm256_set1_ps(_cvtsh_ss(scales[Q4_ROWS + l]));
+      uint32_t mine[4];
+      for (int v = 0; v < 4; v++) memcpy(mine + v, block + 64 * v + 4 * l, 4);
+      __m128i bytes = _mm_loadu_si128((const __m128i*)mine);
+      __m128i lows = _mm_and_si128(bytes, low), highs = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+      __m128i q16[2] = {_mm_unpacklo_epi32(lows, highs), _mm_unpackhi_epi32(lows, highs)}; /* inputs 0-15, 16-31 */
+      for (int e = 0; e < 4; e++) { /* eight inputs at a time */
+        __m128i q8 = e % 2 ? _mm_srli_si128(q16[e / 2], 8) : q16[e / 2];
+        __m256 value = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), m);
+        size_t at = (size_t)j * in + (size_t)b * Q4_BLOCK + 8 * e;
+        if (y_bf16) _mm_storeu_si128((__m128i*)((uint16_t*)w + at), bf16_round8(value));
+        else _mm256_storeu_ps((float*)w + at, value);
       }
     }
   }
