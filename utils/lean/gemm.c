@@ -25,6 +25,19 @@
 
 #include "bf16.h"
 
+#if defined(__AVX2__)
+/* 8 float32 -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even, a NaN stays a NaN). */
+static inline __m128i bf16_round8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  __m256i packed = _mm256_packus_epi32(rounded, rounded); /* per 128-bit half: its four values twice */
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
+
 #define MAX_ROWS 32
 #define JB 4
 #define KC 512
@@ -114,14 +127,10 @@ static void amx_configure(void) {
   _tile_loadconfig(&config);
 }
 
-/* 16 float32 -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even, a NaN stays a NaN). */
+/* 16 float32 -> bfloat16, rounded as f32_to_bf16 rounds: bf16_round8 on each half. */
 static inline __m256i bf16_round16(__m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(rounded);
+  __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm256_set_m128i(bf16_round8(high), bf16_round8(_mm512_castps512_ps256(v)));
 }
 
 /* y[r][j0 + m] = c[m][n] (+ bias[j0 + m]) for the tile's 16 weight rows (nj of them real) and 16 activation rows
@@ -417,19 +426,6 @@ int specdec_q4_block(void) {
   return 0;
 #endif
 }
-
-#ifdef Q4
-/* 8 float32 -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even, a NaN stays a NaN). */
-static inline __m128i bf16_round8(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-  __m256i packed = _mm256_packus_epi32(rounded, rounded); /* per 128-bit half: its four values twice */
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-#endif
 
 /* The (out, in) weight the 4-bit layout holds, d * q + m (a product, then a sum) in float32, stored in bfloat16
    (y_bf16) or float32: for a prompt's pass over more rows than MAX_ROWS, which then multiplies by it with torch's
