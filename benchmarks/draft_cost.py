@@ -45,19 +45,34 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * source.numel() * 4 / best
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the weights one token's pass reads: every parameter and buffer (a quantized linear's packed
-    weights and scales) but the input embedding's rows of other tokens (a tied embedding counts once: the head
-    reads it whole)."""
+def weight_pieces(model) -> list:
+    """The weights one token's pass reads, in the model's order: every parameter and buffer (a quantized linear's
+    packed weights and scales) but the input embedding's rows of other tokens (a tied embedding counts once: the head
+    reads it whole); views that follow one another in memory (the lean forward's fused q/k/v and gate/up) as one
+    flat byte tensor, as the pass reads them."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     head_weight = getattr(head, "weight", None)
     tied = head_weight is not None and head_weight.data_ptr() == embedding.weight.data_ptr()
-    seen, total = set() if tied else {embedding.weight.data_ptr()}, 0
+    seen, spans, ends = set() if tied else {embedding.weight.data_ptr()}, [], {}  # spans: [storage, first, end]
     for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        storage = tensor.untyped_storage()
+        first = tensor.data_ptr() - storage.data_ptr()
+        end = first + tensor.numel() * tensor.element_size()
+        span = ends.pop((storage.data_ptr(), first), None)  # a span this tensor continues (q, then its bias, then k)
+        if span is None:
+            span = [storage, first, end]
+            spans.append(span)
+        span[2] = end
+        ends[(storage.data_ptr(), end)] = span
+    return [torch.empty(0, dtype=torch.uint8).set_(storage, first, (end - first,)) for storage, first, end in spans]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one token's pass reads (`weight_pieces`)."""
+    return sum(piece.numel() for piece in weight_pieces(model))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,9 @@ For each model: the bytes a one-token pass reads (its weights, the input embeddi
 bandwidth of a memory-bound `sum` measured in the same process, so the bound; then per pass width (1, 4, 8, 16 new
 tokens after `CONTEXT` cached ones, the runner generation gives the model, the kernels its calibration chose) the
 median time, its fraction of the bound (bound / time: 1.0 is at the bound) and the share of the pass spent in
-GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total). Every model's
+GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, against the pass's own total); and the time
+to read the same weights in the pass's own pieces and order with no arithmetic (`read_pieces`), against the bound,
+and the one-token pass against it: how far the pieces alone keep a pass from the bound. Every model's
 passes and the `sum` are interleaved round by round (a shared VM's bandwidth moves within a minute): each pass
 against its round's bound, each one-token pass against the target's of the same round. Then plain greedy
 decoding of even HumanEval prompts, ours and transformers' eager `generate` interleaved, medians of tokens/s, every
@@ -32,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import cli
-from benchmarks.draft_cost import weight_bytes
+from benchmarks.draft_cost import weight_bytes, weight_pieces
 from benchmarks.exactness import Classifier, counts, describe, transformers_greedy
 from benchmarks.prompts import encode, load_humaneval
 from sampling import autoregressive_generate, quantized_drafter
@@ -78,6 +80,17 @@ def read_bandwidth(gigabytes: float = 2.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
+def read_pieces(pieces: list[torch.Tensor]) -> float:
+    """Seconds to read `pieces` (`weight_pieces`: a pass's weights, in its order) once each with no arithmetic but
+    a maximum (torch's int32 `max`: it reads faster than `sum` on the Xeon of docs/results.md, thirteenth round):
+    what a pass's weights can be read at in their own pieces, many of them a few megabytes."""
+    start = time.perf_counter()
+    for piece in pieces:
+        whole = piece.numel() % 4 == 0 and piece.data_ptr() % 4 == 0
+        (piece.view(torch.int32) if whole else piece).max()
+    return time.perf_counter() - start
+
+
 def _pass(runner: StaticSequence, costs, width: int) -> float:
     start = time.perf_counter()
     runner.forward(list(range(10, 10 + width)), num_logits=1, shortcuts=costs.shortcuts_for(width - 1))
@@ -107,15 +120,20 @@ def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
         runner.forward(list(range(3, 3 + CONTEXT)))
         runners[label] = (pass_costs(model), runner)
     times = {label: {width: [] for width in WIDTHS} for label in models}
+    pieces = {label: weight_pieces(model) for label, model in models.items()}
+    ceilings: dict[str, list[float]] = {label: [] for label in models}
     bandwidths = []
     for round_ in range(repeats + 1):  # the first round warms up
         if round_:
             bandwidths.append(read_bandwidth(repeats=3))
         for label, (costs, runner) in runners.items():
+            ceiling = read_pieces(pieces[label])
             for width in WIDTHS:
                 seconds = _pass(runner, costs, width)
                 if round_:
                     times[label][width].append(seconds)
+            if round_:
+                ceilings[label].append(ceiling)
     first = next(iter(models))
     reports = []
     for label, model in models.items():
@@ -126,6 +144,12 @@ def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
         reports.append({
             "model": label, "path": forward_path(model), "weight_gb": bytes_read / 1e9,
             "bound_ms": 1000 * bytes_read / statistics.median(bandwidths), "of_target": of_target,
+            # the weights read in their pieces with no arithmetic: against the bound, and the one-token pass against it
+            "ceiling_ms": 1000 * statistics.median(ceilings[label]),
+            "ceiling_of_bound": statistics.median(bytes_read / bandwidth / seconds
+                                                  for bandwidth, seconds in zip(bandwidths, ceilings[label], strict=True)),
+            "of_ceiling": statistics.median(ceiling / seconds
+                                            for ceiling, seconds in zip(ceilings[label], times[label][1], strict=True)),
             "widths": {width: {"ms": 1000 * statistics.median(values),
                                "of_bound": statistics.median(bytes_read / bandwidth / seconds
                                                              for bandwidth, seconds in zip(bandwidths, values, strict=True)),
@@ -187,10 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     table = Table(title=f"Passes against the read bound (median {bandwidth / 1e9:.1f} GB/s, "
                         f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} over the rounds)")
-    for column in ("model", "path", "bound ms", "1 tok / target's", *(f"{w} tok: ms / of bound / gemm" for w in WIDTHS)):
+    for column in ("model", "path", "bound ms", "pieces read: ms / of bound", "1 tok: of pieces' read",
+                   "1 tok / target's", *(f"{w} tok: ms / of bound / gemm" for w in WIDTHS)):
         table.add_column(column)
     for report in passes:
-        table.add_row(report["model"], report["path"], f"{report['bound_ms']:.1f}", f"{report['of_target']:.2f}",
+        table.add_row(report["model"], report["path"], f"{report['bound_ms']:.1f}",
+                      f"{report['ceiling_ms']:.1f} / {report['ceiling_of_bound']:.2f}", f"{report['of_ceiling']:.2f}",
+                      f"{report['of_target']:.2f}",
                       *(f"{r['ms']:.1f} / {r['of_bound']:.2f} / {r['gemm_share']:.2f}" for r in report["widths"].values()))
     console.print(table)
     console.print(f"plain decoding: ours {decoding['tokens_per_s']['ours']:.2f} tok/s, transformers' eager "

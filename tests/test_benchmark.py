@@ -437,3 +437,28 @@ def test_the_self_drafter_tau_script_runs_on_a_tiny_model(tmp_path, monkeypatch)
     result = self_tau.main(["--model", str(model), "--prompts", "2", "--gamma", "3", "--max-new-tokens", "8"])
     assert set(result["variants"]) == set(self_tau.VARIANTS) and result["outputs_equal"]
     assert all(v["tau_mean"] >= 1.0 and 0 < v["added_bytes_over_target"] < 1 for v in result["variants"].values())
+
+
+def test_a_pass_s_weight_pieces_hold_each_weight_once_and_a_fused_linear_as_one_piece():
+    import copy
+
+    import torch
+
+    from benchmarks.draft_cost import weight_bytes, weight_pieces
+    from tests.models import tiny_model
+    from utils.lean.linear import Linear
+
+    model = copy.deepcopy(tiny_model("qwen2"))  # the suite's tiny models are shared: fuse a copy
+    attention = model.model.layers[0].self_attn
+    untied = model.get_input_embeddings().weight.data_ptr() != model.get_output_embeddings().weight.data_ptr()
+    expected = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    expected -= model.get_input_embeddings().weight.numel() * 8 if untied else 0  # float64: the rows not read
+    before = len(weight_pieces(model))
+    fused = Linear([attention.q_proj, attention.k_proj, attention.v_proj]).weight  # q/k/v become views of one tensor
+    pieces = weight_pieces(model)
+    assert sum(piece.numel() for piece in pieces) == weight_bytes(model) == expected
+    assert all(piece.dtype == torch.uint8 and piece.dim() == 1 for piece in pieces)
+    whole = [piece for piece in pieces if piece.data_ptr() == fused.data_ptr()]
+    assert len(whole) == 1 and whole[0].numel() == fused.numel() * fused.element_size()
+    assert torch.equal(whole[0], fused.detach().reshape(-1).view(torch.uint8))
+    assert len(pieces) < before  # three weights read as one piece (their biases are views too)
