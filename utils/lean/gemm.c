@@ -301,7 +301,7 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
    scales of block b, then its 16 minimums. So one integer dot-product instruction (VNNI's vpdpbusd, four bytes of
    the activations broadcast) advances sixteen rows at once, each row in its own lane: no horizontal sums, block
    scales loaded as vectors, under half the instructions of a row-at-a-time kernel, and the weights read as one
-   stream, prefetched Q4_AHEAD blocks ahead (docs/results.md, twelfth round).
+   stream, prefetched Q4_AHEAD blocks ahead into L2 (docs/results.md, twelfth and thirteenth rounds).
 
    Per output one order whatever the number of rows or threads (width-invariant): its lane's integer sums (exact),
    then float32 steps in block order. AVX-512 VNNI takes a group as one 512-bit register; AVX2 (with AVX-VNNI where
@@ -314,9 +314,10 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
 #define Q4_X 4 /* activation rows a group's pass serves (the weights then come from L1 for the next four) */
 #define Q4_AHEAD 16 /* blocks prefetched ahead: 4 KB of weights (docs/results.md, twelfth round) */
 
+/* Into L2 (prefetcht1, locality 2): a prefetch into L1 holds one of its few fill buffers until the line comes. */
 static inline void q4_prefetch(const uint8_t* w, const uint16_t* dm) {
-  for (int line = 0; line < Q4_GROUP_BYTES; line += 64) __builtin_prefetch(w + Q4_AHEAD * Q4_GROUP_BYTES + line, 0, 3);
-  __builtin_prefetch(dm + Q4_AHEAD * 2 * Q4_ROWS, 0, 3);
+  for (int line = 0; line < Q4_GROUP_BYTES; line += 64) __builtin_prefetch(w + Q4_AHEAD * Q4_GROUP_BYTES + line, 0, 2);
+  __builtin_prefetch(dm + Q4_AHEAD * 2 * Q4_ROWS, 0, 2);
 }
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define Q4_512 1
