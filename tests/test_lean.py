@@ -347,7 +347,7 @@ def test_a_wide_pass_gives_each_token_the_bits_of_one_token_passes_in_bfloat16(f
 def test_released_file_pages_read_the_same_values_again(tmp_path):
     """The pages a fused copy replaced are given back to the kernel; a file-backed tensor still reads its values,
     and memory that is not a file's is never touched."""
-    from utils.lean.linear import release_file_pages
+    from utils.lean.huge_pages import release_file_pages
 
     path = tmp_path / "weights.pt"
     torch.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, path)
@@ -356,6 +356,21 @@ def test_released_file_pages_read_the_same_values_again(tmp_path):
     total = float(mapped.sum())
     release_file_pages([mapped, anonymous])
     assert float(mapped.sum()) == total and torch.equal(anonymous, torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_weight_moved_onto_huge_pages_gives_its_files_pages_back_and_keeps_its_values(tmp_path, monkeypatch):
+    """`on_huge_pages` copies a weight read from a mapped file (a cached self-drafter's packed weights) and gives
+    the file's pages back (where huge pages cannot help it copies and releases nothing): both read the values."""
+    from utils.lean import huge_pages
+
+    path, values = tmp_path / "weights.pt", torch.arange(1 << 21, dtype=torch.float32)
+    torch.save({"w": values}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)["w"]
+    released, release = [], huge_pages.release_file_pages
+    monkeypatch.setattr(huge_pages, "release_file_pages", lambda tensors: (released.extend(tensors), release(tensors)))
+    moved = huge_pages.on_huge_pages(mapped)
+    assert torch.equal(moved, values) and torch.equal(mapped, values)
+    assert [t is mapped for t in released] == ([] if moved is mapped else [True])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])

@@ -65,6 +65,18 @@ def test_the_int4_kernel_computes_the_dequantized_product():
     assert not torch.allclose(layer(x), x @ weight.T, atol=0.5)  # and it is the four-bit weight's product
 
 
+def test_a_head_quantized_a_slice_of_rows_at_a_time_has_the_bytes_of_one_go(monkeypatch):
+    """A head wider than `ROWS_AT_ONCE` rows is quantized in slices (its float32 copies bounded): the same packed
+    bytes, scales and minimums as all its rows at once, the last group padded as before."""
+    import utils.quantize as quantize
+
+    weight = torch.randn(8 * 16 + 5, 64, dtype=torch.bfloat16)  # eight whole groups and a padded one
+    whole = quantize.quantize_int4_native(weight, 32)
+    monkeypatch.setattr(quantize, "ROWS_AT_ONCE", 2 * 16)
+    sliced = quantize.quantize_int4_native(weight, 32)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True)) and whole[0].shape[0] == 9
+
+
 def test_a_head_no_int4_kernel_takes_falls_back_to_int8_and_stays_exact():
     target = tiny_model("llama", vocab=100)
     drafter = quantized_drafter(target, group_size=64)

@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["HUGE_PAGE", "HUGE_PAGES_ENV", "advised_empty", "on_huge_pages", "thp_mode"]
+__all__ = ["HUGE_PAGE", "HUGE_PAGES_ENV", "advised_empty", "on_huge_pages", "release_file_pages", "thp_mode"]
 
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KB base pages) transparent huge page
 HUGE_PAGES_ENV = "SPECDEC_HUGE_PAGES"  # "0": weights stay where they were loaded (no copy at the first pass)
 _MADV_HUGEPAGE = 14  # Linux
+_MADV_DONTNEED = 4
 
 
 @cache
@@ -68,8 +69,49 @@ def advised_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
 
 def on_huge_pages(tensor: Tensor) -> Tensor:
-    """`tensor`'s values in memory advised for huge pages (a contiguous copy), or `tensor` itself where that cannot
-    help (`advised_empty`)."""
+    """`tensor`'s values in memory advised for huge pages (a contiguous copy; the pages of a file `tensor` was read
+    from given back, `release_file_pages`: the caller drops `tensor`), or `tensor` itself where that cannot help
+    (`advised_empty`)."""
     if not _helps(tensor.numel() * tensor.element_size(), tensor.device):
         return tensor
-    return advised_empty(tuple(tensor.shape), tensor.dtype, tensor.device).copy_(tensor)
+    copy = advised_empty(tuple(tensor.shape), tensor.dtype, tensor.device).copy_(tensor)
+    release_file_pages([tensor])
+    return copy
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process mapped from files (Linux's /proc/self/maps), [] elsewhere."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0":  # a file, not anonymous memory
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            ranges.append((low, high))
+    return ranges
+
+
+def release_file_pages(tensors: list[Tensor]) -> None:
+    """Tell the kernel that the pages of `tensors` that come straight from a mapped file (a safetensors checkpoint
+    loaded without a copy) are not needed any more: the fused copy replaced them, and a process that kept them
+    would hold the weights twice (the 1.5B's resident memory: 5.2 GB for 3.5 GB of weights). Only pages of a
+    file mapping that lie wholly inside a tensor: anonymous memory is never touched, the model's parameters no
+    longer point at these pages (they are views of the fused copy), and a page read again comes from the file."""
+    if not sys.platform.startswith("linux") or not all(t.device.type == "cpu" for t in tensors):
+        return
+    mappings = _file_mappings()
+    if not mappings:
+        return
+    libc = _libc()
+    page = os.sysconf("SC_PAGE_SIZE")
+    for tensor in tensors:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        if not any(low <= start and end <= high for low, high in mappings):
+            continue
+        first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
+        if last > first:
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)

@@ -3,7 +3,7 @@ once at build time without a second copy, and the kernel for the weight's format
 
 Fusing: the fused weight is one new tensor, and the model's own `nn.Linear` weights become views into it (the
 same values, the same bytes: the Hugging Face model still runs, and memory holds each weight once: the pages of a
-checkpoint file the originals were read from are given back, `release_file_pages`). 4-bit `QuantizedLinear`s of
+checkpoint file the originals were read from are given back, `huge_pages.release_file_pages`). 4-bit `QuantizedLinear`s of
 our kernel (a quantized target, the self-drafter) are fused alike, their packed weights and scales (groups of 16
 rows side by side) and their biases: one kernel call where there were three, the bias added inside. Any other
 linear (int8, torch's int4, accelerate's hooked modules) is never fused: its own module runs it.
@@ -17,10 +17,7 @@ converted to float32.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +26,7 @@ from torch import Tensor, nn
 from utils.lean import huge_pages, native
 from utils.lean.kernels import INVARIANT_ENV, LINEAR, apply, invariance_pays, kernel_table, prepare
 
-__all__ = ["Linear", "fused", "numerics", "release_file_pages"]
-
-_MADV_DONTNEED = 4  # Linux
+__all__ = ["Linear", "fused", "numerics"]
 
 
 def _plain(module: nn.Module) -> bool:
@@ -116,15 +111,14 @@ def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
     parameter's data swapped, so that a tied head and embedding stay one parameter), else kept as it is."""
     if len(tensors) == 1:
         tensor, old = tensors[0], tensors[0].detach()
-        moved = huge_pages.on_huge_pages(old)
+        moved = huge_pages.on_huge_pages(old)  # the file's pages it was read from given back
         if moved is not old:
             tensor.data = moved
-            release_file_pages([old])
         return tensor.detach()
     rows = sum(t.shape[0] for t in tensors)
     whole = huge_pages.advised_empty((rows, *tensors[0].shape[1:]), tensors[0].dtype, tensors[0].device)
     torch.cat([t.detach() for t in tensors], out=whole)
-    release_file_pages(tensors)
+    huge_pages.release_file_pages(tensors)
     start = 0
     for tensor, module in zip(tensors, modules, strict=True):
         end = start + tensor.shape[0]
@@ -132,44 +126,6 @@ def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
         setattr(module, name, view if name in module._buffers else nn.Parameter(view, requires_grad=False))
         start = end
     return whole
-
-
-def _file_mappings() -> list[tuple[int, int]]:
-    """The address ranges of this process mapped from files (Linux's /proc/self/maps), [] elsewhere."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    ranges = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0":  # a file, not anonymous memory
-            low, high = (int(bound, 16) for bound in fields[0].split("-"))
-            ranges.append((low, high))
-    return ranges
-
-
-def release_file_pages(tensors: list[Tensor]) -> None:
-    """Tell the kernel that the pages of `tensors` that come straight from a mapped file (a safetensors checkpoint
-    loaded without a copy) are not needed any more: the fused copy replaced them, and a process that kept them
-    would hold the weights twice (the 1.5B's resident memory: 5.2 GB for 3.5 GB of weights). Only pages of a
-    file mapping that lie wholly inside a tensor: anonymous memory is never touched, the model's parameters no
-    longer point at these pages (they are views of the fused copy), and a page read again comes from the file."""
-    if not sys.platform.startswith("linux") or not all(t.device.type == "cpu" for t in tensors):
-        return
-    mappings = _file_mappings()
-    if not mappings:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = os.sysconf("SC_PAGE_SIZE")
-    for tensor in tensors:
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        if not any(low <= start and end <= high for low, high in mappings):
-            continue
-        first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
-        if last > first:
-            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def numerics(linears: list[Linear], dtype: torch.dtype, counts: list[int] | None = None) -> tuple[torch.dtype, bool]:
