@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.policy.draft_confidence import ConfidenceAcceptance, ConfidenceStop
+from tests.cost_tables import BF16_15B, fix_costs
 from tests.models import tiny_model
 
 
@@ -61,6 +62,31 @@ def test_greedy_identity_with_the_per_token_stop():
     assert self_drafted == reference
     batch = speculative_generate([prompt, prompt[:7]], drafter, target, adaptive_gamma=True, max_gen_len=24)
     assert [ids for ids, _ in batch] == [reference, autoregressive_generate(prompt[:7], target, max_gen_len=24)]
+
+
+def test_greedy_drafts_are_judged_by_the_drafters_softmax_not_its_one_hot_q(monkeypatch):
+    """Under greedy decoding q is one-hot: read there, every draft had confidence 1.0 and the stop drafted as long
+    after a guess as after a sure token (a real translation prompt drafted 12 tokens at "1.0", all rejected). The
+    stop reads the softmax of the drafter's scores instead, the confidence its own logits give each draft."""
+    import torch
+
+    from sampling.drafters.model_drafter import ModelDrafter
+
+    target, drafter = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    prompt, seen = list(range(5, 17)), []
+    original = ModelDrafter._confidence
+
+    def recorded(self, logits, q, draft, history):
+        confidence = original(self, logits, q, draft, history)
+        seen.append((confidence, float(torch.softmax(logits.double(), dim=-1)[draft]), float(q[draft])))
+        return confidence
+
+    monkeypatch.setattr(ModelDrafter, "_confidence", recorded)
+    fix_costs(monkeypatch, BF16_15B, 0.1)  # a cheap drafter: it drafts chains
+    out, _ = speculative_generate(prompt, drafter, target, adaptive_gamma=True, branching=1, max_gen_len=24)
+    assert out == autoregressive_generate(prompt, target, max_gen_len=24) and seen
+    assert all(abs(confidence - softmax) < 1e-6 and one_hot == 1.0 for confidence, softmax, one_hot in seen)
+    assert min(confidence for confidence, _, _ in seen) < 0.5  # a random drafter is unsure of some drafts
 
 
 class FlatCosts:

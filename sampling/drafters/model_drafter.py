@@ -238,7 +238,7 @@ class ModelDrafter:
             drafts[b].append(self._next_draft(q, b, len(sequence) + i))
             qs[b].append(q)
             if self.stop is not None:
-                confidences[b].append(self._confidence(q, drafts[b][-1]))
+                confidences[b].append(self._confidence(logits[j], q, drafts[b][-1], history))
                 if not self.stop.keep_drafting(confidences[b], len(lengths)):  # lengths: one per row drafting
                     lengths[b] = i + 1
             same = j < len(proposals) and drafts[b][-1] == proposals[j]
@@ -252,9 +252,14 @@ class ModelDrafter:
             self.runner.rollback_row(b, self.runner.row_length(b) - (len(proposals) - matched))
         return feed
 
-    def _confidence(self, q: Tensor, draft: int) -> float:
-        """The drafter's probability of its draft (for the per-token stop)."""
-        return float(q[draft])
+    def _confidence(self, logits: Tensor, q: Tensor, draft: int, history: list[int] | None) -> float:
+        """The drafter's probability of its draft (for the per-token stop): q's, or under greedy decoding, whose q
+        is one-hot (every draft would read 1.0, and the stop could not tell a sure draft from a guess), the softmax
+        of its processed scores, as the tree drafter reads it (`model_tree.py`)."""
+        if not self.processor.is_greedy:
+            return float(q[draft])
+        scores = self.processor.scores(logits[None, : self.vocab_size], history)[0]
+        return float(scores.float().softmax(dim=-1)[draft])
 
     def update(self, sequences, paths, target_logits, p) -> None:
         # Keep the accepted drafts each row's cache has seen; drop the rejected ones.
