@@ -24,6 +24,15 @@ from tests import models  # noqa: E402
 
 models.tiny_model = lru_cache(maxsize=None)(models.tiny_model)  # tests only read the models
 
+
+@pytest.fixture(autouse=True)
+def _drafts_judged_from_the_prior():
+    """Each test's first generation starts from the per-token stop's prior: the odds a pair of models learns are kept
+    across generations (`learned_acceptance`), and the tests share their tiny models."""
+    from sampling.policy.draft_confidence import forget_learned_acceptance
+
+    forget_learned_acceptance()
+
 # Calibrations (utils/calibration.py) of the tiny models go to a fresh folder, not the user's cache
 # (tests/test_examples.py runs the built-in model with the user's cache, as the README does).
 USER_CACHE = os.environ.get("SPECDEC_CACHE")

@@ -89,6 +89,22 @@ def test_greedy_drafts_are_judged_by_the_drafters_softmax_not_its_one_hot_q(monk
     assert min(confidence for confidence, _, _ in seen) < 0.5  # a random drafter is unsure of some drafts
 
 
+def test_the_odds_a_pair_learns_carry_over_to_its_next_generation(monkeypatch):
+    """One `ConfidenceAcceptance` per drafter, target and decoding kind, moved by every generation of the pair and
+    forgotten on request; another pair starts from the prior."""
+    from sampling.policy.draft_confidence import forget_learned_acceptance, learned_acceptance
+
+    target, drafter = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    fix_costs(monkeypatch, BF16_15B, 0.1)
+    odds = learned_acceptance(drafter, target, True)
+    prior = [bucket.rate for bucket in odds.buckets]
+    speculative_generate(list(range(5, 17)), drafter, target, adaptive_gamma=True, branching=1, max_gen_len=24)
+    assert learned_acceptance(drafter, target, True) is odds and [b.rate for b in odds.buckets] != prior
+    assert learned_acceptance(drafter, target, False) is not odds and learned_acceptance(target, drafter, True) is not odds
+    forget_learned_acceptance()
+    assert [bucket.rate for bucket in learned_acceptance(drafter, target, True).buckets] == prior
+
+
 class FlatCosts:
     """A target whose passes cost 1.1x a one-token pass, whatever the tokens; one-token pass 1 s."""
 

@@ -22,7 +22,7 @@ from sampling.drafters.self_drafting import releasing, shared_runner
 from sampling.drafters.universal import UniversalDrafter, check_tokenizers
 from sampling.loop.common import Generation, Request, max_tokens
 from sampling.loop.options import DecodingOptions, Drafting
-from sampling.policy.draft_confidence import ConfidenceStop
+from sampling.policy.draft_confidence import ConfidenceStop, learned_acceptance
 from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.policy.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from utils.calibration import pass_costs
@@ -126,7 +126,8 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     model_drafter = ModelDrafter(
         drafter, shared.logits_processor, vocab_size=vocab_size(target), use_cache=shared.use_cache,
         encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled,
-        stop=ConfidenceStop(policy) if adaptive else None, costs=drafter_costs, cascade=proposer,
+        stop=ConfidenceStop(policy, learned_acceptance(drafter, target, shared.logits_processor.is_greedy)) if adaptive else None,
+        costs=drafter_costs, cascade=proposer,
         max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens), timed=adaptive or priced,
     )
     # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.drafters.self_drafting`).

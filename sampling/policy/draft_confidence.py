@@ -9,6 +9,9 @@ the measured costs instead:
 
 - `ConfidenceAcceptance` maps c to P(accepted | the drafts before it were), per bucket of c, from
   a prior (the bucket's own c: a calibrated drafter) refined online by what the target accepted.
+- `learned_acceptance` keeps one `ConfidenceAcceptance` per drafter, target and decoding kind across generations:
+  a generation of 64 tokens judges a few dozen drafts, too few to move a prior far, and a drafter's calibration is
+  its own (the four-bit self-drafter is right more often than its confidence says: it is the target, rounded).
 - `ConfidenceStop` drafts token after token while the drafts' expected accepted tokens per unit of
   cost can still grow (looking ahead over further drafts as likely as the last), then keeps the
   best prefix: the tokens drafted are paid for, so only the verification's cost counts there.
@@ -17,6 +20,7 @@ the measured costs instead:
 from __future__ import annotations
 
 import functools
+import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
 
@@ -49,6 +53,22 @@ class ConfidenceAcceptance:
             self.buckets[bisect_right(EDGES, c)].add(float(i < num_accepted), 1.0)
 
 
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> target -> greedy -> its odds
+
+
+def learned_acceptance(drafter, target, greedy: bool) -> ConfidenceAcceptance:
+    """The odds `drafter` has earned drafting for `target` (greedy or sampled) in this process so far, shared by every
+    generation of the pair (forgotten with either model)."""
+    by_target = _LEARNED.setdefault(drafter, weakref.WeakKeyDictionary())
+    return by_target.setdefault(target, {}).setdefault(greedy, ConfidenceAcceptance())
+
+
+def forget_learned_acceptance() -> None:
+    """Every pair's learned odds back to the prior: the next generations draft as a process's first ones do (to
+    compare two runs under the same conditions)."""
+    _LEARNED.clear()
+
+
 class ConfidenceStop:
     """The per-token stopping rule of an adaptive model drafter (one instance per generation).
 
@@ -60,9 +80,9 @@ class ConfidenceStop:
     or it would go on starting chains that never reach the target and never teach it their acceptance).
     """
 
-    def __init__(self, policy: CostAwarePolicy) -> None:
+    def __init__(self, policy: CostAwarePolicy, acceptance: ConfidenceAcceptance | None = None) -> None:
         self.policy = policy
-        self.acceptance = ConfidenceAcceptance()
+        self.acceptance = ConfidenceAcceptance() if acceptance is None else acceptance  # `learned_acceptance`'s
 
     def on_discard(self) -> None:
         self.policy.discard()
