@@ -33,6 +33,7 @@ def _drafts_judged_from_the_prior():
 
     forget_learned_acceptance()
 
+
 # Calibrations (utils/calibration.py) of the tiny models go to a fresh folder, not the user's cache
 # (tests/test_examples.py runs the built-in model with the user's cache, as the README does).
 USER_CACHE = os.environ.get("SPECDEC_CACHE")

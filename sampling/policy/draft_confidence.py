@@ -82,7 +82,8 @@ class ConfidenceStop:
 
     def __init__(self, policy: CostAwarePolicy, acceptance: ConfidenceAcceptance | None = None) -> None:
         self.policy = policy
-        self.acceptance = ConfidenceAcceptance() if acceptance is None else acceptance  # `learned_acceptance`'s
+        # The odds it reads and moves: a pair's, shared across its generations (`learned_acceptance`), or its own.
+        self.acceptance = ConfidenceAcceptance() if acceptance is None else acceptance
 
     def on_discard(self) -> None:
         self.policy.discard()

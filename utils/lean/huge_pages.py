@@ -96,10 +96,11 @@ def _file_mappings() -> list[tuple[int, int]]:
 
 def release_file_pages(tensors: list[Tensor]) -> None:
     """Tell the kernel that the pages of `tensors` that come straight from a mapped file (a safetensors checkpoint
-    loaded without a copy) are not needed any more: the fused copy replaced them, and a process that kept them
-    would hold the weights twice (the 1.5B's resident memory: 5.2 GB for 3.5 GB of weights). Only pages of a
-    file mapping that lie wholly inside a tensor: anonymous memory is never touched, the model's parameters no
-    longer point at these pages (they are views of the fused copy), and a page read again comes from the file."""
+    loaded without a copy, a cached self-drafter's packed weights) are not needed any more: a copy replaced them (a
+    fused weight, or one moved onto huge pages), and a process that kept them would hold the weights twice (the
+    1.5B's resident memory: 5.2 GB for 3.5 GB of weights). Only pages of a file mapping that lie wholly inside a
+    tensor: anonymous memory is never touched, the model no longer points at these pages, and a page read again
+    comes from the file."""
     if not sys.platform.startswith("linux") or not all(t.device.type == "cpu" for t in tensors):
         return
     mappings = _file_mappings()
