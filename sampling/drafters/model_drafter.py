@@ -252,14 +252,18 @@ class ModelDrafter:
             self.runner.rollback_row(b, self.runner.row_length(b) - (len(proposals) - matched))
         return feed
 
-    def _confidence(self, logits: Tensor, q: Tensor, draft: int, history: list[int] | None) -> float:
-        """The drafter's probability of its draft (for the per-token stop): q's, or under greedy decoding, whose q
-        is one-hot (every draft would read 1.0, and the stop could not tell a sure draft from a guess), the softmax
-        of its processed scores, as the tree drafter reads it (`model_tree.py`)."""
+    def belief(self, logits: Tensor, history: list[int] | None) -> Tensor:
+        """What the drafter believes of each next token (V,): q, or under greedy decoding, whose q is one-hot (every
+        draft would read 1.0: a sure draft and a guess alike), the softmax of its processed scores. The per-token
+        stop reads its drafts' confidences there, the tree drafter its children's."""
         if not self.processor.is_greedy:
-            return float(q[draft])
+            return self.distribution(logits, history)
         scores = self.processor.scores(logits[None, : self.vocab_size], history)[0]
-        return float(scores.float().softmax(dim=-1)[draft])
+        return scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))  # bfloat16's: too coarse
+
+    def _confidence(self, logits: Tensor, q: Tensor, draft: int, history: list[int] | None) -> float:
+        """The drafter's probability of its draft (for the per-token stop; `belief`, q itself when it is one)."""
+        return float((q if not self.processor.is_greedy else self.belief(logits, history))[draft])
 
     def update(self, sequences, paths, target_logits, p) -> None:
         # Keep the accepted drafts each row's cache has seen; drop the rejected ones.

@@ -205,11 +205,8 @@ class ModelTreeDrafter:
         if not expansions:
             return
         chain = self.chain
-        if chain.processor.is_greedy:  # the drafter's confidence: the softmax of its processed scores
-            qs = [chain.processor.scores(logits[None, : chain.vocab_size], self._history(tree, parent))[0].softmax(dim=-1)
-                  for tree, _, parent, logits, _ in expansions]
-        else:
-            qs = [chain.distribution(logits, self._history(tree, parent)) for tree, _, parent, logits, _ in expansions]
+        # The drafter's confidence: q, or the softmax of its processed scores when q is greedy's one-hot.
+        qs = [chain.belief(logits, self._history(tree, parent)) for tree, _, parent, logits, _ in expansions]
         if self.chain.coupled and not chain.processor.is_greedy:
             for (tree, b, parent, _, _), q in zip(expansions, qs, strict=True):
                 self._expand_coupled(tree, b, parent, q)
