@@ -28,10 +28,10 @@ models.tiny_model = lru_cache(maxsize=None)(models.tiny_model)  # tests only rea
 @pytest.fixture(autouse=True)
 def _drafts_judged_from_the_prior():
     """Each test's first generation starts from the per-token stop's prior: the odds a pair of models learns are kept
-    across generations (`learned_acceptance`), and the tests share their tiny models."""
-    from sampling.policy.draft_confidence import forget_learned_acceptance
+    across generations (`pair_record`), and the tests share their tiny models."""
+    from sampling.policy.draft_confidence import forget_pair_records
 
-    forget_learned_acceptance()
+    forget_pair_records()
 
 
 # Calibrations (utils/calibration.py) of the tiny models go to a fresh folder, not the user's cache

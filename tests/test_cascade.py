@@ -11,7 +11,7 @@ import pytest
 from ngram_assisted import MultiDynaGram
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.drafters.cascade import Cascade, PromptLookup
-from sampling.policy.draft_confidence import forget_learned_acceptance
+from sampling.policy.draft_confidence import forget_pair_records
 from tests.cost_tables import AVX2_FP32, BF16_05B, fix_costs
 from tests.models import prompt, tiny_model
 from tests.test_drafter_invariant import near_copy, seeded
@@ -121,7 +121,7 @@ def fixed_costs(monkeypatch):
 
 
 def run(rows, drafter, target, cascade, seed=None, **kwargs):
-    forget_learned_acceptance()  # each run from the prior: the drafts of two runs compared step by step
+    forget_pair_records()  # each run from the prior: the drafts of two runs compared step by step
     steps, stats = [], SpeculativeStats()
     generator = None if seed is None else ([seeded(seed + b) for b in range(len(rows))] if len(rows) > 1 else seeded(seed))
     # Chains (branching=1): the cascade drafts chains; a tree step (the default where the costs say trees

@@ -89,20 +89,22 @@ def test_greedy_drafts_are_judged_by_the_drafters_softmax_not_its_one_hot_q(monk
     assert min(confidence for confidence, _, _ in seen) < 0.5  # a random drafter is unsure of some drafts
 
 
-def test_the_odds_a_pair_learns_carry_over_to_its_next_generation(monkeypatch):
-    """One `ConfidenceAcceptance` per drafter, target and decoding kind, moved by every generation of the pair and
-    forgotten on request; another pair starts from the prior."""
-    from sampling.policy.draft_confidence import forget_learned_acceptance, learned_acceptance
+def test_what_a_pair_learns_carries_over_to_its_next_generation(monkeypatch):
+    """One `PairRecord` (the stop's odds, the chains' record) per drafter, target and decoding kind, moved by every
+    generation of the pair and forgotten on request; another pair starts from the prior."""
+    from sampling.policy.draft_confidence import forget_pair_records, pair_record
 
     target, drafter = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     fix_costs(monkeypatch, BF16_15B, 0.1)
-    odds = learned_acceptance(drafter, target, True)
-    prior = [bucket.rate for bucket in odds.buckets]
+    record = pair_record(drafter, target, True)
+    prior = [bucket.rate for bucket in record.odds.buckets]
     speculative_generate(list(range(5, 17)), drafter, target, adaptive_gamma=True, branching=1, max_gen_len=24)
-    assert learned_acceptance(drafter, target, True) is odds and [b.rate for b in odds.buckets] != prior
-    assert learned_acceptance(drafter, target, False) is not odds and learned_acceptance(target, drafter, True) is not odds
-    forget_learned_acceptance()
-    assert [bucket.rate for bucket in learned_acceptance(drafter, target, True).buckets] == prior
+    assert pair_record(drafter, target, True) is record and [b.rate for b in record.odds.buckets] != prior
+    assert record.chains.chains > 0 and record.chains.tokens > 0 and record.chains.plain > 0
+    assert pair_record(drafter, target, False) is not record and pair_record(target, drafter, True) is not record
+    forget_pair_records()
+    fresh = pair_record(drafter, target, True)
+    assert [bucket.rate for bucket in fresh.odds.buckets] == prior and fresh.chains.chains == 0
 
 
 class FlatCosts:
@@ -133,3 +135,79 @@ def test_one_cold_probe_per_generation_breaks_a_prior_that_says_no():
         gammas.append(whole_chain.budget(1))
         whole_chain.update(gammas[-1], 0)
     assert set(gammas) == {0}
+
+
+def test_the_chain_record_waits_for_a_few_chains_then_says_what_they_gave():
+    from sampling.policy.draft_policy import ChainRecord
+
+    record = ChainRecord()
+    for _ in range(ChainRecord.WARMUP - 1):
+        record.add(5.0, 1.5)
+        assert record.pays() is None
+    record.add(5.0, 1.5)
+    assert record.pays() is True
+    for _ in range(12):  # a prompt where every chain stops at its doubtful first draft: 1 token for 1.5 plain ones
+        record.add(1.0, 1.5)
+    assert record.pays() is False
+
+
+def simulate(policy, stop, steps: int, confidence: float, accepted_run: int) -> list[int]:
+    """A generation's steps through the policy and the stop as the model drafter runs them: every chain drafts at
+    `confidence` while the stop lets it, the target accepts its first `accepted_run` drafts -> the budgets given."""
+    budgets = []
+    for _ in range(steps):
+        budget = policy.budget(1)
+        budgets.append(budget)
+        confidences = []
+        while budget and len(confidences) < budget:
+            confidences.append(confidence)
+            if not stop.keep_drafting(confidences, 1):
+                break
+        kept = stop.keep(confidences, 1) if confidences else 0
+        if confidences and not kept:
+            stop.on_discard()
+        accepted = min(kept, accepted_run)
+        if confidences:
+            stop.observe_step([confidences], [kept], [accepted])
+        policy.update(kept, accepted)
+    return budgets
+
+
+def test_a_dear_drafter_drafts_where_its_chains_pay_not_where_one_token_would():
+    """The single rate starts a chain only where a one-token chain pays at the rate: with a drafted token at 0.8 of a
+    target pass (1.5B, bfloat16 costs) that is a > 0.8, above its prior (0.6), and only probes of one token each,
+    16 then 32 steps apart, could move it. Yet the chains the stop sizes pay there: sure drafts go on for 16 tokens.
+    (Measured on HumanEval: SD with the 0.5B once drafted on 2 of 251 steps, where its chains, when they ran, made
+    7.8 tokens a step.) With the chain record a pair's first chains start wherever drafting could pay at all, and what
+    chains gave decides from then on: sure, accepted chains go on; doubtful ones stop being started; a probe finds
+    a prompt where they pay again."""
+    from sampling.policy.draft_confidence import ConfidenceStop, PairRecord
+    from sampling.policy.draft_policy import CostAwareDraftLength
+    from utils.cost_model import PassCosts
+
+    target = PassCosts(relative=dict(BF16_15B), one_token_seconds=0.1, measured=True)
+
+    def policy_and_stop(record):
+        policy = CostAwareDraftLength(16, target, target, draft_seconds=lambda: 0.08, per_token_stop=True,
+                                      chains=None if record is None else record.chains)
+        return policy, ConfidenceStop(policy, record)
+
+    alone = simulate(*policy_and_stop(None), 64, 0.97, 16)  # the single rate decides whether to start
+    assert alone[:48].count(0) >= 46
+    record = PairRecord()
+    sure = simulate(*policy_and_stop(record), 64, 0.97, 16)
+    assert all(sure) and record.chains.pays()
+    doubtful = simulate(*policy_and_stop(record), 64, 0.3, 0)  # the next generation: a prompt it cannot draft
+    assert doubtful[:3] == [16] * 3 and doubtful.count(0) > 50 and record.chains.pays() is False
+    again = simulate(*policy_and_stop(record), 64, 0.97, 16)  # and one it can: a probe finds it again
+    assert again.count(0) <= CostAwareDraftLength.PROBE_AFTER and all(again[CostAwareDraftLength.PROBE_AFTER + 1:])
+
+
+def test_a_drafter_that_could_never_pay_starts_no_chain_even_before_its_record_is_warm():
+    from sampling.policy.draft_confidence import ConfidenceStop, PairRecord
+    from sampling.policy.draft_policy import CostAwareDraftLength
+
+    record = PairRecord()
+    policy = CostAwareDraftLength(16, FlatCosts(), FlatCosts(), draft_seconds=lambda: 1.2, per_token_stop=True,
+                                  chains=record.chains)
+    assert set(simulate(policy, ConfidenceStop(policy, record), 3 * CostAwareDraftLength.PROBE_AFTER, 0.99, 16)) == {0}

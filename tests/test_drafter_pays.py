@@ -20,11 +20,12 @@ TOKENS = 96
 
 
 def contrary(target):
-    """The target with its output rows shifted by one: its argmax is always the target's + 1."""
+    """The target with its output rows shifted by one: its argmax is always the target's + 1 (a head tied to the
+    input embedding is untied first: shifted there too, the twin would read another text and agree now and then)."""
     twin = copy.deepcopy(target)
     head = twin.get_output_embeddings()
-    with torch.no_grad():
-        head.weight.copy_(torch.roll(head.weight, 1, dims=0))
+    head.weight = torch.nn.Parameter(torch.roll(head.weight.detach(), 1, dims=0))
+    assert head.weight.data_ptr() != twin.get_input_embeddings().weight.data_ptr()
     return twin
 
 

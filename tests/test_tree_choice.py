@@ -11,7 +11,7 @@ from sampling import SpeculativeStats, autoregressive_generate, speculative_gene
 from sampling.drafters.model_drafter import ModelDrafter
 from sampling.drafters.model_tree import ModelTreeDrafter
 from sampling.policy import tree_choice
-from sampling.policy.draft_policy import CostAwareDraftLength
+from sampling.policy.draft_policy import ChainRecord, CostAwareDraftLength
 from sampling.policy.tree_choice import RANK_PRIOR, ShapeRecord, TreeAcceptance, TreePlanner, shape_record
 from tests.cost_tables import AVX2_FP32, BF16_05B, BF16_15B, fix_costs
 from tests.models import prompt, tiny_model
@@ -160,11 +160,12 @@ def timed_shapes(monkeypatch, tree_seconds: float, chain_seconds: float) -> None
 @pytest.mark.parametrize("trees_faster", [False, True], ids=["trees slower", "trees faster"])
 def test_branching_none_follows_the_measured_record_and_stays_greedy(monkeypatch, trees_faster):
     """The cost model proposes a tree on every step (every pass costs one, the acceptance rates held at
-    their priors): after the warm-up, trees measured slower run only to explore; measured faster, on
+    their priors, chains always started): after the warm-up, trees measured slower run only to explore; measured faster, on
     most steps. Greedy output is plain greedy's either way."""
     fix_costs(monkeypatch, FREE, 0.05)
     monkeypatch.setattr(TreeAcceptance, "rate", lambda self, rank: RANK_PRIOR[min(rank, len(RANK_PRIOR) - 1)])
     monkeypatch.setattr(CostAwareDraftLength, "acceptance_rate", property(lambda self: CostAwareDraftLength.PRIOR_RATE))
+    monkeypatch.setattr(ChainRecord, "pays", lambda self: True)
     timed_shapes(monkeypatch, 0.5 if trees_faster else 5.0, 1.0)
     target, drafter = fresh("llama"), fresh("llama", seed=1)
     record = shape_record(drafter, target, ("greedy", 1))

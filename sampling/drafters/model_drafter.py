@@ -86,7 +86,9 @@ class ModelDrafter:
         # With adaptive drafting, when to stop: the drafter's confidence in each draft (q of the
         # drafted token) against the measured costs (`sampling.policy.draft_confidence`); None: fixed gamma.
         self.stop = stop
-        self._confidences: list[list[float]] = [[] for _ in range(rows)]  # of each row's last chain
+        # Each row's confidences in its drafts of this step (all drafted) and how many the stop kept (`stop.observe_step`).
+        self._confidences: list[list[float]] = [[] for _ in range(rows)]
+        self._kept = [0] * rows
         # Cascade drafting (`sampling.drafters.cascade`): a proposer whose tokens the drafter checks in one
         # pass of its own; None: one pass per drafted token.
         self.cascade = cascade
@@ -174,6 +176,7 @@ class ModelDrafter:
 
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
+        self._confidences, self._kept = [[] for _ in sequences], [0] * len(sequences)
         lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
@@ -213,7 +216,7 @@ class ModelDrafter:
                 if c and not k:
                     self.stop.on_discard()
             drafts, qs = [d[:k] for d, k in zip(drafts, kept, strict=True)], [q[:k] for q, k in zip(qs, kept, strict=True)]
-            self._confidences = [c[:k] for c, k in zip(confidences, kept, strict=True)]
+            self._confidences, self._kept = confidences, kept
         deterministic = self.processor.is_greedy or self.coupled
         return [(DraftTree.chain(tokens), None if deterministic or not tokens else torch.stack(q))
                 for tokens, q in zip(drafts, qs, strict=True)]
@@ -269,14 +272,15 @@ class ModelDrafter:
         # Keep the accepted drafts each row's cache has seen; drop the rejected ones.
         for b, path in enumerate(paths):
             self.runner.rollback_row(b, min(self.runner.row_length(b), self._accepted_lengths[b] + len(path)))
-            if self.stop is not None and self._confidences[b]:
-                self.stop.acceptance.update(self._confidences[b], len(path))
-                self._confidences[b] = []
+        if self.stop is not None and any(self._confidences):  # a step that started chains: what it gave
+            self.stop.observe_step(self._confidences, self._kept, [len(path) for path in paths])
+            self._confidences, self._kept = [[] for _ in paths], [0] * len(paths)
 
     def select_rows(self, keep: list[int]) -> None:
         self.runner = self.runner.select_rows(keep)
         self.uniforms = [self.uniforms[b] for b in keep]
         self._accepted_lengths = [self._accepted_lengths[b] for b in keep]
         self._confidences = [self._confidences[b] for b in keep]
+        self._kept = [self._kept[b] for b in keep]
         if self.cascade is not None:
             self.cascade.select_rows(keep)

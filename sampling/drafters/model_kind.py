@@ -22,7 +22,7 @@ from sampling.drafters.self_drafting import releasing, shared_runner
 from sampling.drafters.universal import UniversalDrafter, check_tokenizers
 from sampling.loop.common import Generation, Request, max_tokens
 from sampling.loop.options import DecodingOptions, Drafting
-from sampling.policy.draft_confidence import ConfidenceStop, learned_acceptance
+from sampling.policy.draft_confidence import ConfidenceStop, pair_record
 from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLength, DraftLength, DraftPolicy
 from sampling.policy.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from utils.calibration import pass_costs
@@ -108,10 +108,12 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     # closures read the drafter built below: one drafter and one policy, each built whole).
     drafter_costs = pass_costs(drafter)  # its kernels, and its step's cost for adaptive gamma
     say_if_it_cannot_pay(drafter, drafter_costs, gen.runner.costs)
+    record = pair_record(drafter, target, shared.logits_processor.is_greedy)  # what the pair learned in earlier calls
+    stops = adaptive and not universal  # a per-token stop (the other-tokenizer drafter has none)
     policy = CostAwareDraftLength(max(shared.gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, drafter_costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
                                   warm=lambda: model_drafter.is_warm(),
-                                  per_token_stop=not universal)  # the other-tokenizer drafter has no per-token stop
+                                  per_token_stop=not universal, chains=record.chains if stops else None)
     loop_policy = policy if adaptive else DraftLength(shared.gamma)
     # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
@@ -126,7 +128,7 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     model_drafter = ModelDrafter(
         drafter, shared.logits_processor, vocab_size=vocab_size(target), use_cache=shared.use_cache,
         encoder_input_ids=gen.encoder_input_ids, uniforms=gen.uniforms, coupled=coupled,
-        stop=ConfidenceStop(policy, learned_acceptance(drafter, target, shared.logits_processor.is_greedy)) if adaptive else None,
+        stop=ConfidenceStop(policy, record) if stops else None,
         costs=drafter_costs, cascade=proposer,
         max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens), timed=adaptive or priced,
     )

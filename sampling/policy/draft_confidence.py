@@ -9,9 +9,15 @@ the measured costs instead:
 
 - `ConfidenceAcceptance` maps c to P(accepted | the drafts before it were), per bucket of c, from
   a prior (the bucket's own c: a calibrated drafter) refined online by what the target accepted.
-- `learned_acceptance` keeps one `ConfidenceAcceptance` per drafter, target and decoding kind across generations:
-  a generation of 64 tokens judges a few dozen drafts, too few to move a prior far, and a drafter's calibration is
-  its own (the four-bit self-drafter is right more often than its confidence says: it is the target, rounded).
+- `ChainRecord` (`sampling/policy/draft_policy.py`) says whether starting a chain pays, as measured: the tokens the
+  chains a pair started gave against what plain steps would have given in their cost, learned here
+  (`ConfidenceStop.observe_step`). The draft-length policy starts chains by it (`CostAwareDraftLength`):
+  a single acceptance rate, priced as if every chain drafted alike, says little of chains the stop sizes (on a
+  drafter at 0.4-0.5 of a target pass its prior sat on the break-even point, and the timings of the moment decided
+  whether a generation drafted at all: docs/results.md, "The start of a chain").
+- `pair_record` keeps both, the odds and the record, per drafter, target and decoding kind across generations: a
+  generation of 64 tokens judges a few dozen drafts, too few to move a prior far, and a drafter's calibration is its
+  own (the four-bit self-drafter is right more often than its confidence says: it is the target, rounded).
 - `ConfidenceStop` drafts token after token while the drafts' expected accepted tokens per unit of
   cost can still grow (looking ahead over further drafts as likely as the last), then keeps the
   best prefix: the tokens drafted are paid for, so only the verification's cost counts there.
@@ -23,8 +29,9 @@ import functools
 import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from sampling.policy.draft_policy import CostAwarePolicy, best_tree_size
+from sampling.policy.draft_policy import ChainRecord, CostAwarePolicy, best_tree_size
 from sampling.policy.estimators import DecayedRate
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # bucket b holds c in [EDGES[b-1], EDGES[b])
@@ -53,19 +60,27 @@ class ConfidenceAcceptance:
             self.buckets[bisect_right(EDGES, c)].add(float(i < num_accepted), 1.0)
 
 
-_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> target -> greedy -> its odds
+@dataclass
+class PairRecord:
+    """What a drafter learns drafting for a target in one decoding kind, kept across its generations."""
+
+    odds: ConfidenceAcceptance = field(default_factory=ConfidenceAcceptance)
+    chains: ChainRecord = field(default_factory=ChainRecord)
 
 
-def learned_acceptance(drafter, target, greedy: bool) -> ConfidenceAcceptance:
-    """The odds `drafter` has earned drafting for `target` (greedy or sampled) in this process so far, shared by every
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> target -> greedy -> its record
+
+
+def pair_record(drafter, target, greedy: bool) -> PairRecord:
+    """What `drafter` has learned drafting for `target` (greedy or sampled) in this process so far, shared by every
     generation of the pair (forgotten with either model)."""
     by_target = _LEARNED.setdefault(drafter, weakref.WeakKeyDictionary())
-    return by_target.setdefault(target, {}).setdefault(greedy, ConfidenceAcceptance())
+    return by_target.setdefault(target, {}).setdefault(greedy, PairRecord())
 
 
-def forget_learned_acceptance() -> None:
-    """Every pair's learned odds back to the prior: the next generations draft as a process's first ones do (to
-    compare two runs under the same conditions)."""
+def forget_pair_records() -> None:
+    """Every pair's learning back to the prior: the next generations draft as a process's first ones do (to compare
+    two runs under the same conditions)."""
     _LEARNED.clear()
 
 
@@ -78,12 +93,14 @@ class ConfidenceStop:
     (and verified) together this step. `on_discard()`: called when a chain was
     drafted and none of it kept (its passes bought nothing: the policy counts it as a rejected draft,
     or it would go on starting chains that never reach the target and never teach it their acceptance).
+    `observe_step` tells it a step's outcome: its odds learn the judged drafts, its `ChainRecord` the step's yield.
     """
 
-    def __init__(self, policy: CostAwarePolicy, acceptance: ConfidenceAcceptance | None = None) -> None:
+    def __init__(self, policy: CostAwarePolicy, record: PairRecord | None = None) -> None:
         self.policy = policy
-        # The odds it reads and moves: a pair's, shared across its generations (`learned_acceptance`), or its own.
-        self.acceptance = ConfidenceAcceptance() if acceptance is None else acceptance
+        # What it reads and moves: a pair's, shared across its generations (`pair_record`), or its own.
+        record = PairRecord() if record is None else record
+        self.acceptance, self.chains = record.odds, record.chains
 
     def on_discard(self) -> None:
         self.policy.discard()
@@ -112,6 +129,19 @@ class ConfidenceStop:
             if expected / self.policy.cost(k, rows) > now:
                 return True
         return False
+
+    def observe_step(self, confidences: Sequence[Sequence[float]], kept: Sequence[int], accepted: Sequence[int]) -> None:
+        """A step that started chains: each row's drafts' `confidences` (all it drafted), how many the stop `kept`
+        and the target `accepted`. The odds learn the judged drafts; the record, the step's tokens against what plain
+        steps would have given in its cost (its drafter passes, priced by the policy, and its verification)."""
+        rows = len(confidences)
+        for c, k, n in zip(confidences, kept, accepted, strict=True):
+            if k:
+                self.acceptance.update(c[:k], n)
+        drafted = max(map(len, confidences))
+        cost = (self.policy.verify_cost(max(kept), rows)
+                + self.policy.cost(drafted, rows) - self.policy.verify_cost(drafted, rows))
+        self.chains.add(sum(accepted) + rows, rows * cost / self.policy.cost(0, rows))
 
     def keep(self, confidences: Sequence[float], rows: int) -> int:
         """How many of the drafted tokens to send to the target: they are drafted already, so only

@@ -116,8 +116,33 @@ class DraftLength:
         pass
 
 
+class ChainRecord:
+    """Whether starting a chain pays, measured on the chains a pair started (each step whole: the drafter's passes,
+    the tokens the stop kept, what the target accepted): their tokens against `plain`, the tokens plain steps would
+    have given in the same cost, both decayed by `FORGET` per step. None until `WARMUP` chains were measured: a chain
+    whose first draft is doubtful costs one drafter pass (the stop ends it there), so finding out is cheap."""
+
+    WARMUP = 3
+    FORGET = 0.8  # per chain step: the record follows roughly its last five (a prompt that stops paying is seen soon)
+
+    def __init__(self) -> None:
+        self.tokens = self.plain = 0.0
+        self.chains = 0
+
+    def add(self, tokens: float, plain: float) -> None:
+        """A step that started chains gave `tokens` (all rows) where plain steps would have given `plain`."""
+        self.tokens = self.tokens * self.FORGET + tokens
+        self.plain = self.plain * self.FORGET + plain
+        self.chains += 1
+
+    def pays(self) -> bool | None:
+        """Whether the chains measured gave more tokens than plain steps would have (None: too few measured yet)."""
+        return None if self.chains < self.WARMUP else self.tokens > self.plain
+
+
 class CostAwareDraftLength:
-    """A model drafter's draft length, chosen each step by `best_draft_length`.
+    """A model drafter's draft length, chosen each step by `best_draft_length` (with a per-token stop and a
+    `ChainRecord`: whether to start a chain, which the stop then sizes, by the record).
 
     The acceptance rate of the drafter's tokens is learned online (a running count that
     forgets old steps, from a weak prior), so it follows the text and the sampling mode it runs in;
@@ -131,6 +156,12 @@ class CostAwareDraftLength:
     with the per-token stop, one cold probe per generation is allowed),
     and every probe that is not followed by drafting doubles the wait (up to `MAX_PROBE_AFTER`): a
     probe costs a catch-up pass over every token the drafter missed.
+
+    With the per-token stop (`sampling.policy.draft_confidence`) the single rate prices a chain badly: the
+    stop ends a doubtful chain after one drafter pass and lets a sure one run long, so the rate's k = 1 chain
+    is neither. There, given `chains` (the pair's `ChainRecord`), a chain starts while the chains measured gave
+    more tokens than plain steps would have in their cost, and until a few were measured, wherever drafting
+    could pay at all; a probe then starts a chain, not one token.
     """
 
     PRIOR_RATE, PRIOR_WEIGHT = 0.6, 2.0
@@ -139,9 +170,11 @@ class CostAwareDraftLength:
 
     def __init__(self, max_budget: int, target_costs: PassCosts, drafter_costs: PassCosts | None,
                  draft_seconds: Callable[[], float | None] = lambda: None,
-                 warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False) -> None:
+                 warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False,
+                 chains: ChainRecord | None = None) -> None:
         self.max_budget = max_budget
         self.per_token_stop = per_token_stop
+        self.chains = chains if per_token_stop else None  # what started chains gave (None: the single rate decides)
         # One probe before the drafter has drafted in this generation: without it a prior that says
         # "does not pay" is never tested, and a drafter that would pay is never found out (measured:
         # docs/results.md, "Figures behind the code's rules"). The confidence stop makes it cheap: a
@@ -182,16 +215,18 @@ class CostAwareDraftLength:
     def budget(self, num_rows: int) -> int:
         """This step's draft length for `num_rows` rows verified together (0: a plain step)."""
         cost = functools.partial(self.cost, rows=num_rows)
-        k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_budget, cost)
-        if (k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe)
-                and best_draft_length([0.99] * self.max_budget, cost)):
+        could_pay = best_draft_length([0.99] * self.max_budget, cost) > 0
+        if self.chains is not None:
+            k = self.max_budget if could_pay and self.chains.pays() is not False else 0
+        else:
+            k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_budget, cost)
+        if k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe) and could_pay:
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
             self.cold_probe = False
-            return 1
+            return self.max_budget if self.chains is not None else 1
         if k:
             self.probe_after = self.PROBE_AFTER
-        # With a per-token stop (`sampling.policy.draft_confidence`) the drafter's confidence sizes the
-        # chain: the single rate only decides whether to start one.
+        # With a per-token stop the drafter's confidence sizes the chain: the policy only decides whether to start one.
         return self.max_budget if k and self.per_token_stop else k
 
     def discard(self) -> None:
