@@ -48,7 +48,7 @@ from utils.runners.model_info import input_device
 
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_g16",
            "ours_nasd_n3", "ours_nasd_chain", "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd",
-           "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_cascade"]
+           "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_no_cascade"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
                     "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
@@ -151,9 +151,11 @@ class Runner:
         elif method == "ours_hybrid":  # the drafter model and NASD's pool, the better per step
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           ngram=MultiDynaGram(8), **common)
-        elif method in ("ours_self", "ours_self_cascade"):  # the target's own 4-bit weights draft (docs/self_drafting.md)
+        elif method in ("ours_self", "ours_self_no_cascade"):  # the target's own 4-bit weights draft (docs/self_drafting.md)
+            # As a user calls it (the cascade on, as with every adaptive drafter model), and without the cascade
+            # (what `ours_self` measured through the fourteenth round).
             out, _ = speculative_generate(ids, self.self_drafter(), self.target, gamma=4, adaptive_gamma=True, stats=stats,
-                                          cascade=method == "ours_self_cascade", **common)
+                                          cascade=False if method == "ours_self_no_cascade" else None, **common)
         elif method == "ours_sd_universal":
             out, _ = speculative_generate(ids, self.drafter, self.target, tokenizer=self.tokenizer,
                                           drafter_tokenizer=self.drafter_tokenizer, gamma=4, adaptive_gamma=True,

@@ -417,15 +417,16 @@ def test_the_conversation_replay_runs_every_method_turn_by_turn_on_even_conversa
 
 
 def test_the_self_drafter_methods_run_and_match_greedy(tmp_path):
-    """`ours_self` and `ours_self_cascade`: the target's 4-bit copy drafts (docs/self_drafting.md)."""
+    """`ours_self` (the cascade on, the default) and `ours_self_no_cascade`: the target's 4-bit copy drafts
+    (docs/self_drafting.md)."""
     model = save_tiny_chat_model(tmp_path / "model", max_positions=512)
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w8 w5 w6 w7"]}))
     result = spec_bench.main(["--data", str(data), "--model", str(model), "--per-category", "1", "--repeats", "1",
-                              "--max-new-tokens", "10", "--methods", "hf_plain,hf_control,ours_self,ours_self_cascade",
+                              "--max-new-tokens", "10", "--methods", "hf_plain,hf_control,ours_self,ours_self_no_cascade",
                               "--out", str(tmp_path / "out"), "--quiet"])
     records = [r for r in result["records"] if r["method"].startswith("ours_self")]
-    assert {r["method"] for r in records} == {"ours_self", "ours_self_cascade"}
+    assert {r["method"] for r in records} == {"ours_self", "ours_self_no_cascade"}
     assert all(r["matches_reference"] and r["tau"] >= 1.0 for r in records)
 
 

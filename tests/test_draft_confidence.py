@@ -211,3 +211,24 @@ def test_a_drafter_that_could_never_pay_starts_no_chain_even_before_its_record_i
     policy = CostAwareDraftLength(16, FlatCosts(), FlatCosts(), draft_seconds=lambda: 1.2, per_token_stop=True,
                                   chains=record.chains)
     assert set(simulate(policy, ConfidenceStop(policy, record), 3 * CostAwareDraftLength.PROBE_AFTER, 0.99, 16)) == {0}
+
+
+def test_a_steps_record_prices_every_drafter_pass_and_the_verification_of_what_was_kept():
+    """Rows 0 and 1 drafted 5 and 2 tokens (one drafter pass each, side by side: 5 passes), the stop kept 3 and 0, the
+    target accepted 2: 2 + 1 tokens for row 0, 1 for row 1, against the plain steps the same cost would have made."""
+    from sampling.policy.draft_confidence import ConfidenceStop, PairRecord
+
+    def cost(k, rows):
+        return rows * (1.0 + 0.1 * k) + 0.4 * k  # a drafted token: 0.4 of a one-token pass
+
+    def verify_cost(k, rows):
+        return rows * (1.0 + 0.1 * k)
+
+    policy = SimpleNamespace(cost=cost, verify_cost=verify_cost, max_budget=16, discard=lambda: None)
+    record = PairRecord()
+    ConfidenceStop(policy, record).observe_step([[0.9] * 5, [0.5, 0.2]], [3, 0], [2, 0])
+    step = verify_cost(3, 2) + 5 * 0.4  # the verification over 1 + 3 tokens per row, five drafter passes
+    assert record.chains.tokens == 4 and abs(record.chains.plain - 2 * step / cost(0, 2)) < 1e-12
+    judged = ConfidenceAcceptance()  # the odds learn row 0's kept drafts only: two accepted, the third rejected
+    judged.update([0.9] * 3, 2)
+    assert [b.rate for b in record.odds.buckets] == [b.rate for b in judged.buckets]
