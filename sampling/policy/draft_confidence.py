@@ -14,7 +14,8 @@ the measured costs instead:
   (`ConfidenceStop.observe_step`). The draft-length policy starts chains by it (`CostAwareDraftLength`):
   a single acceptance rate, priced as if every chain drafted alike, says little of chains the stop sizes (on a
   drafter at 0.4-0.5 of a target pass its prior sat on the break-even point, and the timings of the moment decided
-  whether a generation drafted at all: docs/results.md, "The start of a chain").
+  whether a generation drafted at all: docs/results.md, "The start of a chain, and the self-drafter as it is
+  called").
 - `pair_record` keeps both, the odds and the record, per drafter, target and decoding kind across generations: a
   generation of 64 tokens judges a few dozen drafts, too few to move a prior far, and a drafter's calibration is its
   own (the four-bit self-drafter is right more often than its confidence says: it is the target, rounded).
