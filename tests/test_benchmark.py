@@ -387,11 +387,13 @@ def test_the_goals_follow_the_workload_and_a_best_of_goal_takes_the_best_method(
     result = summary.summarise(records, methods)
     verdict = summary.noise_verdict(records, result)
     code = summary.goal_lines(result, "greedy", verdict, "humaneval")
-    assert "best of ours_nasd, ours_hybrid / hf_prompt_lookup (overall): 2.00x (goal >= 1.3x) met" in code
+    assert "best of ours_nasd, ours_hybrid / hf_prompt_lookup (overall): 2.00x (goal >= 1.5x) met" in code
     assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.1x) NOT met" in code
     assert not any("hf_assisted" in line for line in code)  # a goal whose methods did not run is left out
-    assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.2x) NOT met" in summary.goal_lines(result, "greedy",
-                                                                                                      verdict)
+    prose = summary.goal_lines(result, "greedy", verdict)
+    assert "ours_nasd / hf_prompt_lookup (overall): 1.00x (goal >= 1.2x) NOT met" in prose
+    # Against transformers' best drafting method (those that ran): the best of ours over the best of theirs.
+    assert "best of ours_nasd, ours_hybrid / best of hf_prompt_lookup (overall): 2.00x (goal >= 1.5x) met" in prose
 
 
 def test_the_conversation_replay_runs_every_method_turn_by_turn_on_even_conversations(tmp_path):
