@@ -27,8 +27,8 @@ models.tiny_model = lru_cache(maxsize=None)(models.tiny_model)  # tests only rea
 
 @pytest.fixture(autouse=True)
 def _drafts_judged_from_the_prior():
-    """Each test's first generation starts from the per-token stop's prior: the odds a pair of models learns are kept
-    across generations (`pair_record`), and the tests share their tiny models."""
+    """Each test's first generation starts from the priors: what a pair of models learns (the per-token stop's odds,
+    the chains' record) is kept across generations (`pair_record`), and the tests share their tiny models."""
     from sampling.policy.draft_confidence import forget_pair_records
 
     forget_pair_records()
