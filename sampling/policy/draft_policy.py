@@ -215,12 +215,14 @@ class CostAwareDraftLength:
     def budget(self, num_rows: int) -> int:
         """This step's draft length for `num_rows` rows verified together (0: a plain step)."""
         cost = functools.partial(self.cost, rows=num_rows)
-        could_pay = best_draft_length([0.99] * self.max_budget, cost) > 0
+        def could_pay() -> bool:  # at an acceptance of 0.99 (asked only where it decides)
+            return best_draft_length([0.99] * self.max_budget, cost) > 0
+
         if self.chains is not None:
-            k = self.max_budget if could_pay and self.chains.pays() is not False else 0
+            k = self.max_budget if self.chains.pays() is not False and could_pay() else 0
         else:
             k = best_draft_length([min(self.acceptance_rate, 0.99)] * self.max_budget, cost)
-        if k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe) and could_pay:
+        if k == 0 and self.plain_steps >= self.probe_after and (self.warm() or self.cold_probe) and could_pay():
             self.probe_after = min(2 * self.probe_after, self.MAX_PROBE_AFTER)
             self.cold_probe = False
             return self.max_budget if self.chains is not None else 1
