@@ -12,7 +12,7 @@ from console.commands import QUIT, dispatch
 from console.models import Model, check_pair, drafter_hint, run_method, same_tokenizer
 from console.render import Result, legend, render_step, results_table, same_tokens_line
 from console.settings import Settings
-from console.terminal import Status, TextStream, keys_ignored
+from console.terminal import Status, TextStream, keys_ignored, wait_for_a_line
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from sampling import Step
 from utils.calibration import pass_costs
@@ -194,7 +194,9 @@ class ChatConsole:
         self.say("Type a prompt, or /help for the commands.")
         while True:
             try:
-                line = self.console.input("[bold]> [/bold]").strip()
+                self.console.print("[bold]> [/bold]", end="")
+                wait_for_a_line()  # a Ctrl-C that lands before input() reads still ends the console
+                line = self.console.input().strip()
             except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: exit, status 0
                 self.console.print()
                 break

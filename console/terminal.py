@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import select
 import signal
 import sys
 from contextlib import contextmanager
@@ -97,6 +98,22 @@ def keys_ignored(stream=None):
     finally:
         termios.tcflush(fd, termios.TCIFLUSH)  # what was typed meanwhile is dropped
         termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+def wait_for_a_line(stream=None, poll_s: float = 0.2) -> None:
+    """Return once the terminal holds a line (or an end of input) for `input()` to read.
+    CPython runs a Ctrl-C's handler only where a blocking read is interrupted: a Ctrl-C that lands
+    between the prompt and the read (a loaded machine descheduling us there) would wait inside the
+    read for the next key. Waiting here, in slices of `poll_s`, runs it within a slice. Without a
+    terminal (a pipe, Windows): returns at once."""
+    stream = sys.stdin if stream is None else stream
+    try:
+        if os.name != "posix" or not os.isatty(stream.fileno()):
+            return
+    except (AttributeError, OSError, ValueError):
+        return
+    while not select.select([stream], [], [], poll_s)[0]:
+        pass
 
 
 def own_ctrl_c(fd: int = 0) -> None:

@@ -3,7 +3,10 @@ bounded counts, transformers' keys in the console's words, max_gen_len within th
 
 import io
 import os
+import signal
 import termios
+import threading
+import time
 
 import pytest
 from rich.console import Console
@@ -14,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from console.app import ChatConsole
 from console.models import load
 from console.settings import parse_processor
-from console.terminal import REPLACEMENT, TextStream, keys_ignored
+from console.terminal import REPLACEMENT, TextStream, keys_ignored, wait_for_a_line
 from sampling import Step
 from tests.saved_model import save_tiny_chat_model
 
@@ -74,6 +77,43 @@ def test_keys_typed_during_a_generation_are_not_echoed_nor_kept():
     finally:
         os.close(leader)
         os.close(follower)
+
+
+def test_the_wait_for_a_line_ends_when_one_is_typed():
+    leader, follower = os.openpty()
+    try:
+        with os.fdopen(os.dup(follower)) as terminal:
+            threading.Timer(0.3, os.write, (leader, b"w5 w6\n")).start()
+            wait_for_a_line(terminal, poll_s=0.05)
+            assert terminal.readline() == "w5 w6\n"
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_a_ctrl_c_that_interrupts_no_read_still_ends_the_wait():
+    """The handler trips where no read of ours is interrupted (here: in another thread; in the console:
+    before input() reaches its read): a blocking read would wait for the next key, the wait does not."""
+    leader, follower = os.openpty()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    bystander = threading.Thread(target=time.sleep, args=(2,))
+    bystander.start()
+    try:
+        with os.fdopen(os.dup(follower)) as terminal:
+            threading.Timer(0.3, signal.pthread_kill, (bystander.ident, signal.SIGINT)).start()
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                wait_for_a_line(terminal, poll_s=0.05)
+            assert time.monotonic() - start < 1.5  # within slices of the wait, not at the next key
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        bystander.join()
+        os.close(leader)
+        os.close(follower)
+
+
+def test_the_wait_for_a_line_without_a_terminal_returns_at_once():
+    wait_for_a_line(io.StringIO())
 
 
 def test_keys_ignored_without_a_terminal_does_nothing():
