@@ -53,6 +53,13 @@ def agreement(reference: list[int], output: list[int]) -> dict:
     return {"identical": same / max(len(reference), len(output), 1), "first_divergence": first_difference(reference, output)}
 
 
+def step_fields(stats) -> dict:
+    """A speculative run's steps (spec_bench's record fields; None for plain decoding and llama.cpp's methods): why
+    a method is as fast as it is."""
+    return {"tau": stats.tau if stats else None, "steps": stats.steps if stats else None,
+            "steps_without_drafts": stats.steps_without_drafts if stats else None}
+
+
 def run_all(ours: Runner, peer, prompts: list[tuple[int, str, list[int]]], methods: list[str], repeats: int,
             clock=time.perf_counter) -> list[dict]:
     """Every (repeat, prompt, method), the methods' order rotated at each (repeat, prompt)."""
@@ -61,15 +68,15 @@ def run_all(ours: Runner, peer, prompts: list[tuple[int, str, list[int]]], metho
         for index, task, ids in prompts:
             shift = (repeat + index) % len(methods)
             for method in methods[shift:] + methods[:shift]:
-                start = clock()
+                start, stats = clock(), None
                 if peer is not None and method in peer.methods:
                     out = peer.generate(method, ids, ours.n, ours.end)
                 else:
-                    out = ours.run(method, ids)[0]
+                    out, stats = ours.run(method, ids)
                 seconds = clock() - start
                 records.append({"task": task, "method": method, "side": "llama.cpp" if method.startswith("llama") else "ours",
                                 "prompt": index, "repeat": repeat, "prompt_tokens": len(ids), "tokens": len(out),
-                                "seconds": seconds, "output": out})
+                                "seconds": seconds, "output": out, **step_fields(stats)})
     return records
 
 
@@ -90,7 +97,8 @@ def check_outputs(records: list[dict], prompts: dict[int, list[int]], classify) 
 
 def summarise(records: list[dict], methods: list[str]) -> dict:
     """Per method: tokens/s (median, min, max over runs), the ratios of its median to llama.cpp's plain and to ours
-    (None where that one did not run), its outputs' identical count, agreement and differences."""
+    (None where that one did not run), its outputs' identical count, agreement and differences, and for our
+    speculative methods the median tokens per step (`tau`)."""
     rates = {m: [r["tokens"] / r["seconds"] for r in records if r["method"] == m] for m in methods}
     median = {m: statistics.median(values) for m, values in rates.items() if values}
     summary = {}
@@ -103,6 +111,9 @@ def summarise(records: list[dict], methods: list[str]) -> dict:
             row[key] = median[method] / median[plain] if plain in median else None
         if row["side"] == "ours":
             row["differences"] = counts([r["difference"] for r in mine])
+        taus = [r["tau"] for r in mine if r.get("tau") is not None]
+        if taus:
+            row["tau"] = statistics.median(taus)
         with_ours = [r["agreement_with_ours"] for r in mine if "agreement_with_ours" in r]
         if with_ours:
             divergences = [a["first_divergence"] for a in with_ours if a["first_divergence"] is not None]
@@ -124,7 +135,8 @@ def outputs_cell(method: str, row: dict) -> str:
     plain = "ours plain" if row["side"] == "ours" else "llama.cpp plain"
     text = f"{row['identical']}/{row['runs']} = {plain}"
     if row["side"] == "ours":
-        return f"{text} ({describe(row['differences'])})"
+        tau = f", tau {row['tau']:.1f}" if "tau" in row else ""
+        return f"{text} ({describe(row['differences'])}){tau}"
     return text if row["identical"] == row["runs"] else f"{text}, {row['agreement']:.0%} identical tokens"
 
 

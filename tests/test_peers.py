@@ -96,7 +96,8 @@ def test_with_a_fake_peer_the_table_holds_both_sides(tmp_path, monkeypatch):
     assert "| llama_prompt_lookup | GGUF Q4_K_M: Q4_K 100% |" in report and "| ours_nasd | float32 |" in report
     assert "vs ours plain: 90% identical tokens, 0/4 equal, first divergence at token 3 (median)" in report
     assert "best of ours (" in report and ") / best of llama.cpp (" in report
-    assert "4/4 = llama.cpp plain" in report and "4/4 = ours plain (0 defects, 0 near-ties)" in report
+    assert "4/4 = llama.cpp plain" in report and "4/4 = ours plain (0 defects, 0 near-ties), tau " in report
+    assert summary["ours_nasd"]["tau"] >= 1 and "tau" not in summary["ours_ar"]  # tokens per step: why it is as fast
     assert "- llama.cpp's prompt lookup: LlamaPromptLookupDecoding{'max_ngram_size': 2, 'num_pred_tokens': 10}" in report
 
 
