@@ -1,6 +1,7 @@
 """The adaptive model drafter's per-token stop: confident drafts go on, doubtful ones stop, the
 learned odds follow what the target accepted, and greedy identity holds whatever it stops at."""
 
+import copy
 from types import SimpleNamespace
 
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
@@ -232,3 +233,40 @@ def test_a_steps_record_prices_every_drafter_pass_and_the_verification_of_what_w
     judged = ConfidenceAcceptance()  # the odds learn row 0's kept drafts only: two accepted, the third rejected
     judged.update([0.9] * 3, 2)
     assert [b.rate for b in record.odds.buckets] == [b.rate for b in judged.buckets]
+
+
+def test_a_drafter_whose_pass_is_unmeasured_is_priced_by_its_share_of_the_bytes():
+    """A calibration too noisy to keep leaves the drafter's pass unmeasured (the prior costs). Priced then at one
+    target pass per drafted token, no chain could pay even at 0.99: SD with the 0.5B drafted on no step of a whole
+    benchmark run (0.93x our plain decoding, sixteenth round) and was never timed to learn better. Priced by its share
+    of the weight bytes a pass reads, it starts chains, and its timed drafting takes over once there is some."""
+    from sampling.policy.draft_policy import ChainRecord, CostAwareDraftLength
+    from utils.cost_model import PassCosts, prior_costs
+
+    target = PassCosts(relative=dict(BF16_15B), one_token_seconds=0.1, measured=True)
+
+    def policy(**options):
+        return CostAwareDraftLength(16, target, prior_costs(), per_token_stop=True, chains=ChainRecord(), **options)
+
+    assert policy().budget(1) == 0  # a drafted token at a target pass: never started, so never timed
+    shared = policy(prior_share=0.32)
+    assert shared.drafter_step_cost() == 0.32 and shared.budget(1) == 16
+    timed = policy(prior_share=0.32, draft_seconds=lambda: 0.1)  # once timed: what it costs, here a target pass
+    assert timed.drafter_step_cost() == 1.0 and timed.budget(1) == 0
+
+
+def test_the_bytes_a_pass_reads_count_each_weight_once_and_one_row_of_an_untied_embedding():
+    from sampling.drafters.model_kind import prior_share
+    from utils.runners.model_info import pass_bytes
+
+    def weight_bytes(model, skip=()):
+        return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in skip)
+
+    tied, untied = tiny_model("gpt2"), tiny_model("llama")
+    assert tied.config.tie_word_embeddings and not untied.config.tie_word_embeddings
+    assert pass_bytes(tied) == weight_bytes(tied) + sum(b.untyped_storage().nbytes() for b in tied.buffers())
+    assert pass_bytes(untied) == weight_bytes(untied, skip={"model.embed_tokens.weight"}) + sum(
+        b.untyped_storage().nbytes() for b in untied.buffers())
+    smaller = copy.deepcopy(untied)  # the suite's tiny models are shared: cut a copy
+    smaller.model.layers = smaller.model.layers[:1]
+    assert 0.5 < prior_share(smaller, untied) < 1.0 and prior_share(untied, untied) == 1.0

@@ -27,7 +27,7 @@ from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLengt
 from sampling.policy.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from utils.calibration import pass_costs
 from utils.cost_model import PassCosts
-from utils.runners.model_info import vocab_size
+from utils.runners.model_info import pass_bytes, vocab_size
 from utils.validation import check_bool, check_int, check_model
 
 
@@ -92,6 +92,13 @@ def say_if_it_cannot_pay(drafter: PreTrainedModel, drafter_costs: PassCosts | No
                   f"are accepted (adaptive_gamma=True drafts only where its measured costs say it pays)", stacklevel=4)
 
 
+def prior_share(drafter: PreTrainedModel, target: PreTrainedModel) -> float:
+    """A drafted token's cost in target passes before both passes are timed: the share of the weight bytes the
+    drafter's pass reads against the target's (1.0 where either cannot be read)."""
+    mine, theirs = pass_bytes(drafter), pass_bytes(target)
+    return mine / theirs if mine and theirs else 1.0
+
+
 def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, shared: DecodingOptions,
                         options: ModelOptions, *,
                         universal: bool, priced: bool = False) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
@@ -113,7 +120,8 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     policy = CostAwareDraftLength(max(shared.gamma, MAX_ADAPTIVE_GAMMA), gen.runner.costs, drafter_costs,
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
                                   warm=lambda: model_drafter.is_warm(),
-                                  per_token_stop=not universal, chains=record.chains if stops else None)
+                                  per_token_stop=not universal, chains=record.chains if stops else None,
+                                  prior_share=prior_share(drafter, target))
     loop_policy = policy if adaptive else DraftLength(shared.gamma)
     # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.

@@ -148,7 +148,10 @@ class CostAwareDraftLength:
     forgets old steps, from a weak prior), so it follows the text and the sampling mode it runs in;
     the cost of k drafts is the target's measured pass over 1 + k tokens plus k times what a drafted
     token really costs, in one-token target passes: `draft_seconds()` (the drafter's timed
-    drafting steps, catch-up pass included), or before any was timed the drafter's measured pass.
+    drafting steps, catch-up pass included), or before any was timed the drafter's measured pass; where
+    either model's pass is unmeasured (a calibration too noisy to keep), `prior_share`: the drafter's share of
+    the weight bytes a pass reads (`model_info.pass_bytes`), never 1.0 for a drafter a third the target's size,
+    which would price out every draft, so that it never drafted and was never timed.
     After `probe_after` plain steps in a row one token is drafted anyway, so that a drafter that
     became useful again is noticed, but only if drafting could pay at all (at an acceptance rate of
     0.99 under the measured costs: a drafter too dear to pay even then is never probed), only if it
@@ -171,8 +174,9 @@ class CostAwareDraftLength:
     def __init__(self, max_budget: int, target_costs: PassCosts, drafter_costs: PassCosts | None,
                  draft_seconds: Callable[[], float | None] = lambda: None,
                  warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False,
-                 chains: ChainRecord | None = None) -> None:
+                 chains: ChainRecord | None = None, prior_share: float = 1.0) -> None:
         self.max_budget = max_budget
+        self.prior_share = prior_share  # a drafted token in target passes until both passes are timed
         self.per_token_stop = per_token_stop
         self.chains = chains if per_token_stop else None  # what started chains gave (None: the single rate decides)
         # One probe before the drafter has drafted in this generation: without it a prior that says
@@ -194,12 +198,13 @@ class CostAwareDraftLength:
         return self.acceptance.rate
 
     def drafter_step_cost(self) -> float:
-        """One drafted token in units of one target pass (1.0 until something has been timed)."""
+        """One drafted token in units of one target pass: as timed, else `prior_share` (the drafter's share of the
+        bytes a pass reads, where the caller knows both models: a pass costs its weights' reading)."""
         target = self.target_costs.seconds(0)
         drafter = self.draft_seconds() or (self.drafter_costs.seconds(0) if self.drafter_costs is not None else None)
         if not drafter and self.drafter_costs is None:
             return 0.0  # a drafter without a model (your own): free until its drafting is timed
-        return drafter / target if target and drafter else 1.0
+        return drafter / target if target and drafter else self.prior_share
 
     def verify_cost(self, k: int, rows: int) -> float:
         """The verification pass over 1 + k tokens per row (`rows` rows), in one-token target passes."""

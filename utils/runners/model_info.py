@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["context_length", "input_device", "is_encoder_decoder", "mixes_windows", "model_devices", "shares_passes",
+__all__ = ["context_length", "input_device", "is_encoder_decoder", "mixes_windows", "model_devices", "pass_bytes", "shares_passes",
            "sliding_window", "vocab_size"]
 
 
@@ -90,3 +90,24 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     if layer_types and "sliding_attention" not in layer_types:
         return None
     return int(window)
+
+
+def pass_bytes(model: torch.nn.Module) -> int | None:
+    """Bytes of weights a one-token pass reads: each parameter's and buffer's storage once (fused and tied weights
+    share one), less the input embedding's table where no head reads it (a pass reads one row of it). None where the
+    storages cannot be read (weights on the meta device, offloaded)."""
+    embedding = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
+    head = getattr(model.get_output_embeddings(), "weight", None) if hasattr(model, "get_output_embeddings") else None
+    storages = {}
+    try:
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_meta:
+                return None
+            storage = tensor.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage.nbytes())
+        table = None if embedding is None else embedding.untyped_storage().data_ptr()
+        if table is not None and (head is None or head.untyped_storage().data_ptr() != table):
+            storages.pop(table, None)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return sum(storages.values()) or None
