@@ -122,10 +122,11 @@ class TreePlanner:
 
     def drafter_pass(self, tokens: int, rows: int) -> float:
         """That pass in one-token target passes, the per-node work around it included (as timed);
-        before anything was timed, as dear as the target's pass of its relative cost."""
+        before anything was timed, its relative cost times the policy's `prior_share` (the drafter's share of the
+        bytes a pass reads)."""
         seconds, target = self.pass_seconds(tokens, rows), self.policy.target_costs.seconds(0)
         if seconds is None or not target:
-            return self.drafter_costs(tokens - 1)
+            return self.drafter_costs(tokens - 1) * self.policy.prior_share
         return seconds / target * (self.overhead.value or 1.0)
 
     def observe_drafting(self, seconds: float, passes: list[int], rows: int) -> None:
