@@ -117,3 +117,23 @@ def test_a_drafter_with_another_tokenizer_drafts_short_chains_where_it_is_rarely
         assert stats.alpha < 0.5
         assert stats.drafter_forwards <= 2 * stats.steps
 
+
+
+def test_a_drafter_dearer_than_a_third_of_the_target_says_so_once_and_a_cheap_one_says_nothing():
+    """A drafter that cannot pay is never used silently: one warning per pair, with its measured costs."""
+    import warnings
+
+    from sampling.drafters import model_kind
+
+    target = PassCosts(relative={0: 1.0, 32: 3.0}, one_token_seconds=0.1, measured=True)
+    dear, cheap = copy.deepcopy(tiny_model("llama")), copy.deepcopy(tiny_model("llama"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model_kind.say_if_it_cannot_pay(dear, PassCosts(relative={0: 1.0, 32: 3.0}, one_token_seconds=0.05, measured=True),
+                                            target)
+            model_kind.say_if_it_cannot_pay(cheap, PassCosts(relative={0: 1.0, 32: 3.0}, one_token_seconds=0.03, measured=True),
+                                            target)
+            model_kind.say_if_it_cannot_pay(cheap, PassCosts(relative={0: 1.0, 32: 3.0}, one_token_seconds=None), target)
+    assert [str(w.message).split(":")[0] for w in caught] == [
+        "the drafter's one-token pass costs 50.0 ms here, 0.50 of the target's (100.0 ms)"]
