@@ -249,9 +249,9 @@ def test_a_drafter_whose_pass_is_unmeasured_is_priced_by_its_share_of_the_bytes(
         return CostAwareDraftLength(16, target, prior_costs(), per_token_stop=True, chains=ChainRecord(), **options)
 
     assert policy().budget(1) == 0  # a drafted token at a target pass: never started, so never timed
-    shared = policy(prior_share=0.32)
+    shared = policy(prior_share=lambda: 0.32)
     assert shared.drafter_step_cost() == 0.32 and shared.budget(1) == 16
-    timed = policy(prior_share=0.32, draft_seconds=lambda: 0.1)  # once timed: what it costs, here a target pass
+    timed = policy(prior_share=lambda: 0.32, draft_seconds=lambda: 0.1)  # once timed: what it costs, here a target pass
     assert timed.drafter_step_cost() == 1.0 and timed.budget(1) == 0
 
 

@@ -121,7 +121,7 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
                                   draft_seconds=lambda: model_drafter.seconds_per_draft,
                                   warm=lambda: model_drafter.is_warm(),
                                   per_token_stop=not universal, chains=record.chains if stops else None,
-                                  prior_share=prior_share(drafter, target))
+                                  prior_share=lambda: prior_share(drafter, target))
     loop_policy = policy if adaptive else DraftLength(shared.gamma)
     # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.

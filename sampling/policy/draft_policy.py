@@ -149,7 +149,7 @@ class CostAwareDraftLength:
     the cost of k drafts is the target's measured pass over 1 + k tokens plus k times what a drafted
     token really costs, in one-token target passes: `draft_seconds()` (the drafter's timed
     drafting steps, catch-up pass included), or before any was timed the drafter's measured pass; where
-    either model's pass is unmeasured (a calibration too noisy to keep), `prior_share`: the drafter's share of
+    either model's pass is unmeasured (a calibration too noisy to keep), `prior_share()`: the drafter's share of
     the weight bytes a pass reads (`model_info.pass_bytes`), never 1.0 for a drafter a third the target's size,
     which would price out every draft, so that it never drafted and was never timed.
     After `probe_after` plain steps in a row one token is drafted anyway, so that a drafter that
@@ -174,9 +174,9 @@ class CostAwareDraftLength:
     def __init__(self, max_budget: int, target_costs: PassCosts, drafter_costs: PassCosts | None,
                  draft_seconds: Callable[[], float | None] = lambda: None,
                  warm: Callable[[], bool] = lambda: True, per_token_stop: bool = False,
-                 chains: ChainRecord | None = None, prior_share: float = 1.0) -> None:
+                 chains: ChainRecord | None = None, prior_share: Callable[[], float] = lambda: 1.0) -> None:
         self.max_budget = max_budget
-        self.prior_share = prior_share  # a drafted token in target passes until both passes are timed
+        self._prior_share = prior_share
         self.per_token_stop = per_token_stop
         self.chains = chains if per_token_stop else None  # what started chains gave (None: the single rate decides)
         # One probe before the drafter has drafted in this generation: without it a prior that says
@@ -196,6 +196,12 @@ class CostAwareDraftLength:
     def acceptance_rate(self) -> float:
         """The drafter's tokens accepted / judged, learned online (not the `alpha` a generation returns)."""
         return self.acceptance.rate
+
+    @functools.cached_property
+    def prior_share(self) -> float:
+        """A drafted token in target passes until both passes are timed (asked where needed only: it reads every
+        weight's size)."""
+        return self._prior_share()
 
     def drafter_step_cost(self) -> float:
         """One drafted token in units of one target pass: as timed, else `prior_share` (the drafter's share of the
