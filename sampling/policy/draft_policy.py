@@ -150,8 +150,8 @@ class CostAwareDraftLength:
     token really costs, in one-token target passes: `draft_seconds()` (the drafter's timed
     drafting steps, catch-up pass included), or before any was timed the drafter's measured pass; where
     either model's pass is unmeasured (a calibration too noisy to keep), `prior_share()`: the drafter's share of
-    the weight bytes a pass reads (`model_info.pass_bytes`), never 1.0 for a drafter a third the target's size,
-    which would price out every draft, so that it never drafted and was never timed.
+    the weight bytes a pass reads (`model_info.pass_bytes`). Priced at a whole target pass there, no chain could
+    pay, so such a drafter never drafted and was never timed.
     After `probe_after` plain steps in a row one token is drafted anyway, so that a drafter that
     became useful again is noticed, but only if drafting could pay at all (at an acceptance rate of
     0.99 under the measured costs: a drafter too dear to pay even then is never probed), only if it

@@ -265,8 +265,8 @@ def _rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, plus_
     """layer.c's RMSNorm of the contiguous `x`, `delta` added into it first where given."""
     out = torch.empty_like(x)
     _checked(_ops().specdec_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                        out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, int(plus_one),
-                                        _bf16(x), _bf16(weight)), "RMSNorm")
+                                     out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, int(plus_one),
+                                     _bf16(x), _bf16(weight)), "RMSNorm")
     return out
 
 
@@ -294,8 +294,8 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
     positions, write_index = positions.to(torch.int64).contiguous(), write_index.to(torch.int64).contiguous()
     q = qkv.new_empty(rows, width, heads, head_dim)
     _checked(_ops().specdec_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                          write_index.data_ptr(), q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows,
-                                          width, heads, kv_heads, slots, head_dim, _bf16(qkv)), "rotary step")
+                                       write_index.data_ptr(), q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows,
+                                       width, heads, kv_heads, slots, head_dim, _bf16(qkv)), "rotary step")
     return q
 
 
@@ -310,8 +310,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
     mask = mask if mask.stride(-1) == 1 and mask.dtype == q.dtype else mask.to(q.dtype).contiguous()
     out = q.new_empty(rows, width, heads * head_dim)
     _checked(_ops().specdec_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), keys.data_ptr(),
-                                         values.data_ptr(), mask.data_ptr(), mask.stride(0), mask.stride(2),
-                                         out.data_ptr(), rows, heads, keys.shape[1], width, mask.shape[-1], keys.shape[2],
-                                         head_dim, scale, softcap or 0.0, _bf16(q), torch.get_num_threads()),
+                                      values.data_ptr(), mask.data_ptr(), mask.stride(0), mask.stride(2),
+                                      out.data_ptr(), rows, heads, keys.shape[1], width, mask.shape[-1], keys.shape[2],
+                                      head_dim, scale, softcap or 0.0, _bf16(q), torch.get_num_threads()),
              "attention")
     return out

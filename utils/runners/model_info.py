@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["context_length", "input_device", "is_encoder_decoder", "mixes_windows", "model_devices", "pass_bytes", "shares_passes",
-           "sliding_window", "vocab_size"]
+__all__ = ["context_length", "input_device", "is_encoder_decoder", "mixes_windows", "model_devices", "pass_bytes",
+           "shares_passes", "sliding_window", "vocab_size"]
 
 
 def is_encoder_decoder(model: PreTrainedModel) -> bool:
