@@ -10,7 +10,7 @@ spec_bench's settings), on the weights `load_model` gives (the GGUF de-quantized
 itself (its native quantized types). Both read the same prompt ids (the chat template applied by our tokenizer, the
 GGUF's own) and run on as many threads. Every method runs on each prompt `--repeats` times in a rotating order; the
 table gives each method's median tokens/s (generated tokens over wall time, prefill included), its ratio to llama.cpp's
-plain decoding and to ours.
+plain decoding and to ours, and for our speculative methods their median tau (tokens per step).
 
 Outputs: ours are checked against our plain decoding (a difference is a near-tie or a defect, benchmarks/exactness.py);
 llama.cpp's speculative outputs against its plain decoding. The two sides' weights differ (quantized against
