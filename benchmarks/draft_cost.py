@@ -26,6 +26,7 @@ from utils.calibration import pass_costs
 from utils.cost_model import DRAFT_SIZES
 from utils.loading import load_model
 from utils.machine import calibration_key, machine
+from utils.runners.model_info import pass_bytes
 
 
 def describe(choice: cpu_passes.Shortcuts) -> str:
@@ -43,36 +44,6 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
         sink.copy_(source)
         best = min(best, time.perf_counter() - start)
     return 2 * source.numel() * 4 / best
-
-
-def weight_pieces(model) -> list:
-    """The weights one token's pass reads, in the model's order: every parameter and buffer (a quantized linear's
-    packed weights and scales) but the input embedding's rows of other tokens (a tied embedding counts once: the head
-    reads it whole); views that follow one another in memory (the lean forward's fused q/k/v and gate/up) as one
-    flat byte tensor, as the pass reads them."""
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    head_weight = getattr(head, "weight", None)
-    tied = head_weight is not None and head_weight.data_ptr() == embedding.weight.data_ptr()
-    seen, spans, ends = set() if tied else {embedding.weight.data_ptr()}, [], {}  # spans: [storage, first, end]
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        storage = tensor.untyped_storage()
-        first = tensor.data_ptr() - storage.data_ptr()
-        end = first + tensor.numel() * tensor.element_size()
-        span = ends.pop((storage.data_ptr(), first), None)  # a span this tensor continues (q, then its bias, then k)
-        if span is None:
-            span = [storage, first, end]
-            spans.append(span)
-        span[2] = end
-        ends[(storage.data_ptr(), end)] = span
-    return [torch.empty(0, dtype=torch.uint8).set_(storage, first, (end - first,)) for storage, first, end in spans]
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the weights one token's pass reads (`weight_pieces`)."""
-    return sum(piece.numel() for piece in weight_pieces(model))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                   "relative to it: " + ", ".join(f"k={k}: {costs(k):.2f} ({describe(costs.shortcuts_for(k))})"
                                                  for k in DRAFT_SIZES))
     console.print(f"calibration key: {calibration_key(model)}")
-    bandwidth, size = copy_bandwidth(), weight_bytes(model)
+    bandwidth, size = copy_bandwidth(), pass_bytes(model)
     bound = bandwidth / size
     measured = 1 / costs.seconds(0) if costs.seconds(0) else None
     console.print(f"memory bound of plain decoding: copy bandwidth {bandwidth / 1e9:.1f} GB/s, weights {size / 1e9:.2f} GB "

@@ -34,7 +34,6 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import cli
-from benchmarks.draft_cost import weight_bytes, weight_pieces
 from benchmarks.exactness import Classifier, counts, describe, transformers_greedy
 from benchmarks.prompts import encode, load_humaneval
 from sampling import autoregressive_generate, quantized_drafter
@@ -42,6 +41,7 @@ from utils.calibration import pass_costs
 from utils.lean import forward_path, huge_pages, native
 from utils.loading import end_token_ids, load_model
 from utils.machine import machine
+from utils.runners.model_info import pass_bytes, weight_pieces
 from utils.runners.static import StaticSequence
 
 CONTEXT = 256  # tokens cached while a pass is timed
@@ -138,7 +138,7 @@ def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
     reports = []
     for label, model in models.items():
         costs, runner = runners[label]
-        bytes_read = weight_bytes(model)
+        bytes_read = pass_bytes(model)
         one = statistics.median(times[label][1])
         of_target = statistics.median(mine / theirs for mine, theirs in zip(times[label][1], times[first][1], strict=True))
         reports.append({

@@ -447,9 +447,9 @@ def test_a_pass_s_weight_pieces_hold_each_weight_once_and_a_fused_linear_as_one_
 
     import torch
 
-    from benchmarks.draft_cost import weight_bytes, weight_pieces
     from tests.models import tiny_model
     from utils.lean.linear import Linear
+    from utils.runners.model_info import pass_bytes, weight_pieces
 
     model = copy.deepcopy(tiny_model("qwen2"))  # the suite's tiny models are shared: fuse a copy
     attention = model.model.layers[0].self_attn
@@ -459,7 +459,7 @@ def test_a_pass_s_weight_pieces_hold_each_weight_once_and_a_fused_linear_as_one_
     before = len(weight_pieces(model))
     fused = Linear([attention.q_proj, attention.k_proj, attention.v_proj]).weight  # q/k/v become views of one tensor
     pieces = weight_pieces(model)
-    assert sum(piece.numel() for piece in pieces) == weight_bytes(model) == expected
+    assert sum(piece.numel() for piece in pieces) == pass_bytes(model) == expected
     assert all(piece.dtype == torch.uint8 and piece.dim() == 1 for piece in pieces)
     whole = [piece for piece in pieces if piece.data_ptr() == fused.data_ptr()]
     assert len(whole) == 1 and whole[0].numel() == fused.numel() * fused.element_size()

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 __all__ = ["context_length", "input_device", "is_encoder_decoder", "mixes_windows", "model_devices", "pass_bytes",
-           "shares_passes", "sliding_window", "vocab_size"]
+           "shares_passes", "sliding_window", "vocab_size", "weight_pieces"]
 
 
 def is_encoder_decoder(model: PreTrainedModel) -> bool:
@@ -92,22 +92,37 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     return int(window)
 
 
+def weight_pieces(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights one token's pass reads, in the model's order: every parameter and buffer (a quantized linear's
+    packed weights and scales) but the input embedding's rows of other tokens (a tied embedding counts once: the head
+    reads it whole); views that follow one another in memory (the lean forward's fused q/k/v and gate/up) as one
+    flat byte tensor, as the pass reads them."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    tied = head_weight is not None and head_weight.data_ptr() == embedding.weight.data_ptr()
+    seen, spans, ends = set() if tied else {embedding.weight.data_ptr()}, [], {}  # spans: [storage, first, end]
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        storage = tensor.untyped_storage()
+        first = tensor.data_ptr() - storage.data_ptr()
+        end = first + tensor.numel() * tensor.element_size()
+        span = ends.pop((storage.data_ptr(), first), None)  # a span this tensor continues (q, then its bias, then k)
+        if span is None:
+            span = [storage, first, end]
+            spans.append(span)
+        span[2] = end
+        ends[(storage.data_ptr(), end)] = span
+    return [torch.empty(0, dtype=torch.uint8).set_(storage, first, (end - first,)) for storage, first, end in spans]
+
+
 def pass_bytes(model: torch.nn.Module) -> int | None:
-    """Bytes of weights a one-token pass reads: each parameter's and buffer's storage once (fused and tied weights
-    share one), less the input embedding's table where no head reads it (a pass reads one row of it). None where the
-    storages cannot be read (weights on the meta device, offloaded)."""
-    embedding = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
-    head = getattr(model.get_output_embeddings(), "weight", None) if hasattr(model, "get_output_embeddings") else None
-    storages = {}
+    """Bytes of the weights one token's pass reads (`weight_pieces`); None where they cannot be read (weights on the
+    meta device, offloaded; a model without an input embedding)."""
     try:
-        for tensor in (*model.parameters(), *model.buffers()):
-            if tensor.is_meta:
-                return None
-            storage = tensor.untyped_storage()
-            storages.setdefault(storage.data_ptr(), storage.nbytes())
-        table = None if embedding is None else embedding.untyped_storage().data_ptr()
-        if table is not None and (head is None or head.untyped_storage().data_ptr() != table):
-            storages.pop(table, None)
-    except (RuntimeError, NotImplementedError):
+        if any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
+            return None
+        return sum(piece.numel() for piece in weight_pieces(model)) or None
+    except (AttributeError, RuntimeError, NotImplementedError):
         return None
-    return sum(storages.values()) or None
