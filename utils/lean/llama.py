@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.lean import native
+from utils.lean.decoder import NativeStack
 from utils.lean.linear import Linear, numerics
 from utils.lean.static_kv import PassSlots, StaticKV
 
@@ -102,6 +103,7 @@ class LeanLlama(nn.Module):
     layer_class = Layer
     reference_norm = staticmethod(rms_norm)  # the model's RMSNorm in torch's steps, where ours do not run
     norm_plus_one = False  # RMSNorm's weight applied as (1 + weight) in float32 (Gemma's): ours, the same norm
+    native_stack = True  # whether `decoder.py` may run the layers in one call (Llama's layers, not Gemma's)
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -112,7 +114,8 @@ class LeanLlama(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.eager = config._attn_implementation == "eager"
-        self.activation = ACTIVATIONS[activation(config)]
+        self.activation_name = activation(config)
+        self.activation = ACTIVATIONS[self.activation_name]
         decoder = model.model
         self.embed = decoder.embed_tokens
         self.layers = [self.layer_class(layer) for layer in decoder.layers]
@@ -134,6 +137,8 @@ class LeanLlama(nn.Module):
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
         self._tables: dict[str | None, tuple[Tensor, Tensor]] = {}
+        # Every layer in one native call where our kernels run each of its steps (`decoder.py`), else in Python.
+        self.stack = NativeStack.build(self) if self.native else None
 
     def _rope(self, positions: Tensor, slots: int, kind: str | None = None) -> tuple[Tensor, Tensor]:
         """cos and sin at `positions` (rows, width) -> each (rows, 1, width, head_dim), from a table computed
@@ -174,9 +179,12 @@ class LeanLlama(nn.Module):
         runner's buffer, written and read where `slots` says."""
         ropes = {kind: self._rope(slots.positions, kv.slots, kind) for kind in self._rope_kinds}
         h = self._embed(ids).to(self.dtype)
-        for index, layer in enumerate(self.layers):
-            mask = slots.sliding_mask if layer.sliding and slots.sliding_mask is not None else slots.mask
-            h = self._block(layer, h, ropes[layer.rope], mask, slots, kv, index)
+        if self.stack is not None and self.stack.runs(ids.numel()):
+            h = self.stack(h, ropes[None], slots, kv)
+        else:
+            for index, layer in enumerate(self.layers):
+                mask = slots.sliding_mask if layer.sliding and slots.sliding_mask is not None else slots.mask
+                h = self._block(layer, h, ropes[layer.rope], mask, slots, kv, index)
         h = self._norm(h[:, h.shape[1] - num_logits :], self.norm)
         return self.head(h)
 

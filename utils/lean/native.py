@@ -13,7 +13,10 @@ cannot be built (no C compiler, a CPU without AVX2 and FMA) or with `SPECDEC_NAT
     gemm_q4, dequantize_q4       group (llama.cpp's Q4_1 x Q8_1): integer dot products, for `utils/quantize.py`
     layer_ops(dtype, hidden, hd) whether the lean forward's norms, rotary step and attention run here (`layer.c`):
     rms_norm, add_rms_norm,      one call each where torch takes several eager operations; attention is
-    rope_write, attention        width-invariant without padding (each query alone, in one fixed order)
+    rope_write, attention,       width-invariant without padding (each query alone, in one fixed order)
+    silu_mul
+    decoder(...)                 a Llama-family model's whole stack of layers in one call (`decoder.c`, driven by
+                                 `decoder.py`)
 
 On AMX (Intel Xeon from Sapphire Rapids) bfloat16 activations take the tile unit: 32 rows cost what one costs,
 the weights' reading alone (measured against torch's products: docs/results.md, eleventh round).
@@ -39,12 +42,12 @@ from torch import Tensor
 
 from utils.paths import cache_dir
 
-__all__ = ["MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_ROWS", "add_rms_norm", "attention", "bfloat16_arithmetic",
-           "compute_dtype", "dequantize_q4", "gemm", "gemm_q4", "layer_ops", "pack_q4", "rms_norm", "rope_write", "supports",
-           "supports_q4", "tile_unit", "unavailable"]
+__all__ = ["LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_ROWS", "add_rms_norm", "attention",
+           "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gemm", "gemm_q4", "layer_ops", "pack_q4",
+           "rms_norm", "rope_write", "silu_mul", "supports", "supports_q4", "tile_unit", "unavailable"]
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
-SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"))
+SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"), Path(__file__).with_name("decoder.c"))
 HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by both: part of the build's key
 NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations everywhere
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
@@ -102,7 +105,10 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.specdec_rope_write.argtypes = [pointer] * 8 + [i32] * 7
     library.specdec_attention.argtypes = ([pointer, i64, i64, i64, pointer, pointer, pointer, i64, i64, pointer]
                                           + [i32] * 7 + [f32, f32, i32, i32])
-    for function in (library.specdec_rms_norm, library.specdec_rope_write, library.specdec_attention):
+    library.specdec_silu_mul.argtypes = [pointer] * 2 + [i32] * 4
+    library.specdec_decoder.argtypes = [pointer] * 4 + [i32] + [pointer] * 6
+    for function in (library.specdec_rms_norm, library.specdec_rope_write, library.specdec_attention,
+                     library.specdec_silu_mul, library.specdec_decoder):
         function.restype = ctypes.c_int
     library.specdec_amx.restype = ctypes.c_int
     if library.specdec_block() == 0:
@@ -315,3 +321,19 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
                                       head_dim, scale, softcap or 0.0, _bf16(q), torch.get_num_threads()),
              "attention")
     return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up (..., 2 n) = [gate | up] -> (..., n), each step rounded to the dtype as torch's
+    (float32 or bfloat16; its e^x is ours: within a float32 ulp or two of torch's)."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], n)
+    _checked(_ops().specdec_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, _bf16(gate_up),
+                                     torch.get_num_threads()), "silu")
+    return out
+
+
+def decoder(*arguments) -> int:
+    """decoder.c's `specdec_decoder` (`decoder.py` builds its arguments): 0, else the failing step and its status."""
+    return _ops().specdec_decoder(*arguments)

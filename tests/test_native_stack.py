@@ -1,0 +1,130 @@
+"""The lean forward's layers in one native call (`utils/lean/decoder.py`, `decoder.c`): the Python layers' logits to
+float32 rounding (the only step of its own, silu, has its own e^x), over chains, a rollback, a tree and a batch; each
+row the same bits whatever the pass's width; bfloat16 weights computed in float32 (an AVX2-only CPU's path) and
+4-bit ones (the self-drafter's). Where our kernels cannot be built, no lean forward takes the stack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from sampling import quantized_drafter
+from tests.models import VOCAB, prompt
+from utils.lean import decoder, forget, lean_decoder, native
+from utils.lean.decoder import NativeStack
+from utils.runners.static import StaticRunner
+
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def _ours_run_here() -> bool:
+    return native.unavailable() is None
+
+
+def _model(family: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    config_class, model_class = FAMILIES[family]
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          initializer_range=0.3)
+    config._attn_implementation = "sdpa"
+    return model_class(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_our_silu_times_up_is_torchs_to_a_rounding(dtype):
+    if not _ours_run_here():
+        return
+    torch.manual_seed(0)
+    gate_up = (4 * torch.randn(5, 2 * 4864)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ours, theirs = native.silu_mul(gate_up), F.silu(gate) * up
+    if dtype == torch.float32:
+        assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    else:  # at most one bfloat16 step from torch's, where silu's float32 value sits at a rounding's edge
+        assert ((ours.float() - theirs.float()).abs() <= theirs.float().abs() * 2**-7).all()
+        assert (ours == theirs).float().mean() > 0.999
+
+
+@pytest.fixture
+def no_bfloat16_arithmetic(monkeypatch):
+    """A CPU without bfloat16 arithmetic (AVX2 only): a bfloat16 model computes in float32 through our kernels."""
+    monkeypatch.setattr(native, "bfloat16_arithmetic", lambda: False)
+
+
+def _bfloat16_weights(family: str):
+    return _model(family, torch.bfloat16)
+
+
+def _four_bits(family: str):
+    return quantized_drafter(_model(family, torch.float32))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("make", [_bfloat16_weights, _four_bits], ids=["bfloat16_weights", "four_bits"])
+def test_the_stack_gives_the_python_layers_logits_and_the_same_bits_at_every_width(family, make, no_bfloat16_arithmetic,
+                                                                                   monkeypatch):
+    if not _ours_run_here():
+        return
+    model = make(family)
+    forget(model)
+    lean = lean_decoder(model)
+    assert lean.dtype == torch.float32 and lean.stack is not None, NativeStack.unsupported(lean)
+    assert all(lean.stack.runs(tokens) for tokens in range(1, native.MAX_ROWS + 1))
+    assert not lean.stack.runs(native.MAX_ROWS + 1)  # a wider prompt: the Python layers
+    calls = []
+    called = native.decoder
+    monkeypatch.setattr(native, "decoder", lambda *arguments: calls.append(1) or called(*arguments))
+    ids, new = prompt(1, 30), [5, 6, 7, 8, 9, 10, 11]
+
+    def passes() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        runner = StaticRunner(model, rows=1, slots=128)
+        chain = [runner.forward_rows([(ids[a:b], None)], [b - a])[0] for a, b in ((0, 11), (11, 12), (12, 20))]
+        runner.rollback_row(0, 16)
+        chain.append(runner.forward_rows([(ids[16:30], None)], [14])[0])
+        wide = runner.forward_rows([(new, None)], [len(new)])[0]
+        runner.rollback_row(0, 30)
+        ones = torch.cat([runner.forward_rows([([token], None)], [1])[0] for token in new])
+        runner.rollback_row(0, 30)
+        tree = runner.forward_rows([([new[0], 12, 13, new[1], 14, new[2]], [-1, 0, 0, 0, 3, 3])], [6])[0]
+        assert torch.equal(wide, ones) and torch.equal(tree[[0, 3, 5]], ones[:3])
+        batch = StaticRunner(model, rows=2, slots=128)
+        rows = batch.forward_rows([(ids[:9], None), (ids[:4], None)], [1, 1])
+        rows += batch.forward_rows([(new[:3], None), (new, None)], [3, 7])
+        return chain + [wide, tree] + rows
+
+    stacked = passes()
+    assert len(calls) == 15  # every pass: none is wider than native.MAX_ROWS tokens
+    lean.stack = None
+    python = passes()
+    assert len(calls) == 15
+    for ours, theirs in zip(stacked, python, strict=True):
+        assert (ours - theirs).abs().max() < 1e-4
+
+
+def _float32_model(family: str):
+    torch.manual_seed(0)
+    config_class, model_class = FAMILIES[family]
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config._attn_implementation = "sdpa"
+    return model_class(config).eval()
+
+
+def test_a_model_the_stack_cannot_run_says_why_and_keeps_the_python_layers(monkeypatch):
+    if not _ours_run_here():
+        assert lean_decoder(_model("llama", torch.bfloat16)).stack is None
+        return
+    float32 = lean_decoder(_float32_model("llama"))  # float32 weights: torch's products
+    assert float32.stack is None and "a linear our kernels do not run" in NativeStack.unsupported(float32)
+    model = _model("qwen2", torch.bfloat16)
+    monkeypatch.setattr(native, "bfloat16_arithmetic", lambda: True)  # computed in bfloat16: the kernel table decides
+    monkeypatch.setattr(decoder, "kernel_table", lambda shape, dtype: lambda rows: ("linear", 0))
+    lean = lean_decoder(model)
+    assert lean.stack is not None and not lean.stack.runs(1)  # the kernel table takes torch's product
+    forget(model)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert lean_decoder(model).stack is None
+    forget(model)

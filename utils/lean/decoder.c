@@ -1,0 +1,100 @@
+/* A Llama-family model's whole stack of decoder layers in one call, built with `gemm.c` and `layer.c` into one
+   library by `utils/lean/native.py` and driven by `utils/lean/decoder.py`. Each layer is the lean forward's
+   (`llama.py`'s `_block`), step for step and with the same kernels: the norm, the q/k/v product, the rotary step and
+   the buffer's write, attention, the output product, the residual addition with the MLP's norm, the gate/up
+   product, silu(gate) * up, the down product and the residual addition (made by the next layer's norm, the last
+   one's here). What it saves is the Python between them: about twelve calls a layer, each with its tensors
+   allocated and its arguments converted (about a sixth of a 0.5B's one-token pass, docs/results.md).
+
+   The weights' pointers come once per model (`LAYER_POINTERS` a layer), the buffer's once per pass; a linear is
+   our bfloat16 kernel (`specdec_gemm`) or our 4-bit one (`specdec_gemm_q4`), the same kind in every layer. */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, int rows, int out, int in, int x_bf16,
+                 int y_bf16, int threads);
+int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
+                    int in, int x_bf16, int y_bf16, int threads);
+int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, int tokens, int n, float eps,
+                     int plus_one, int bf16, int weight_bf16);
+int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
+                       const int64_t* write_index, void* q_out, void* keys, void* values, int rows, int width,
+                       int heads, int kv_heads, int slots, int d, int bf16);
+int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_token, const void* keys,
+                      const void* values, const void* mask, int64_t m_row, int64_t m_token, void* out, int rows,
+                      int heads, int kv_heads, int width, int used, int slots, int d, float scale, float cap, int bf16,
+                      int threads);
+int specdec_silu_mul(const void* gate_up, void* out, int tokens, int n, int bf16, int threads);
+
+enum { QKV, O, GATE_UP, DOWN, LINEARS };
+/* A layer's pointers: its two norms' weights, then per linear (in the order above) its weight, its scales (4 bits;
+   else NULL) and its bias (in the pass's dtype; NULL without one). */
+enum { ATTENTION_NORM, MLP_NORM, FIRST_LINEAR, LAYER_POINTERS = FIRST_LINEAR + 3 * LINEARS };
+
+/* A pass's shape and numbers (`decoder.py`'s `Shape` mirrors it field for field). */
+typedef struct {
+  int64_t rows, width, used, slots; /* rows of `width` new tokens; the buffer's slots a pass reads and holds */
+  int64_t hidden, intermediate, heads, kv_heads, head_dim;
+  int64_t mask_row, mask_token;          /* the mask's strides (its last one 1) */
+  int64_t kinds[LINEARS], outs[LINEARS]; /* each linear's kernel (0 bfloat16, 1 4-bit) and output width */
+  int64_t bf16, norm_bf16, threads;      /* the pass in bfloat16 (else float32); the norms' weights in bfloat16 */
+  float eps, scale;                      /* the norms' epsilon; attention's scale */
+} shape_t;
+
+static int linear(const void* const* p, int64_t kind, const void* x, void* y, int tokens, int out, int in,
+                  const shape_t* s) {
+  if (kind == 1)
+    return specdec_gemm_q4((const uint8_t*)p[0], (const uint16_t*)p[1], x, p[2], y, tokens, out, in, (int)s->bf16,
+                           (int)s->bf16, (int)s->threads);
+  return specdec_gemm((const uint16_t*)p[0], x, p[2], y, tokens, out, in, (int)s->bf16, (int)s->bf16, (int)s->threads);
+}
+
+/* h (rows * width tokens of `hidden`, the embeddings) -> h after every layer, in place. `work`: room for
+   tokens * (2 hidden + the q/k/v width + 2 heads head_dim + 3 intermediate) values of the pass's dtype; `kv`: each
+   layer's keys then values buffer (rows, kv_heads, slots, head_dim); cos and sin: the rotary tables (positions,
+   head_dim); positions and write_index (rows, width); mask (rows, 1, width, used), added to the scores. Returns 0,
+   else the failing step's status times 100 plus the step (1 norm, 2 q/k/v, 3 rotary, 4 attention, 5 output, 6 norm,
+   7 gate/up, 8 silu, 9 down). */
+int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, int n_layers, const void* cos,
+                    const void* sin, const int64_t* positions, const int64_t* write_index, const void* mask,
+                    const shape_t* s) {
+  int tokens = (int)(s->rows * s->width), bf16 = (int)s->bf16, threads = (int)s->threads;
+  int hidden = (int)s->hidden, attended = (int)(s->heads * s->head_dim), size = bf16 ? 2 : 4;
+  char* at = (char*)work;
+  void *x = at, *delta = at + (size_t)tokens * hidden * size, *qkv = at + (size_t)2 * tokens * hidden * size;
+  void* q = (char*)qkv + (size_t)tokens * s->outs[QKV] * size;
+  void* attention = (char*)q + (size_t)tokens * attended * size;
+  void* gate_up = (char*)attention + (size_t)tokens * attended * size;
+  void* act = (char*)gate_up + (size_t)tokens * s->outs[GATE_UP] * size;
+  int status = 0;
+#define STEP(call, step)                          \
+  if ((status = (call)) != 0) return status * 100 + (step)
+  for (int l = 0; l < n_layers; l++) {
+    const void* const* p = layers + (size_t)l * LAYER_POINTERS;
+    const void* const* w = p + FIRST_LINEAR;
+    void *keys = kv[2 * l], *values = kv[2 * l + 1];
+    STEP(specdec_rms_norm(h, l ? delta : NULL, p[ATTENTION_NORM], x, tokens, hidden, s->eps, 0, bf16,
+                          (int)s->norm_bf16), 1);
+    STEP(linear(w + 3 * QKV, s->kinds[QKV], x, qkv, tokens, (int)s->outs[QKV], hidden, s), 2);
+    STEP(specdec_rope_write(qkv, cos, sin, positions, write_index, q, keys, values, (int)s->rows, (int)s->width,
+                            (int)s->heads, (int)s->kv_heads, (int)s->slots, (int)s->head_dim, bf16), 3);
+    STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, mask, s->mask_row,
+                           s->mask_token, attention, (int)s->rows, (int)s->heads, (int)s->kv_heads, (int)s->width,
+                           (int)s->used, (int)s->slots, (int)s->head_dim, s->scale, 0.0f, bf16, threads), 4);
+    STEP(linear(w + 3 * O, s->kinds[O], attention, delta, tokens, hidden, attended, s), 5);
+    STEP(specdec_rms_norm(h, delta, p[MLP_NORM], x, tokens, hidden, s->eps, 0, bf16, (int)s->norm_bf16), 6);
+    STEP(linear(w + 3 * GATE_UP, s->kinds[GATE_UP], x, gate_up, tokens, (int)s->outs[GATE_UP], hidden, s), 7);
+    STEP(specdec_silu_mul(gate_up, act, tokens, (int)s->intermediate, bf16, threads), 8);
+    STEP(linear(w + 3 * DOWN, s->kinds[DOWN], act, delta, tokens, hidden, (int)s->intermediate, s), 9);
+  }
+#undef STEP
+  for (int64_t i = 0; i < (int64_t)tokens * hidden; i++) { /* the last layer's residual addition, rounded as torch's */
+    if (bf16)
+      ((uint16_t*)h)[i] = f32_to_bf16(bf16_to_f32(((uint16_t*)h)[i]) + bf16_to_f32(((const uint16_t*)delta)[i]));
+    else
+      ((float*)h)[i] += ((const float*)delta)[i];
+  }
+  return 0;
+}

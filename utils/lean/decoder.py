@@ -1,0 +1,132 @@
+"""A Llama-family lean forward's whole stack of layers in one native call (`decoder.c`): each layer step for step
+the lean forward's own (`llama.py`'s `_block`, with our kernels for every step), without the Python between the
+steps: about twelve calls a layer, each allocating its tensors and converting its arguments.
+
+    stack = NativeStack.build(lean)    None where it cannot run that model (`NativeStack.unsupported` says why)
+    stack.runs(tokens)                 whether it runs a pass over that many tokens (rows x width)
+    h = stack(h, rope, slots, kv)      the embeddings (rows, width, hidden) -> the last layer's output
+
+It runs a pass where our kernels run every step of every layer at that width: a pass of at most `native.MAX_ROWS`
+tokens whose linears are our bfloat16 kernel (float32 activations over bfloat16 weights, or bfloat16 ones where the
+kernel table takes ours: `kernels.py`) or our 4-bit one (a quantized target, the self-drafter), with our rotary step
+(no q/k norms) and silu. Elsewhere the layers run in Python (a prompt's wider pass, Gemma's layers, Qwen3's q/k
+norms). Its one step of its own is silu(gate) * up (`layer.c`'s `specdec_silu_mul`: its e^x is ours, so a value
+can sit a bfloat16 step from torch's at a rounding's edge), taken at every width it runs: a row's bits stay the
+same whatever the pass's width.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from utils.lean import native
+from utils.lean.kernels import NATIVE, kernel_table
+from utils.lean.static_kv import PassSlots, StaticKV
+
+__all__ = ["NativeStack"]
+
+LINEARS = ("qkv", "o", "gate_up", "down")  # decoder.c's order
+BFLOAT16, FOUR_BITS = 0, 1  # decoder.c's kernel kinds
+
+
+class Shape(ctypes.Structure):
+    """decoder.c's `shape_t`, field for field."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in ("rows", "width", "used", "slots", "hidden", "intermediate",
+                                                       "heads", "kv_heads", "head_dim", "mask_row", "mask_token")),
+                ("kinds", ctypes.c_int64 * 4), ("outs", ctypes.c_int64 * 4),
+                *((name, ctypes.c_int64) for name in ("bf16", "norm_bf16", "threads")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _kind(linear) -> int | None:
+    """Which of our kernels runs `linear` (a `linear.Linear`), None where neither can."""
+    if linear.q4 is not None:
+        return FOUR_BITS
+    weight = linear.weight
+    if weight is not None and native.supports(tuple(weight.shape), weight.dtype):
+        return BFLOAT16
+    return None
+
+
+class NativeStack:
+    """The layers of a `LeanLlama` (`llama.py`) in one call of `decoder.c`."""
+
+    @staticmethod
+    def unsupported(lean) -> str | None:
+        """Why `NativeStack` cannot run `lean`'s layers, None when it can."""
+        if not lean.native_stack or not lean.native_rope:
+            return "its layers are not Llama's, or q and k are normalised before the rotary step"
+        if lean.activation_name != "silu":
+            return f"activation {lean.activation_name!r}"
+        kinds = {tuple(_kind(linear) for linear in layer.linears) for layer in lean.layers}
+        if len(kinds) != 1 or None in next(iter(kinds)):
+            return "a linear our kernels do not run (int8, torch's int4, hooked or another dtype)"
+        if lean.layers[0].gate_up.widths[0] % native.LANES:
+            return f"an MLP width not a multiple of {native.LANES}"
+        return None
+
+    @classmethod
+    def build(cls, lean) -> NativeStack | None:
+        return None if cls.unsupported(lean) else cls(lean)
+
+    def __init__(self, lean) -> None:
+        self._lean = lean
+        first = lean.layers[0]
+        self._kinds = [_kind(linear) for linear in first.linears]
+        self._outs = [sum(linear.widths) for linear in first.linears]
+        self._intermediate = first.gate_up.widths[0]
+        self._keep = []  # the biases converted to the pass's dtype: alive while their pointers are
+        pointers = []
+        for layer in lean.layers:
+            pointers += [layer.attention_norm.data_ptr(), layer.mlp_norm.data_ptr()]
+            for linear in layer.linears:
+                bias = None if linear.bias is None else linear.bias.to(lean.dtype).contiguous()
+                self._keep.append(bias)
+                weight, scales = linear.q4 if linear.q4 is not None else (linear.weight, None)
+                pointers += [weight.data_ptr(), None if scales is None else scales.data_ptr(),
+                             None if bias is None else bias.data_ptr()]
+        self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        hidden, attended = first.mlp_norm.shape[0], lean.heads * lean.head_dim
+        self._work = 2 * hidden + self._outs[0] + 2 * attended + 3 * self._intermediate  # values a token (decoder.c)
+        self._widths: dict[int, bool] = {}
+
+    def runs(self, tokens: int) -> bool:
+        """Whether our kernels run every linear of a pass over `tokens` tokens (the kernel tables' choice)."""
+        if tokens not in self._widths:
+            lean, layer = self._lean, self._lean.layers[0]
+            self._widths[tokens] = tokens <= native.MAX_ROWS and all(
+                linear.q4 is not None or linear.weight.dtype != lean.dtype
+                or kernel_table(tuple(linear.weight.shape), linear.weight.dtype)(tokens) == NATIVE
+                for linear in layer.linears)
+        return self._widths[tokens]
+
+    def __call__(self, h: Tensor, rope: tuple[Tensor, Tensor], slots: PassSlots, kv: StaticKV) -> Tensor:
+        """h (rows, width, hidden), the embeddings -> the last layer's output (rows, width, hidden)."""
+        lean = self._lean
+        rows, width, hidden = h.shape
+        h = h.contiguous()
+        like = h.new_empty(rows, lean.kv_heads, 0, lean.head_dim)
+        buffers = [pointer for index in range(len(lean.layers))
+                   for pointer in (tensor.data_ptr() for tensor in kv.layer(index, like))]
+        mask = slots.mask
+        mask = mask if mask.stride(-1) == 1 and mask.dtype == h.dtype else mask.to(h.dtype).contiguous()
+        positions = slots.positions.to(torch.int64).contiguous()
+        write_index = slots.write_index.to(torch.int64).contiguous()
+        work = h.new_empty(rows * width * self._work)
+        bf16 = int(h.dtype == torch.bfloat16)
+        shape = Shape(rows, width, mask.shape[-1], kv.slots, hidden, self._intermediate, lean.heads, lean.kv_heads,
+                      lean.head_dim, mask.stride(0), mask.stride(2), (ctypes.c_int64 * 4)(*self._kinds),
+                      (ctypes.c_int64 * 4)(*self._outs), bf16, int(lean.norm.dtype == torch.bfloat16),
+                      torch.get_num_threads(), lean.eps, lean.scaling)
+        status = native.decoder(h.data_ptr(), work.data_ptr(), self._pointers, (ctypes.c_void_p * len(buffers))(*buffers),
+                                len(lean.layers), rope[0].data_ptr(), rope[1].data_ptr(), positions.data_ptr(),
+                                write_index.data_ptr(), mask.data_ptr(), ctypes.byref(shape))
+        if status != 0:
+            step = ("norm", "q/k/v product", "rotary step", "attention", "output product", "MLP norm",
+                    "gate/up product", "silu", "down product")[status % 100 - 1]
+            raise ValueError(f"decoder.c's {step} failed (status {status // 100}) over {rows} x {width} tokens")
+        return h
