@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from sampling import quantized_drafter
 from tests.models import VOCAB, prompt
-from utils.lean import decoder, forget, lean_decoder, native
+from utils.lean import decoder, forget, forward_path, lean_decoder, native
 from utils.lean.decoder import NativeStack
 from utils.runners.static import StaticRunner
 
@@ -72,6 +72,7 @@ def test_the_stack_gives_the_python_layers_logits_and_the_same_bits_at_every_wid
     forget(model)
     lean = lean_decoder(model)
     assert lean.dtype == torch.float32 and lean.stack is not None, NativeStack.unsupported(lean)
+    assert forward_path(model) == "lean forward (llama.py, its layers in one native call)"
     assert all(lean.stack.runs(tokens) for tokens in range(1, native.MAX_ROWS + 1))
     assert not lean.stack.runs(native.MAX_ROWS + 1)  # a wider prompt: the Python layers
     calls = []

@@ -67,5 +67,7 @@ def forward_path(model: nn.Module) -> str:
     """Which forward `model`'s passes take, in one line."""
     reason = unsupported(model)
     if reason is None:
-        return f"lean forward ({_family(model).__name__.rpartition('.')[2]}.py)"
+        built = _BUILT.get(model)  # once built: whether its layers run in one native call (`decoder.py`)
+        stack = ", its layers in one native call" if built is not None and built.stack is not None else ""
+        return f"lean forward ({_family(model).__name__.rpartition('.')[2]}.py{stack})"
     return f"Hugging Face forward ({reason})"
