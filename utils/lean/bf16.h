@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32, shared by gemm.c and layer.c: a bfloat16 is a float32's upper 16 bits. */
+/* bfloat16 <-> float32, shared by gemm.c, layer.c and decoder.c: a bfloat16 is a float32's upper 16 bits. */
 #ifndef SPECDEC_BF16_H
 #define SPECDEC_BF16_H
 #include <stdint.h>

@@ -2,7 +2,8 @@
 way, over the Hugging Face model's own tensors: q/k/v in one GEMM and gate/up in one (`linear.py`), the rotary
 table computed once by the model's own rotary module (every rope type it knows but the dynamic ones), keys and
 values written in place into the runner's static buffer (`utils/lean/static_kv.py`) and read up to the
-longest row, nothing built per layer per pass.
+longest row, nothing built per layer per pass. Where our kernels run every step of a layer at a pass's width, all
+the layers run in one native call (`decoder.py`), step for step the Python layers below.
 
 The Hugging Face model is the reference: each step below is its step, in its order and dtypes (RMSNorm in float32,
 the weight applied in the model's dtype; eager attention's softmax in float32 when the model runs "eager", torch's

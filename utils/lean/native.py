@@ -48,7 +48,7 @@ __all__ = ["LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_ROWS", "add_rms_no
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
 SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"), Path(__file__).with_name("decoder.c"))
-HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by both: part of the build's key
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the build's key
 NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations everywhere
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
 Q4_BLOCK = 32  # gemm.c's 4-bit block: the group of input columns a scale and a minimum serve
