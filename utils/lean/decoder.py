@@ -79,30 +79,30 @@ class NativeStack:
         self._kinds = [_kind(linear) for linear in first.linears]
         self._outs = [sum(linear.widths) for linear in first.linears]
         self._intermediate = first.gate_up.widths[0]
-        self._keep = []  # the biases converted to the pass's dtype: alive while their pointers are
+        self._keep = []  # every tensor whose memory a pointer below names, alive while the pointers are
         pointers = []
         for layer in lean.layers:
-            pointers += [layer.attention_norm.data_ptr(), layer.mlp_norm.data_ptr()]
+            norms = [layer.attention_norm.detach(), layer.mlp_norm.detach()]
+            pointers += [norm.data_ptr() for norm in norms]
+            self._keep += norms
             for linear in layer.linears:
                 bias = None if linear.bias is None else linear.bias.to(lean.dtype).contiguous()
-                self._keep.append(bias)
                 weight, scales = linear.q4 if linear.q4 is not None else (linear.weight, None)
+                self._keep += [bias, weight, scales]
                 pointers += [weight.data_ptr(), None if scales is None else scales.data_ptr(),
                              None if bias is None else bias.data_ptr()]
         self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         hidden, attended = first.mlp_norm.shape[0], lean.heads * lean.head_dim
         self._work = 2 * hidden + self._outs[0] + 2 * attended + 3 * self._intermediate  # values a token (decoder.c)
-        self._widths: dict[int, bool] = {}
 
     def runs(self, tokens: int) -> bool:
-        """Whether our kernels run every linear of a pass over `tokens` tokens (the kernel tables' choice)."""
-        if tokens not in self._widths:
-            lean, layer = self._lean, self._lean.layers[0]
-            self._widths[tokens] = tokens <= native.MAX_ROWS and all(
-                linear.q4 is not None or linear.weight.dtype != lean.dtype
-                or kernel_table(tuple(linear.weight.shape), linear.weight.dtype)(tokens) == NATIVE
-                for linear in layer.linears)
-        return self._widths[tokens]
+        """Whether our kernels run every linear of a pass over `tokens` tokens: the kernel tables' choice, asked at
+        every pass (a table shared by shape can change its family when another model's passes are priced)."""
+        lean = self._lean
+        return tokens <= native.MAX_ROWS and all(
+            linear.q4 is not None or linear.weight.dtype != lean.dtype
+            or kernel_table(tuple(linear.weight.shape), linear.weight.dtype)(tokens) == NATIVE
+            for linear in lean.layers[0].linears)
 
     def __call__(self, h: Tensor, rope: tuple[Tensor, Tensor], slots: PassSlots, kv: StaticKV) -> Tensor:
         """h (rows, width, hidden), the embeddings -> the last layer's output (rows, width, hidden)."""
