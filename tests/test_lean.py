@@ -506,23 +506,27 @@ def test_greedy_speculation_over_gemma3s_mixed_layers_equals_transformers_greedy
     assert [out for out, _ in speculative_generate(rows, drafter, target, gamma=3, max_gen_len=24)] == references
 
 
-def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_every_width():
+@pytest.mark.parametrize("group", [32, 64])
+def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_every_width(group):
     """gemm.c's 4-bit product (llama.cpp's Q4_1 x Q8_1): the weight quantize_int4 makes (the same q, scales and
-    minimums as torch's int4 form), activations quantized to int8 per group of 32; within that rounding of the
-    float product, the same bits at every row count; a prompt's many rows by the dequantized weight."""
+    minimums as torch's int4 form, a scale per 32 or 64 inputs), activations quantized to int8 per block of 32; within
+    that rounding of the float product, the same bits at every row count; a prompt's many rows by the dequantized
+    weight."""
     from utils.lean import native
     from utils.quantize import _int4_groups, quantized_linear
 
     if not _our_kernels_run_here():
         assert quantized_linear(torch.nn.Linear(128, 48), 4, 32).kernel == "torch"
         return
-    assert native.supports_q4(96, 32) and not native.supports_q4(80, 32) and not native.supports_q4(128, 64)
+    assert native.supports_q4(96, 32) and not native.supports_q4(80, 32)
+    assert native.supports_q4(128, 64) and not native.supports_q4(96, 64) and not native.supports_q4(128, 128)
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 40, bias=True)
-    layer = quantized_linear(linear, 4, 32)
+    layer = quantized_linear(linear, 4, group)
     assert layer.kernel == "native" and layer.weight_q.shape == (3, 4, 256)  # 40 rows in groups of 16, 4 blocks
+    assert layer.scales.shape == (3, 128 // group, 2, 16) and native.q4_group(layer.weight_q, layer.scales) == group
     dequantized = native.dequantize_q4(layer.weight_q, layer.scales, 40)
-    q, scales, minimums = _int4_groups(linear.weight, 32)  # the same values as torch's steps: d * q, then + m
+    q, scales, minimums = _int4_groups(linear.weight, group)  # the same values as torch's steps: d * q, then + m
     expected = (q * scales.half().float() + minimums.half().float()).reshape(40, 128)
     assert torch.equal(dequantized, expected)
     assert torch.equal(native.dequantize_q4(layer.weight_q, layer.scales, 40, torch.bfloat16), expected.bfloat16())

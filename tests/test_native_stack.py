@@ -62,8 +62,13 @@ def _four_bits(family: str):
     return quantized_drafter(_model(family, torch.float32))
 
 
+def _four_bits_in_groups_of_64(family: str):
+    return quantized_drafter(_model(family, torch.float32), group_size=64)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("make", [_bfloat16_weights, _four_bits], ids=["bfloat16_weights", "four_bits"])
+@pytest.mark.parametrize("make", [_bfloat16_weights, _four_bits, _four_bits_in_groups_of_64],
+                         ids=["bfloat16_weights", "four_bits", "four_bits_groups_of_64"])
 def test_the_stack_gives_the_python_layers_logits_and_the_same_bits_at_every_width(family, make, no_bfloat16_arithmetic,
                                                                                    monkeypatch):
     if not _ours_run_here():

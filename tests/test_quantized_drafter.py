@@ -6,8 +6,8 @@ prompt pass gone where it drafts over the target's cache, the disk cache, `bits=
 `load_model(quantize=)`, and bad arguments refused by name.
 
 The tiny models (hidden 32, MLP 64, vocabulary 96) have widths our int4 kernel takes in groups of 32 (any output
-width, inputs a multiple of 32); in groups of 64 it refuses them all and torch's int4 kernel takes only a weight of
-64 inputs whose rows are a multiple of 16, so a head of 100 rows over 32 inputs is int8."""
+width, inputs a multiple of 32); in groups of 64 it takes only the MLP's down product (64 inputs), and torch's int4
+kernel only a weight of 64 inputs whose rows are a multiple of 16, so a head of 100 rows over 32 inputs is int8."""
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from tests.models import prompt, tiny_model
 from tests.saved_model import save_tiny_chat_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from tests.test_drafter_invariant import seeded
+from utils.lean import native
 from utils.loading import load_model
 from utils.logits_processors import NucleusProcessor
 from utils.quantize import QuantizedLinear, quantize_int4
@@ -79,9 +80,9 @@ def test_a_head_quantized_a_slice_of_rows_at_a_time_has_the_bytes_of_one_go(monk
 
 def test_a_head_no_int4_kernel_takes_falls_back_to_int8_and_stays_exact():
     target = tiny_model("llama", vocab=100)
-    drafter = quantized_drafter(target, group_size=64)
+    drafter = quantized_drafter(target, group_size=64)  # the head's 32 inputs: no group of 64; 100 rows: not torch's
     down, head = drafter.model.layers[0].mlp.down_proj, drafter.lm_head
-    assert (head.bits, down.bits, down.kernel) == (8, 4, "torch")
+    assert (head.bits, down.bits, down.kernel) == (8, 4, "native" if native.supports_q4(64, 64) else "torch")
     inputs = prompt(0, vocab=100)
     reference = autoregressive_generate(inputs, target, max_gen_len=16)
     assert speculative_generate(inputs, drafter, target, gamma=4, max_gen_len=16)[0] == reference
@@ -303,3 +304,22 @@ def test_load_model_refuses_a_bad_quantize_by_name(chat_folder):
         load_model(str(chat_folder), quantize="int8", load_in_8bit=True)
     with pytest.raises(ValueError, match="CPU kernels"):
         load_model(str(chat_folder), quantize="int4", device_map="auto")
+
+
+def test_the_drafters_group_is_64_where_our_kernel_takes_every_linear_so():
+    """Unless told, 4.5 bits a weight (a scale and a minimum per 64 inputs) where every linear's input width allows
+    it and our kernel runs here, else 32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sampling.drafters.self_drafting import self_drafting
+    from utils.quantized_models import drafter_group
+
+    assert drafter_group(tiny_model("llama")) == 32  # hidden 32: no group of 64 there
+    torch.manual_seed(0)
+    wide = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    expected = 64 if native.supports_q4(64, 64) else 32
+    assert drafter_group(wide) == expected
+    drafter = quantized_drafter(wide)
+    assert self_drafting(drafter).group_size == expected == drafter.config.specdec_self_drafter["group_size"]
+    assert self_drafting(quantized_drafter(wide, group_size=32)).group_size == 32

@@ -9,11 +9,11 @@
   (K / group_size, N, 2). The packing refuses N not divisible by 16; K must be a multiple of the
   group: such a layer falls back to int8.
 
-- int4 by our own kernel where it builds here (`utils.lean.native`: groups of 32, an input width a multiple of 64):
+- int4 by our own kernel where it builds here (`utils.lean.native`: groups of 32 or 64, an input width a multiple of 64):
   the same q, scales and minimums (w = scale q + minimum) in the kernel's layout, times the activations quantized
-  to int8 per group (llama.cpp's Q4_1 x Q8_1): integer dot products at about 0.6 bytes a weight. torch's int4
-  kernel dequantizes to float32 and streams ~14 GB/s on the Xeon of docs/lean.md, ours ~19 (one row). A pass over
-  more than `native.MAX_ROWS` rows (a prompt) multiplies by the weight dequantized.
+  to int8 per block of 32 (llama.cpp's Q4_1 x Q8_1): integer dot products at 0.625 bytes a weight (0.5625 in groups of
+  64). torch's int4 kernel dequantizes to float32 and streams ~14 GB/s on the Xeon of docs/lean.md, ours ~19 (one
+  row). A pass over more than `native.MAX_ROWS` rows (a prompt) multiplies by the weight dequantized.
 
 The kernels take bfloat16, float16 or float32 activations (not float64), on the CPU only. A layer
 computes in `compute_dtype(x.dtype)` (bfloat16 and float16 kept, float32 and float64 in bfloat16: torch's CPU

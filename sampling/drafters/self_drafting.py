@@ -22,7 +22,7 @@ from itertools import chain
 from transformers import PreTrainedModel
 
 from sampling.drafters.self_bits import choose_bits
-from utils.quantized_models import check_quantization, install, quantize_linears
+from utils.quantized_models import check_quantization, drafter_group, install, quantize_linears
 from utils.runners.model_info import is_encoder_decoder
 from utils.runners.shared_cache import SharedCacheRunner, can_share
 from utils.validation import check_model
@@ -54,15 +54,16 @@ def _sharing_copy(target: PreTrainedModel) -> PreTrainedModel:
     return copy.deepcopy(target, memo)
 
 
-def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: int = 32, *,
+def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: int | None = None, *,
                       share_cache: bool = True, cache: bool | str = "auto") -> PreTrainedModel:
     """A drafter model from `target`'s own weights (module docstring), for `speculative_generate(inputs,
     quantized_drafter(target), target, ...)`.
 
-    `bits`: 4 (int4 in groups of `group_size` input columns: our kernel's in groups of 32, else torch's where
-    the output width is a multiple of 16; a layer neither takes is int8) or 8 (int8, one
+    `bits`: 4 (int4 in groups of `group_size` input columns: our kernel's in groups of 32 or 64, else torch's
+    where the output width is a multiple of 16; a layer neither takes is int8) or 8 (int8, one
     scale per output channel), or "auto" (`sampling.drafters.self_bits.choose_bits`: measured once per model
-    and machine). `group_size`: 32, 64, 128 or 256, and it must divide some linear's input width.
+    and machine). `group_size`: 32, 64, 128 or 256, and it must divide some linear's input width; None: 64 where
+    our kernel takes every linear so (4.5 bits a weight), else 32 (`utils.quantized_models.drafter_group`).
     `share_cache`: draft over the target's cache (no prompt pass of its own) where its runner allows.
     `cache`: keep the packed weights under `SPECDEC_CACHE` (True, False, "auto": models of 10M
     parameters and more), so that a later start loads them instead of quantizing again.
@@ -73,6 +74,7 @@ def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: 
     check_model(target, "target", False)
     if not isinstance(share_cache, bool):
         raise TypeError(f"share_cache must be a bool, got {share_cache!r}")
+    group_size = drafter_group(target) if group_size is None else group_size
     check_quantization(target, 4 if bits == "auto" else bits, group_size)
     if bits == "auto":
         bits = choose_bits(target, group_size, lambda b: quantized_drafter(target, b, group_size, cache=cache))

@@ -16,7 +16,7 @@
 int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, int rows, int out, int in, int x_bf16,
                  int y_bf16, int threads);
 int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
-                    int in, int x_bf16, int y_bf16, int threads);
+                    int in, int group, int x_bf16, int y_bf16, int threads);
 int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, int tokens, int n, float eps,
                      int plus_one, int bf16, int weight_bf16);
 int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
@@ -39,15 +39,16 @@ typedef struct {
   int64_t hidden, intermediate, heads, kv_heads, head_dim;
   int64_t mask_row, mask_token;          /* the mask's strides (its last one 1) */
   int64_t kinds[LINEARS], outs[LINEARS]; /* each linear's kernel (0 bfloat16, 1 4-bit) and output width */
+  int64_t groups[LINEARS];               /* a 4-bit linear's quantization group (32 or 64 inputs a scale) */
   int64_t bf16, norm_bf16, threads;      /* the pass in bfloat16 (else float32); the norms' weights in bfloat16 */
   float eps, scale;                      /* the norms' epsilon; attention's scale */
 } shape_t;
 
-static int linear(const void* const* p, int64_t kind, const void* x, void* y, int tokens, int out, int in,
+static int linear(const void* const* p, int which, const void* x, void* y, int tokens, int out, int in,
                   const shape_t* s) {
-  if (kind == 1)
-    return specdec_gemm_q4((const uint8_t*)p[0], (const uint16_t*)p[1], x, p[2], y, tokens, out, in, (int)s->bf16,
-                           (int)s->bf16, (int)s->threads);
+  if (s->kinds[which] == 1)
+    return specdec_gemm_q4((const uint8_t*)p[0], (const uint16_t*)p[1], x, p[2], y, tokens, out, in,
+                           (int)s->groups[which], (int)s->bf16, (int)s->bf16, (int)s->threads);
   return specdec_gemm((const uint16_t*)p[0], x, p[2], y, tokens, out, in, (int)s->bf16, (int)s->bf16, (int)s->threads);
 }
 
@@ -77,17 +78,17 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
     void *keys = kv[2 * l], *values = kv[2 * l + 1];
     STEP(specdec_rms_norm(h, l ? delta : NULL, p[ATTENTION_NORM], x, tokens, hidden, s->eps, 0, bf16,
                           (int)s->norm_bf16), 1);
-    STEP(linear(w + 3 * QKV, s->kinds[QKV], x, qkv, tokens, (int)s->outs[QKV], hidden, s), 2);
+    STEP(linear(w + 3 * QKV, QKV, x, qkv, tokens, (int)s->outs[QKV], hidden, s), 2);
     STEP(specdec_rope_write(qkv, cos, sin, positions, write_index, q, keys, values, (int)s->rows, (int)s->width,
                             (int)s->heads, (int)s->kv_heads, (int)s->slots, (int)s->head_dim, bf16), 3);
     STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, mask, s->mask_row,
                            s->mask_token, attention, (int)s->rows, (int)s->heads, (int)s->kv_heads, (int)s->width,
                            (int)s->used, (int)s->slots, (int)s->head_dim, s->scale, 0.0f, bf16, threads), 4);
-    STEP(linear(w + 3 * O, s->kinds[O], attention, delta, tokens, hidden, attended, s), 5);
+    STEP(linear(w + 3 * O, O, attention, delta, tokens, hidden, attended, s), 5);
     STEP(specdec_rms_norm(h, delta, p[MLP_NORM], x, tokens, hidden, s->eps, 0, bf16, (int)s->norm_bf16), 6);
-    STEP(linear(w + 3 * GATE_UP, s->kinds[GATE_UP], x, gate_up, tokens, (int)s->outs[GATE_UP], hidden, s), 7);
+    STEP(linear(w + 3 * GATE_UP, GATE_UP, x, gate_up, tokens, (int)s->outs[GATE_UP], hidden, s), 7);
     STEP(specdec_silu_mul(gate_up, act, tokens, (int)s->intermediate, bf16, threads), 8);
-    STEP(linear(w + 3 * DOWN, s->kinds[DOWN], act, delta, tokens, hidden, (int)s->intermediate, s), 9);
+    STEP(linear(w + 3 * DOWN, DOWN, act, delta, tokens, hidden, (int)s->intermediate, s), 9);
   }
 #undef STEP
   for (int64_t i = 0; i < (int64_t)tokens * hidden; i++) { /* the last layer's residual addition, rounded as torch's */

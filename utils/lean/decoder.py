@@ -37,7 +37,7 @@ class Shape(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_int64) for name in ("rows", "width", "used", "slots", "hidden", "intermediate",
                                                        "heads", "kv_heads", "head_dim", "mask_row", "mask_token")),
-                ("kinds", ctypes.c_int64 * 4), ("outs", ctypes.c_int64 * 4),
+                ("kinds", ctypes.c_int64 * 4), ("outs", ctypes.c_int64 * 4), ("groups", ctypes.c_int64 * 4),
                 *((name, ctypes.c_int64) for name in ("bf16", "norm_bf16", "threads")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
@@ -62,8 +62,9 @@ class NativeStack:
             return "its layers are not Llama's, or q and k are normalised before the rotary step"
         if lean.activation_name != "silu":
             return f"activation {lean.activation_name!r}"
-        kinds = {tuple(_kind(linear) for linear in layer.linears) for layer in lean.layers}
-        if len(kinds) != 1 or None in next(iter(kinds)):
+        kinds = {tuple((_kind(linear), linear.q4 and native.q4_group(*linear.q4)) for linear in layer.linears)
+                 for layer in lean.layers}
+        if len(kinds) != 1 or None in (kind for kind, _ in next(iter(kinds))):
             return "a linear our kernels do not run (int8, torch's int4, hooked or another dtype)"
         if lean.layers[0].gate_up.widths[0] % native.LANES:
             return f"an MLP width not a multiple of {native.LANES}"
@@ -78,6 +79,7 @@ class NativeStack:
         first = lean.layers[0]
         self._kinds = [_kind(linear) for linear in first.linears]
         self._outs = [sum(linear.widths) for linear in first.linears]
+        self._groups = [0 if linear.q4 is None else native.q4_group(*linear.q4) for linear in first.linears]
         self._intermediate = first.gate_up.widths[0]
         self._keep = []  # every tensor whose memory a pointer below names, alive while the pointers are
         pointers = []
@@ -120,7 +122,7 @@ class NativeStack:
         bf16 = int(h.dtype == torch.bfloat16)
         shape = Shape(rows, width, mask.shape[-1], kv.slots, hidden, self._intermediate, lean.heads, lean.kv_heads,
                       lean.head_dim, mask.stride(0), mask.stride(2), (ctypes.c_int64 * 4)(*self._kinds),
-                      (ctypes.c_int64 * 4)(*self._outs), bf16, int(lean.norm.dtype == torch.bfloat16),
+                      (ctypes.c_int64 * 4)(*self._outs), (ctypes.c_int64 * 4)(*self._groups), bf16, int(lean.norm.dtype == torch.bfloat16),
                       torch.get_num_threads(), lean.eps, lean.scaling)
         status = native.decoder(h.data_ptr(), work.data_ptr(), self._pointers, (ctypes.c_void_p * len(buffers))(*buffers),
                                 len(lean.layers), rope[0].data_ptr(), rope[1].data_ptr(), positions.data_ptr(),

@@ -297,8 +297,9 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
 
    Layout: weight rows in groups of Q4_ROWS (16), the last one padded with zero rows. Group g, block b: 256 bytes,
    four 64-byte vectors; in vector v, bytes 4l..4l+3 belong to row 16g + l: byte i holds its input 32b + 8v + i in
-   the low nibble and 32b + 8v + 4 + i in the high one. Then d and m: (groups, blocks, 2, 16) float16, the group's 16
-   scales of block b, then its 16 minimums. So one integer dot-product instruction (VNNI's vpdpbusd, four bytes of
+   the low nibble and 32b + 8v + 4 + i in the high one. Then d and m: (groups, blocks / per, 2, 16) float16, the group's 16
+   scales of blocks per b..per b + per - 1, then its 16 minimums: a scale serves one block (quantization groups of
+   32 inputs, 5 bits a weight) or two (groups of 64, 4.5 bits). So one integer dot-product instruction (VNNI's vpdpbusd, four bytes of
    the activations broadcast) advances sixteen rows at once, each row in its own lane: no horizontal sums, block
    scales loaded as vectors, under half the instructions of a row-at-a-time kernel, and the weights read as one
    stream, prefetched Q4_AHEAD blocks ahead into L2 (docs/results.md, twelfth and thirteenth rounds).
@@ -345,12 +346,13 @@ static inline int quantize_block(const float* v, float inverse, int8_t* q) {
 
 #ifdef Q4_512
 /* out[r][l] = row 16g + l of W times activation row r (nr <= Q4_X of them), before the bias. */
-static inline void q4_group(const uint8_t* w, const uint16_t* dm, const int8_t* qx, const float* dx, const float* sx,
-                            int blocks, int in, int nr, float out[Q4_X][Q4_ROWS]) {
+static inline void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t* qx, const float* dx, const float* sx,
+                            int blocks, int per, int in, int nr, float out[Q4_X][Q4_ROWS]) {
   __m512 acc[Q4_X], accm[Q4_X];
   for (int r = 0; r < Q4_X; r++) acc[r] = accm[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
-  for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES, dm += 2 * Q4_ROWS) {
+  for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES) {
+    const uint16_t* dm = dm0 + (size_t)(b / per) * 2 * Q4_ROWS; /* a scale and a minimum serve `per` blocks */
     q4_prefetch(w, dm);
     __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dm));
     __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + Q4_ROWS)));
@@ -384,12 +386,13 @@ static inline __m256i q4_dot(__m256i sum, __m256i w, __m256i x) { /* sum + 8 int
 }
 
 /* The same as the AVX-512 one, lanes 0..7 and 8..15 as two halves (each vector's first and last 32 bytes). */
-static inline void q4_group(const uint8_t* w, const uint16_t* dm, const int8_t* qx, const float* dx, const float* sx,
-                            int blocks, int in, int nr, float out[Q4_X][Q4_ROWS]) {
+static inline void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t* qx, const float* dx, const float* sx,
+                            int blocks, int per, int in, int nr, float out[Q4_X][Q4_ROWS]) {
   __m256 acc[Q4_X][2], accm[Q4_X][2];
   for (int r = 0; r < Q4_X; r++) acc[r][0] = acc[r][1] = accm[r][0] = accm[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f);
-  for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES, dm += 2 * Q4_ROWS) {
+  for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES) {
+    const uint16_t* dm = dm0 + (size_t)(b / per) * 2 * Q4_ROWS; /* a scale and a minimum serve `per` blocks */
     q4_prefetch(w, dm);
     for (int h = 0; h < 2; h++) {
       __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + 8 * h)));
@@ -432,17 +435,18 @@ int specdec_q4_block(void) {
    (y_bf16) or float32: for a prompt's pass over more rows than MAX_ROWS, which then multiplies by it with torch's
    GEMM. A row's block is its four bytes of each of the block's four vectors: their low nibbles and high ones
    interleaved four by four are its 32 inputs in order. */
-int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int y_bf16, int threads) {
+int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int group, int y_bf16,
+                          int threads) {
 #ifdef Q4
-  int blocks = in / Q4_BLOCK;
-  if (in % Q4_BLOCK) return -1;
+  int blocks = in / Q4_BLOCK, per = group / Q4_BLOCK;
+  if ((group != Q4_BLOCK && group != 2 * Q4_BLOCK) || in % group) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int j = 0; j < out; j++) {
     int g = j / Q4_ROWS, l = j % Q4_ROWS;
     const __m128i low = _mm_set1_epi8(0x0f);
     for (int b = 0; b < blocks; b++) {
       const uint8_t* block = Wq + ((size_t)g * blocks + b) * Q4_GROUP_BYTES;
-      const uint16_t* scales = dm + ((size_t)g * blocks + b) * 2 * Q4_ROWS;
+      const uint16_t* scales = dm + ((size_t)g * (blocks / per) + b / per) * 2 * Q4_ROWS;
       __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[l])), m = _mm256_set1_ps(_cvtsh_ss(scales[Q4_ROWS + l]));
       uint32_t mine[4];
       for (int v = 0; v < 4; v++) memcpy(mine + v, block + 64 * v + 4 * l, 4);
@@ -460,16 +464,16 @@ int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int ou
   }
   return 0;
 #else
-  (void)Wq, (void)dm, (void)w, (void)out, (void)in, (void)y_bf16, (void)threads;
+  (void)Wq, (void)dm, (void)w, (void)out, (void)in, (void)group, (void)y_bf16, (void)threads;
   return -1;
 #endif
 }
 
 int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
-                    int in, int x_bf16, int y_bf16, int threads) {
+                    int in, int group, int x_bf16, int y_bf16, int threads) {
 #ifdef Q4
-  int blocks = in / Q4_BLOCK, groups = (out + Q4_ROWS - 1) / Q4_ROWS;
-  if (rows < 1 || rows > MAX_ROWS || in % Q4_BLOCK) return -1;
+  int blocks = in / Q4_BLOCK, groups = (out + Q4_ROWS - 1) / Q4_ROWS, per = group / Q4_BLOCK;
+  if (rows < 1 || rows > MAX_ROWS || (group != Q4_BLOCK && group != 2 * Q4_BLOCK) || in % group) return -1;
   int8_t* qx = (int8_t*)aligned_alloc(64, ((size_t)rows * in + 63) / 64 * 64);
   float* dx = (float*)malloc((size_t)rows * blocks * sizeof(float));
   float* sx = (float*)malloc((size_t)rows * blocks * sizeof(float)); /* dx * the block's sum of qx */
@@ -496,8 +500,8 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
     int real = out - g * Q4_ROWS < Q4_ROWS ? out - g * Q4_ROWS : Q4_ROWS;
     for (int r0 = 0; r0 < rows; r0 += Q4_X) { /* after the first four rows, the group's weights come from L1 */
       int nr = rows - r0 < Q4_X ? rows - r0 : Q4_X;
-      q4_group(Wq + (size_t)g * blocks * Q4_GROUP_BYTES, dm + (size_t)g * blocks * 2 * Q4_ROWS, qx + (size_t)r0 * in,
-               dx + (size_t)r0 * blocks, sx + (size_t)r0 * blocks, blocks, in, nr, o);
+      q4_group(Wq + (size_t)g * blocks * Q4_GROUP_BYTES, dm + (size_t)g * (blocks / per) * 2 * Q4_ROWS,
+               qx + (size_t)r0 * in, dx + (size_t)r0 * blocks, sx + (size_t)r0 * blocks, blocks, per, in, nr, o);
       for (int r = 0; r < nr; r++)
         for (int l = 0; l < real; l++) {
           int j = g * Q4_ROWS + l;
@@ -512,8 +516,8 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
   free(qx), free(dx), free(sx);
   return 0;
 #else
-  (void)Wq, (void)dm, (void)x, (void)bias, (void)y, (void)rows, (void)out, (void)in, (void)x_bf16, (void)y_bf16,
-      (void)threads;
+  (void)Wq, (void)dm, (void)x, (void)bias, (void)y, (void)rows, (void)out, (void)in, (void)group, (void)x_bf16,
+      (void)y_bf16, (void)threads;
   return -1;
 #endif
 }

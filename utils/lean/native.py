@@ -9,8 +9,9 @@ cannot be built (no C compiler, a CPU without AVX2 and FMA) or with `SPECDEC_NAT
                                  bfloat16 activations take the tile unit where there is one (`tile_unit`)
     tile_unit()                  whether this CPU's AMX multiplies bfloat16 activations here (Sapphire Rapids on)
     compute_dtype(weights)       the dtype a lean forward computes in over these weights
-    supports_q4, pack_q4,        4-bit weights in groups of 32 (w = d q + m) times activations quantized to int8 per
-    gemm_q4, dequantize_q4       group (llama.cpp's Q4_1 x Q8_1): integer dot products, for `utils/quantize.py`
+    supports_q4, pack_q4,        4-bit weights in groups of 32 or 64 (w = d q + m) times activations quantized to int8
+    gemm_q4, dequantize_q4,      per block of 32 (llama.cpp's Q4_1 x Q8_1): integer dot products, for
+    q4_group                     `utils/quantize.py`
     layer_ops(dtype, hidden, hd) whether the lean forward's norms, rotary step and attention run here (`layer.c`):
     rms_norm, add_rms_norm,      one call each where torch takes several eager operations; attention is
     rope_write, attention,       width-invariant without padding (each query alone, in one fixed order)
@@ -42,9 +43,9 @@ from torch import Tensor
 
 from utils.paths import cache_dir
 
-__all__ = ["LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_ROWS", "add_rms_norm", "attention",
+__all__ = ["LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "add_rms_norm", "attention",
            "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gemm", "gemm_q4", "layer_ops", "pack_q4",
-           "rms_norm", "rope_write", "silu_mul", "supports", "supports_q4", "tile_unit", "unavailable"]
+           "q4_group", "rms_norm", "rope_write", "silu_mul", "supports", "supports_q4", "tile_unit", "unavailable"]
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
 SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"), Path(__file__).with_name("decoder.c"))
@@ -53,6 +54,7 @@ NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations ev
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
 Q4_BLOCK = 32  # gemm.c's 4-bit block: the group of input columns a scale and a minimum serve
 Q4_ROWS = 16  # and its weight rows laid out together (one per vector lane)
+Q4_GROUPS = (32, 64)  # the quantization groups it takes: a scale and a minimum per block of 32 inputs, or per two
 LANES = 16  # layer.c's LANES: a norm's width and a head's size must be multiples of it
 # -ffp-contract=off: a product and a sum written apart stay apart (rounded as torch's eager steps round them)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
@@ -96,9 +98,9 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"the built kernel does not load: {error}"
     library.specdec_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
     library.specdec_gemm.restype = ctypes.c_int
-    library.specdec_gemm_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
+    library.specdec_gemm_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
     library.specdec_gemm_q4.restype = ctypes.c_int
-    library.specdec_dequantize_q4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    library.specdec_dequantize_q4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     library.specdec_dequantize_q4.restype = ctypes.c_int
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     library.specdec_rms_norm.argtypes = [pointer] * 4 + [i32, i32, f32, i32, i32, i32]
@@ -178,18 +180,25 @@ def compute_dtype(weights: list[Tensor]) -> torch.dtype:
 
 
 def supports_q4(in_features: int, group_size: int) -> bool:
-    """Whether the 4-bit kernel can run a linear of `in_features` quantized in groups of `group_size` here."""
+    """Whether the 4-bit kernel can run a linear of `in_features` quantized in groups of `group_size` here: groups of
+    32 inputs (a scale and a minimum each: 5 bits a weight) or 64 (4.5 bits)."""
     library = _loaded()
-    return (library is not None and library.specdec_q4_block() > 0 and group_size == Q4_BLOCK
-            and in_features % library.specdec_q4_block() == 0)
+    return (library is not None and library.specdec_q4_block() > 0 and group_size in Q4_GROUPS
+            and in_features % group_size == 0 and in_features % library.specdec_q4_block() == 0)
+
+
+def q4_group(packed: Tensor, scales_minimums: Tensor) -> int:
+    """The quantization group (inputs a scale serves) of a weight in `pack_q4`'s layout."""
+    return Q4_BLOCK * packed.shape[1] // scales_minimums.shape[1]
 
 
 def pack_q4(q: Tensor, scales: Tensor, minimums: Tensor) -> tuple[Tensor, Tensor]:
-    """q (N, K) in 0..15, scales and minimums (N, K / 32) (w = scale q + minimum) -> the kernel's layout (gemm.c):
+    """q (N, K) in 0..15, scales and minimums (N, K / group), a group of 32 or 64 inputs (w = scale q + minimum) ->
+    the kernel's layout (gemm.c):
     the rows in groups of `Q4_ROWS` (the last padded with zero rows), (groups, K / 32, 256) uint8, each block of a
     group four 64-byte vectors whose four bytes at lane l hold row l's inputs 8v..8v+3 of the block (low nibbles)
-    and 8v+4..8v+7 (high ones); and (groups, K / 32, 2, Q4_ROWS) float16, the group's scales of each block, then
-    its minimums."""
+    and 8v+4..8v+7 (high ones); and (groups, K / group, 2, Q4_ROWS) float16, the row group's scales of each
+    quantization group, then its minimums."""
     n, k = q.shape
     groups, blocks = -(-n // Q4_ROWS), k // Q4_BLOCK
     padded = q.new_zeros(groups * Q4_ROWS, k, dtype=torch.uint8)
@@ -197,10 +206,10 @@ def pack_q4(q: Tensor, scales: Tensor, minimums: Tensor) -> tuple[Tensor, Tensor
     nibbles = padded.reshape(groups, Q4_ROWS, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # g, b, v, lane, i, half
     packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(groups, blocks, Q4_ROWS * Q4_BLOCK // 2).contiguous()
 
-    def by_group(values: Tensor) -> Tensor:  # (N, blocks) -> (groups, blocks, Q4_ROWS)
-        whole = values.new_zeros(groups * Q4_ROWS, blocks)
+    def by_group(values: Tensor) -> Tensor:  # (N, K / group) -> (groups, K / group, Q4_ROWS)
+        whole = values.new_zeros(groups * Q4_ROWS, values.shape[1])
         whole[:n] = values
-        return whole.reshape(groups, Q4_ROWS, blocks).transpose(1, 2)
+        return whole.reshape(groups, Q4_ROWS, values.shape[1]).transpose(1, 2)
 
     return packed, torch.stack([by_group(scales), by_group(minimums)], dim=2).to(torch.float16).contiguous()
 
@@ -212,7 +221,7 @@ def dequantize_q4(packed: Tensor, scales_minimums: Tensor, out_features: int, dt
     fits = packed.shape[0] * Q4_ROWS >= out_features and dtype in (torch.float32, torch.bfloat16)
     status = -1 if not fits else library.specdec_dequantize_q4(
         packed.data_ptr(), scales_minimums.data_ptr(), weight.data_ptr(), weight.shape[0], weight.shape[1],
-        int(dtype == torch.bfloat16), torch.get_num_threads())
+        q4_group(packed, scales_minimums), int(dtype == torch.bfloat16), torch.get_num_threads())
     if status != 0:
         raise ValueError(f"the 4-bit kernel cannot dequantize a ({weight.shape[0]}, {weight.shape[1]}) weight to {dtype}")
     return weight
@@ -236,7 +245,8 @@ def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor, out_features: in
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     status = -1 if not fits else library.specdec_gemm_q4(
         packed.data_ptr(), scales_minimums.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), x.shape[0], out_features, x.shape[1], _bf16(x), _bf16(x), torch.get_num_threads())
+        out.data_ptr(), x.shape[0], out_features, x.shape[1], q4_group(packed, scales_minimums), _bf16(x), _bf16(x),
+        torch.get_num_threads())
     if status != 0:
         raise ValueError(f"the 4-bit kernel cannot multiply x {tuple(x.shape)} {x.dtype} by a weight of "
                          f"{out_features} rows packed as {tuple(packed.shape)}: float32 or bfloat16 rows, the input "
