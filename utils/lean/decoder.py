@@ -120,13 +120,14 @@ class NativeStack:
         write_index = slots.write_index.to(torch.int64).contiguous()
         work = h.new_empty(rows * width * self._work)
         bf16 = int(h.dtype == torch.bfloat16)
+        per_linear = [(ctypes.c_int64 * 4)(*values) for values in (self._kinds, self._outs, self._groups)]
         shape = Shape(rows, width, mask.shape[-1], kv.slots, hidden, self._intermediate, lean.heads, lean.kv_heads,
-                      lean.head_dim, mask.stride(0), mask.stride(2), (ctypes.c_int64 * 4)(*self._kinds),
-                      (ctypes.c_int64 * 4)(*self._outs), (ctypes.c_int64 * 4)(*self._groups), bf16, int(lean.norm.dtype == torch.bfloat16),
-                      torch.get_num_threads(), lean.eps, lean.scaling)
-        status = native.decoder(h.data_ptr(), work.data_ptr(), self._pointers, (ctypes.c_void_p * len(buffers))(*buffers),
-                                len(lean.layers), rope[0].data_ptr(), rope[1].data_ptr(), positions.data_ptr(),
-                                write_index.data_ptr(), mask.data_ptr(), ctypes.byref(shape))
+                      lean.head_dim, mask.stride(0), mask.stride(2), *per_linear, bf16,
+                      int(lean.norm.dtype == torch.bfloat16), torch.get_num_threads(), lean.eps, lean.scaling)
+        status = native.decoder(h.data_ptr(), work.data_ptr(), self._pointers,
+                                (ctypes.c_void_p * len(buffers))(*buffers), len(lean.layers), rope[0].data_ptr(),
+                                rope[1].data_ptr(), positions.data_ptr(), write_index.data_ptr(), mask.data_ptr(),
+                                ctypes.byref(shape))
         if status != 0:
             step = ("norm", "q/k/v product", "rotary step", "attention", "output product", "MLP norm",
                     "gate/up product", "silu", "down product")[status % 100 - 1]

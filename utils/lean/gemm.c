@@ -297,12 +297,13 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
 
    Layout: weight rows in groups of Q4_ROWS (16), the last one padded with zero rows. Group g, block b: 256 bytes,
    four 64-byte vectors; in vector v, bytes 4l..4l+3 belong to row 16g + l: byte i holds its input 32b + 8v + i in
-   the low nibble and 32b + 8v + 4 + i in the high one. Then d and m: (groups, blocks / per, 2, 16) float16, the group's 16
-   scales of blocks per b..per b + per - 1, then its 16 minimums: a scale serves one block (quantization groups of
-   32 inputs, 5 bits a weight) or two (groups of 64, 4.5 bits). So one integer dot-product instruction (VNNI's vpdpbusd, four bytes of
-   the activations broadcast) advances sixteen rows at once, each row in its own lane: no horizontal sums, block
-   scales loaded as vectors, under half the instructions of a row-at-a-time kernel, and the weights read as one
-   stream, prefetched Q4_AHEAD blocks ahead into L2 (docs/results.md, twelfth and thirteenth rounds).
+   the low nibble and 32b + 8v + 4 + i in the high one. Then d and m: (groups, blocks / per, 2, 16) float16, the
+   group's 16 scales of blocks per b..per b + per - 1, then its 16 minimums: a scale serves one block (quantization
+   groups of 32 inputs, 5 bits a weight) or two (groups of 64, 4.5 bits). So one integer dot-product instruction
+   (VNNI's vpdpbusd, four bytes of the activations broadcast) advances sixteen rows at once, each row in its own
+   lane: no horizontal sums, block scales loaded as vectors, under half the instructions of a row-at-a-time kernel,
+   and the weights read as one stream, prefetched Q4_AHEAD blocks ahead into L2 (docs/results.md, twelfth and
+   thirteenth rounds).
 
    Per output one order whatever the number of rows or threads (width-invariant): its lane's integer sums (exact),
    then float32 steps in block order. AVX-512 VNNI takes a group as one 512-bit register; AVX2 (with AVX-VNNI where
