@@ -88,10 +88,10 @@ class Linear:
 
 
 def _our_four_bits(modules: list[nn.Module]) -> bool:
-    """Whether `modules` are 4-bit linears of our kernel that fuse: one input width, and each but the last a whole
-    number of the layout's groups of rows."""
+    """Whether `modules` are 4-bit linears of our kernel that fuse: one input width and quantization group, and each
+    but the last a whole number of the layout's groups of rows."""
     return (all(getattr(m, "kernel", None) == "native" and getattr(m, "bits", None) == 4 for m in modules)
-            and len({m.in_features for m in modules}) == 1
+            and len({(m.in_features, m.group_size) for m in modules}) == 1
             and all(m.out_features % native.Q4_ROWS == 0 for m in modules[:-1]))
 
 

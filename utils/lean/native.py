@@ -44,15 +44,17 @@ from torch import Tensor
 from utils.paths import cache_dir
 
 __all__ = ["LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "add_rms_norm", "attention",
-           "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gemm", "gemm_q4", "layer_ops", "pack_q4",
-           "q4_group", "rms_norm", "rope_write", "silu_mul", "supports", "supports_q4", "tile_unit", "unavailable"]
+           "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gemm", "gemm_q4", "layer_ops",
+           "pack_q4", "q4_group", "rms_norm", "rope_write", "silu_mul", "supports", "supports_q4", "tile_unit",
+           "unavailable"]
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
 SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"), Path(__file__).with_name("decoder.c"))
 HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the build's key
 NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations everywhere
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
-Q4_BLOCK = 32  # gemm.c's 4-bit block: the group of input columns a scale and a minimum serve
+Q4_BLOCK = 32  # gemm.c's 4-bit block: input columns quantized together (an int8 scale of the activations; a weight's
+#                scale and minimum serve one block or two)
 Q4_ROWS = 16  # and its weight rows laid out together (one per vector lane)
 Q4_GROUPS = (32, 64)  # the quantization groups it takes: a scale and a minimum per block of 32 inputs, or per two
 LANES = 16  # layer.c's LANES: a norm's width and a head's size must be multiples of it
