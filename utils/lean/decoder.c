@@ -4,7 +4,7 @@
    the buffer's write, attention, the output product, the residual addition with the MLP's norm, the gate/up
    product, silu(gate) * up, the down product and the residual addition (made by the next layer's norm, the last
    one's here). What it saves is the Python between them: about twelve calls a layer, each with its tensors
-   allocated and its arguments converted (about a sixth of a 0.5B's one-token pass, docs/results.md).
+   allocated and its arguments converted (an eighth of a 0.5B's one-token pass, docs/results.md, seventeenth round).
 
    The weights' pointers come once per model (`LAYER_POINTERS` a layer), the buffer's once per pass; a linear is
    our bfloat16 kernel (`specdec_gemm`) or our 4-bit one (`specdec_gemm_q4`), the same kind in every layer. */
