@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from sampling import quantized_drafter
 from tests.models import VOCAB, prompt
-from utils.lean import decoder, forget, forward_path, lean_decoder, native
+from utils.lean import forget, forward_path, lean_decoder, linear, native
 from utils.lean.decoder import NativeStack
 from utils.runners.static import StaticRunner
 
@@ -127,9 +127,10 @@ def test_a_model_the_stack_cannot_run_says_why_and_keeps_the_python_layers(monke
     assert float32.stack is None and "a linear our kernels do not run" in NativeStack.unsupported(float32)
     model = _model("qwen2", torch.bfloat16)
     monkeypatch.setattr(native, "bfloat16_arithmetic", lambda: True)  # computed in bfloat16: the kernel table decides
-    monkeypatch.setattr(decoder, "kernel_table", lambda shape, dtype: lambda rows: ("linear", 0))
     lean = lean_decoder(model)
-    assert lean.stack is not None and not lean.stack.runs(1)  # the kernel table takes torch's product
+    with monkeypatch.context() as patched:
+        patched.setattr(linear, "kernel_table", lambda shape, dtype, device: lambda rows: ("linear", 0))
+        assert lean.stack is not None and not lean.stack.runs(1)  # the kernel table takes torch's product
     forget(model)
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert lean_decoder(model).stack is None

@@ -44,9 +44,14 @@ def drafter_group(model: nn.Module) -> int:
     weight) where our 4-bit kernel runs here and takes every linear of `model` so, else 32 (5 bits). On the 1.5B
     (docs/results.md, seventeenth round) groups of 64 read 0.28 of the target's bytes against 0.31, for a tau at
     gamma 5 about 1% lower."""
-    modules = dict(model.named_modules())
-    widths = {linear_weight(modules[name]).shape[1] for name in linear_names(model)}
+    widths = _input_widths(model, linear_names(model))
     return 64 if widths and all(native.supports_q4(width, 64) for width in widths) else 32
+
+
+def _input_widths(model: nn.Module, names: list[str]) -> set[int]:
+    """The input widths of `model`'s linears `names`."""
+    modules = dict(model.named_modules())
+    return {linear_weight(modules[name]).shape[1] for name in names}
 
 
 def check_quantization(model: nn.Module, bits, group_size) -> None:
@@ -67,7 +72,7 @@ def check_quantization(model: nn.Module, bits, group_size) -> None:
         raise ValueError(f"{type(model).__name__} has linears on {', '.join(elsewhere)}: the 4- and 8-bit kernels "
                          f"(torch's _weight_int4pack_mm_for_cpu, _weight_int8pack_mm) run on the CPU only; "
                          f"load the model on the CPU (device='cpu') to quantize it")
-    widths = {linear_weight(modules[name]).shape[1] for name in names}
+    widths = _input_widths(model, names)
     if bits == 4 and all(width % group_size for width in widths):
         raise ValueError(f"group_size={group_size} divides no linear's input width ({sorted(widths)}): "
                          f"choose one of {[g for g in GROUP_SIZES if any(w % g == 0 for w in widths)] or 'none'} "

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from utils.lean import native
-from utils.lean.kernels import NATIVE, kernel_table
 from utils.lean.static_kv import PassSlots, StaticKV
 
 __all__ = ["NativeStack"]
@@ -98,13 +97,10 @@ class NativeStack:
         self._work = 2 * hidden + self._outs[0] + 2 * attended + 3 * self._intermediate  # values a token (decoder.c)
 
     def runs(self, tokens: int) -> bool:
-        """Whether our kernels run every linear of a pass over `tokens` tokens: the kernel tables' choice, asked at
-        every pass (a table shared by shape can change its family when another model's passes are priced)."""
-        lean = self._lean
-        return tokens <= native.MAX_ROWS and all(
-            linear.q4 is not None or linear.weight.dtype != lean.dtype
-            or kernel_table(tuple(linear.weight.shape), linear.weight.dtype)(tokens) == NATIVE
-            for linear in lean.layers[0].linears)
+        """Whether our kernels run every linear of a pass over `tokens` tokens (`Linear.ours_at`: the kernel tables'
+        choice, asked at every pass, since a table shared by shape can change its family when another model's passes
+        are priced)."""
+        return all(linear.ours_at(tokens, self._lean.dtype) for linear in self._lean.layers[0].linears)
 
     def __call__(self, h: Tensor, rope: tuple[Tensor, Tensor], slots: PassSlots, kv: StaticKV) -> Tensor:
         """h (rows, width, hidden), the embeddings -> the last layer's output (rows, width, hidden)."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.lean import huge_pages, native
-from utils.lean.kernels import INVARIANT_ENV, LINEAR, apply, invariance_pays, kernel_table, prepare
+from utils.lean.kernels import INVARIANT_ENV, LINEAR, NATIVE, KernelTable, apply, invariance_pays, kernel_table, prepare
 
 __all__ = ["Linear", "fused", "numerics"]
 
@@ -75,13 +75,24 @@ class Linear:
                 return F.linear(x, self.weight.to(x.dtype), bias)
             out = native.gemm(x.reshape(rows, -1), self.weight, self.bias)
             return out.reshape(*x.shape[:-1], self.weight.shape[0])
-        if self.kernels is None:
-            self.kernels = kernel_table(tuple(self.weight.shape), self.weight.dtype, self.weight.device.type)
-        kernel = self.kernels(rows)
+        kernel = self._table()(rows)
         if kernel == LINEAR:
             return F.linear(x, self.weight, self.bias)
         out = apply(kernel, x.reshape(rows, -1), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+    def ours_at(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `__call__` multiplies `rows` rows of `dtype` by one of our own kernels (`native.gemm`,
+        `native.gemm_q4`): what `decoder.py` needs of every linear to run a pass's layers in one call."""
+        if self.modules is not None or rows > native.MAX_ROWS:
+            return False
+        return self.q4 is not None or dtype != self.weight.dtype or self._table()(rows) == NATIVE
+
+    def _table(self) -> KernelTable:
+        """This weight shape's kernel table (`kernels.py`), looked up at the first pass (`numerics` measured it)."""
+        if self.kernels is None:
+            self.kernels = kernel_table(tuple(self.weight.shape), self.weight.dtype, self.weight.device.type)
+        return self.kernels
 
     def split(self, y: Tensor) -> list[Tensor]:
         return list(y.split(self.widths, dim=-1))
