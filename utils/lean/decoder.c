@@ -18,10 +18,10 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
 int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
                     int in, int group, int x_bf16, int y_bf16, int threads);
 int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, int tokens, int n, float eps,
-                     int plus_one, int bf16, int weight_bf16);
+                     int plus_one, int bf16, int weight_bf16, int threads);
 int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
                        const int64_t* write_index, void* q_out, void* keys, void* values, int rows, int width,
-                       int heads, int kv_heads, int slots, int d, int bf16);
+                       int heads, int kv_heads, int slots, int d, int bf16, int threads);
 int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_token, const void* keys,
                       const void* values, const void* mask, int64_t m_row, int64_t m_token, void* out, int rows,
                       int heads, int kv_heads, int width, int used, int slots, int d, float scale, float cap, int bf16,
@@ -77,15 +77,15 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
     const void* const* w = p + FIRST_LINEAR;
     void *keys = kv[2 * l], *values = kv[2 * l + 1];
     STEP(specdec_rms_norm(h, l ? delta : NULL, p[ATTENTION_NORM], x, tokens, hidden, s->eps, 0, bf16,
-                          (int)s->norm_bf16), 1);
+                          (int)s->norm_bf16, threads), 1);
     STEP(linear(w + 3 * QKV, QKV, x, qkv, tokens, (int)s->outs[QKV], hidden, s), 2);
     STEP(specdec_rope_write(qkv, cos, sin, positions, write_index, q, keys, values, (int)s->rows, (int)s->width,
-                            (int)s->heads, (int)s->kv_heads, (int)s->slots, (int)s->head_dim, bf16), 3);
+                            (int)s->heads, (int)s->kv_heads, (int)s->slots, (int)s->head_dim, bf16, threads), 3);
     STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, mask, s->mask_row,
                            s->mask_token, attention, (int)s->rows, (int)s->heads, (int)s->kv_heads, (int)s->width,
                            (int)s->used, (int)s->slots, (int)s->head_dim, s->scale, 0.0f, bf16, threads), 4);
     STEP(linear(w + 3 * O, O, attention, delta, tokens, hidden, attended, s), 5);
-    STEP(specdec_rms_norm(h, delta, p[MLP_NORM], x, tokens, hidden, s->eps, 0, bf16, (int)s->norm_bf16), 6);
+    STEP(specdec_rms_norm(h, delta, p[MLP_NORM], x, tokens, hidden, s->eps, 0, bf16, (int)s->norm_bf16, threads), 6);
     STEP(linear(w + 3 * GATE_UP, GATE_UP, x, gate_up, tokens, (int)s->outs[GATE_UP], hidden, s), 7);
     STEP(specdec_silu_mul(gate_up, act, tokens, (int)s->intermediate, bf16, threads), 8);
     STEP(linear(w + 3 * DOWN, DOWN, act, delta, tokens, hidden, (int)s->intermediate, s), 9);

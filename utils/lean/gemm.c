@@ -103,9 +103,10 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
 
 /* ---- bfloat16 activations on AMX (Intel's tile unit: Sapphire Rapids and later) ----
    The same y = x W^T (+ b) with bfloat16 x, on the tile unit: W's rows are read as they lie in memory (A tiles of
-   16 weight rows x 32 inputs), the activations packed as B tiles (16 pairs of inputs x 16 rows, zero rows where the
-   pass has fewer), and a block of AMX_M weight rows is multiplied by every row at once. The unit does 8192
-   multiply-adds an instruction, so thirty-two rows cost what one does: the weights' reading alone. Width
+   16 weight rows x 32 inputs), the activations packed as B tiles (16 pairs of inputs x up to 16 rows, as many as
+   the pass has), and a block of AMX_M weight rows is multiplied by every row at once. The unit does 8192
+   multiply-adds an instruction, so sixteen rows cost what one does: the weights' reading alone (past sixteen, a
+   second set of B tiles doubles the products). Width
    invariance: an output is one chain of tile products over its inputs in order, AMX_K at a time, whichever rows
    share the B tile; a row's column never meets another's. Used where the CPU has AMX and Linux lets this process
    use it (`specdec_amx`); the bits differ from the vector kernel's above, so a machine uses one or the other. */
@@ -115,15 +116,24 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
 #include <unistd.h>
 #define AMX_M 32 /* weight rows a block: two A tiles */
 #define AMX_K 32 /* inputs a tile step: 64 bytes of each weight row */
-#define AMX_TILE 512 /* bfloat16 values a 16 x 64-byte tile holds */
+/* A's lines are prefetched into L1 this many steps ahead. Tile registers are not renamed: a step's A loads wait for
+   the step before's products, and its products for the loads, so a load from L1 keeps that chain short (docs/results.md,
+   "Wide passes": the 1.5B's layers at 17-32 rows 13-16% faster, one row 2-4%). */
+#define AMX_AHEAD 2
 
 static int amx_state = -1; /* -1: not asked yet; 0: no; 1: the kernel's permission granted */
 
-static void amx_configure(void) {
+/* Tiles 4, 5: A (16 weight rows x 32 inputs); 6, 7: B for activation rows 0-15 and 16-31 (16 input pairs x n0, n1
+   rows); 0, 1 and 2, 3: C for them (16 weight rows x n0, n1 rows). A B tile is as wide as its rows: a pass of one row
+   packs 64 bytes a step, not a tile of zeros. */
+static void amx_configure(int n0, int n1) {
   struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } config;
   memset(&config, 0, sizeof config);
   config.palette = 1;
-  for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+  for (int t = 0; t < 8; t++) config.rows[t] = 16;
+  config.colsb[4] = config.colsb[5] = 64;
+  config.colsb[0] = config.colsb[1] = config.colsb[6] = (uint16_t)(4 * n0);
+  config.colsb[2] = config.colsb[3] = config.colsb[7] = (uint16_t)(4 * (n1 ? n1 : 1));
   _tile_loadconfig(&config);
 }
 
@@ -155,7 +165,9 @@ static inline void amx_write(const float c[16][16], const uint16_t* bias, void* 
 static int gemm_amx(const uint16_t* W, const uint16_t* x, const uint16_t* bias, void* y, int rows, int out, int in,
                     int y_bf16, int threads) {
   int steps = in / AMX_K, sets = rows > 16 ? 2 : 1; /* B tiles a step: one per 16 rows */
-  uint32_t* packed = (uint32_t*)aligned_alloc(64, (size_t)steps * sets * AMX_TILE * sizeof(uint16_t));
+  int n0 = rows < 16 ? rows : 16, n1 = rows - n0; /* the activation rows each B tile holds */
+  size_t step_values = (size_t)16 * rows; /* 32-bit values a step's B tiles hold */
+  uint32_t* packed = (uint32_t*)aligned_alloc(64, ((size_t)steps * step_values * 4 + 63) / 64 * 64);
   if (!packed) return -1;
   int blocks = (out + AMX_M - 1) / AMX_M, failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -169,11 +181,12 @@ static int gemm_amx(const uint16_t* W, const uint16_t* x, const uint16_t* bias, 
       int s = tile / sets, r0 = 16 * (tile % sets), nr = rows - r0 < 16 ? rows - r0 : 16;
       __mmask16 real = (__mmask16)((1u << nr) - 1);
       const uint32_t* from = (const uint32_t*)x + (size_t)r0 * (in / 2) + (size_t)s * (AMX_K / 2);
+      uint32_t* to = packed + (size_t)s * step_values + (size_t)16 * r0; /* set 1 follows set 0's 16 x n0 values */
       for (int p = 0; p < 16; p++)
-        _mm512_store_si512((void*)(packed + (size_t)tile * 256 + 16 * p),
-                           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, stride, from + p, 4));
+        _mm512_mask_storeu_epi32((void*)(to + (size_t)nr * p), real,
+                                 _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, stride, from + p, 4));
     }
-    amx_configure();
+    amx_configure(n0, n1);
     float c[16][16] __attribute__((aligned(64)));
     uint16_t* tail = NULL; /* the last block's weight rows padded with zero rows, where out % AMX_M != 0 */
 #pragma omp for schedule(static)
@@ -196,14 +209,16 @@ static int gemm_amx(const uint16_t* W, const uint16_t* x, const uint16_t* bias, 
       _tile_zero(3);
       for (int s = 0; s < steps; s++) {
         const uint16_t* a = A + (size_t)s * AMX_K;
-        const uint32_t* b = packed + (size_t)s * sets * 256;
+        const uint32_t* b = packed + (size_t)s * step_values;
+        if (s + AMX_AHEAD < steps)
+          for (int m = 0; m < AMX_M; m++) _mm_prefetch((const char*)(a + (size_t)m * in + AMX_AHEAD * AMX_K), _MM_HINT_T0);
         _tile_loadd(4, a, in * 2);
         _tile_loadd(5, a + (size_t)16 * in, in * 2);
-        _tile_loadd(6, b, 64);
+        _tile_loadd(6, b, 4 * n0);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
         if (sets == 2) {
-          _tile_loadd(7, b + 256, 64);
+          _tile_loadd(7, b + 16 * n0, 4 * n1);
           _tile_dpbf16ps(2, 4, 7);
           _tile_dpbf16ps(3, 5, 7);
         }

@@ -66,6 +66,34 @@ static inline void load_row(float* dst, const void* src, int64_t offset, int n, 
   }
 }
 
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+static inline hvec to_bf16(vec v) { /* f32_to_bf16 on each lane */
+  uvec u, nan;
+  memcpy(&u, &v, sizeof(vec));
+  uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  nan = (uvec)((u & 0x7fffffffu) > 0x7f800000u);
+  return __builtin_convertvector((((u >> 16) | 0x40u) & nan) | (rounded & ~nan), hvec);
+}
+
+static inline vec vround(vec v, int bf16) { /* round_to on each lane */
+  if (!bf16) return v;
+  uvec bits = __builtin_convertvector(to_bf16(v), uvec) << 16;
+  memcpy(&v, &bits, sizeof(vec));
+  return v;
+}
+
+static inline void store_row(void* dst, int64_t offset, const float* src, int n, int bf16) { /* n % LANES == 0 */
+  if (bf16) {
+    for (int i = 0; i < n; i += LANES) {
+      hvec h = to_bf16(vload(src + i));
+      memcpy((uint16_t*)dst + offset + i, &h, sizeof(hvec));
+    }
+  } else {
+    memcpy((float*)dst + offset, src, (size_t)n * sizeof(float));
+  }
+}
+
 static inline float lanes_sum(float* acc) { /* a fixed tree over the LANES accumulators */
   for (int w = LANES / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; l++) acc[l] += acc[l + w];
@@ -84,39 +112,54 @@ static inline float dot(const float* a, const float* b, int n) {
    Gemma's). With `delta`, x = x + delta first (the residual addition, rounded to the dtype), written back to x.
    The weight is bfloat16 where `weight_bf16` is set (a float32 pass over a bfloat16 model), else in x's dtype. */
 int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, int tokens, int n, float eps,
-                     int plus_one, int bf16, int weight_bf16) {
+                     int plus_one, int bf16, int weight_bf16, int threads) {
   if (n % LANES) return 1;
-  float* row = malloc((size_t)n * sizeof(float));
-  if (!row) return 2;
-  for (int t = 0; t < tokens; t++) {
-    int64_t base = (int64_t)t * n;
-    float acc[LANES] = {0};
-    for (int i = 0; i < n; i += LANES)
-      for (int l = 0; l < LANES; l++) {
-        float v = load(x, base + i + l, bf16);
-        if (delta) {
-          v = round_to(v + load(delta, base + i + l, bf16), bf16);
-          store(x, base + i + l, v, bf16);
-        }
-        row[i + l] = v;
-        acc[l] = fmaf(v, v, acc[l]);
-      }
-    float inverse = 1.0f / sqrtf(lanes_sum(acc) / (float)n + eps);
-    for (int i = 0; i < n; i++) {
-      float w = load(weight, i, weight_bf16);
-      float v = plus_one ? row[i] * inverse * (1.0f + w) : w * round_to(row[i] * inverse, bf16);
-      store(out, base + i, v, bf16);
+  int status = 0;
+#pragma omp parallel num_threads(threads) if (tokens > 1)
+  {
+    float* row = malloc((size_t)3 * n * sizeof(float)); /* the token's x, its delta, the weight */
+    if (!row) {
+#pragma omp atomic write
+      status = 2;
     }
+    float *more = row + n, *w = row + 2 * n;
+    if (row) load_row(w, weight, 0, n, weight_bf16);
+#pragma omp for schedule(static)
+    for (int t = 0; t < tokens; t++) {
+      if (!row) continue;
+      int64_t base = (int64_t)t * n;
+      load_row(row, x, base, n, bf16);
+      if (delta) { /* the residual addition, rounded to the dtype and written back */
+        load_row(more, delta, base, n, bf16);
+        for (int i = 0; i < n; i += LANES) vstore(row + i, vround(vload(row + i) + vload(more + i), bf16));
+        store_row(x, base, row, n, bf16);
+      }
+      float acc[LANES] = {0};
+      for (int i = 0; i < n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(row[i + l], row[i + l], acc[l]);
+      vec inverse = (vec){0} + 1.0f / sqrtf(lanes_sum(acc) / (float)n + eps), one = (vec){0} + 1.0f;
+      for (int i = 0; i < n; i += LANES) {
+        vec v = vload(row + i) * inverse;
+        vstore(more + i, plus_one ? v * (one + vload(w + i)) : vload(w + i) * vround(v, bf16));
+      }
+      store_row(out, base, more, n, bf16);
+    }
+    free(row);
   }
-  free(row);
-  return 0;
+  return status;
 }
 
 /* One head's rotary embedding, transformers' x cos + rotate_half(x) sin, each product and the sum rounded to the
    dtype as torch's eager steps are. */
 static inline void rotate(const float* x, const float* c, const float* s, float* y, int d, int bf16) {
-  int half = d / 2;
-  for (int i = 0; i < half; i++) {
+  int half = d / 2, i = 0;
+  if (half % LANES == 0)
+    for (; i < half; i += LANES) {
+      vec a = vload(x + i), b = vload(x + i + half);
+      vstore(y + i, vround(vround(a * vload(c + i), bf16) + vround(-b * vload(s + i), bf16), bf16));
+      vstore(y + i + half, vround(vround(b * vload(c + i + half), bf16) + vround(a * vload(s + i + half), bf16), bf16));
+    }
+  for (; i < half; i++) {
     y[i] = round_to(round_to(x[i] * c[i], bf16) + round_to(-x[i + half] * s[i], bf16), bf16);
     y[i + half] = round_to(round_to(x[i + half] * c[i + half], bf16) + round_to(x[i] * s[i + half], bf16), bf16);
   }
@@ -128,32 +171,43 @@ static inline void rotate(const float* x, const float* c, const float* s, float*
    (positions, d), read at `positions` (rows, width). */
 int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
                        const int64_t* write_index, void* q_out, void* keys, void* values, int rows, int width,
-                       int heads, int kv_heads, int slots, int d, int bf16) {
+                       int heads, int kv_heads, int slots, int d, int bf16, int threads) {
   if (d % 2) return 1;
-  float* scratch = malloc((size_t)4 * d * sizeof(float));
-  if (!scratch) return 2;
-  float *x = scratch, *y = scratch + d, *c = scratch + 2 * d, *s = scratch + 3 * d;
+  int status = 0, tokens = rows * width;
   int64_t stride = (int64_t)(heads + 2 * kv_heads) * d;
-  for (int r = 0; r < rows; r++)
-    for (int t = 0; t < width; t++) {
-      int64_t token = (int64_t)r * width + t, slot = write_index[token];
+  size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp parallel num_threads(threads) if (tokens > 1)
+  {
+    float* scratch = malloc((size_t)4 * d * sizeof(float));
+    if (!scratch) {
+#pragma omp atomic write
+      status = 2;
+    }
+    float *x = scratch, *y = scratch + d, *c = scratch + 2 * d, *s = scratch + 3 * d;
+#pragma omp for schedule(static)
+    for (int64_t token = 0; token < tokens; token++) {
+      if (!scratch) continue;
+      int64_t r = token / width, slot = write_index[token];
       load_row(c, cos, positions[token] * d, d, bf16);
       load_row(s, sin, positions[token] * d, d, bf16);
       for (int h = 0; h < heads + kv_heads; h++) {
         load_row(x, qkv, token * stride + (int64_t)h * d, d, bf16);
         rotate(x, c, s, y, d, bf16);
-        int64_t to = h < heads ? (token * heads + h) * d : (((int64_t)r * kv_heads + h - heads) * slots + slot) * d;
-        for (int i = 0; i < d; i++) store(h < heads ? q_out : keys, to + i, y[i], bf16);
+        int64_t to = h < heads ? (token * heads + h) * d : ((r * kv_heads + h - heads) * slots + slot) * d;
+        if (d % LANES == 0)
+          store_row(h < heads ? q_out : keys, to, y, d, bf16);
+        else
+          for (int i = 0; i < d; i++) store(h < heads ? q_out : keys, to + i, y[i], bf16);
       }
       for (int h = 0; h < kv_heads; h++) {
         int64_t from = token * stride + (int64_t)(heads + kv_heads + h) * d;
-        int64_t to = (((int64_t)r * kv_heads + h) * slots + slot) * d;
-        size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+        int64_t to = ((r * kv_heads + h) * slots + slot) * d;
         memcpy((char*)values + to * size, (const char*)qkv + from * size, d * size);
       }
     }
-  free(scratch);
-  return 0;
+    free(scratch);
+  }
+  return status;
 }
 
 /* Attention of `width` queries a row over the first `used` slots of its keys and values (rows, kv_heads, slots, d):
@@ -398,8 +452,8 @@ int specdec_silu_mul(const void* gate_up, void* out, int tokens, int n, int bf16
       memcpy(&one_bits, &one, sizeof(vec));
       bits = (e_bits & negative) | (one_bits & ~negative);
       memcpy(&numerator, &bits, sizeof(vec));
-      vec silu = x * (numerator / (one + e));
-      for (int l = 0; l < LANES; l++) store(out, (int64_t)t * n + i + l, round_to(silu[l], bf16) * u[l], bf16);
+      vec silu = x * (numerator / (one + e)), product = vround(silu, bf16) * vload(u);
+      store_row(out, (int64_t)t * n + i, (const float*)&product, LANES, bf16);
     }
   }
   return 0;

@@ -105,8 +105,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.specdec_dequantize_q4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     library.specdec_dequantize_q4.restype = ctypes.c_int
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    library.specdec_rms_norm.argtypes = [pointer] * 4 + [i32, i32, f32, i32, i32, i32]
-    library.specdec_rope_write.argtypes = [pointer] * 8 + [i32] * 7
+    library.specdec_rms_norm.argtypes = [pointer] * 4 + [i32, i32, f32, i32, i32, i32, i32]
+    library.specdec_rope_write.argtypes = [pointer] * 8 + [i32] * 8
     library.specdec_attention.argtypes = ([pointer, i64, i64, i64, pointer, pointer, pointer, i64, i64, pointer]
                                           + [i32] * 7 + [f32, f32, i32, i32])
     library.specdec_silu_mul.argtypes = [pointer] * 2 + [i32] * 4
@@ -284,7 +284,7 @@ def _rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, plus_
     out = torch.empty_like(x)
     _checked(_ops().specdec_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
                                      out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, int(plus_one),
-                                     _bf16(x), _bf16(weight)), "RMSNorm")
+                                     _bf16(x), _bf16(weight), torch.get_num_threads()), "RMSNorm")
     return out
 
 
@@ -313,7 +313,8 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
     q = qkv.new_empty(rows, width, heads, head_dim)
     _checked(_ops().specdec_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                        write_index.data_ptr(), q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows,
-                                       width, heads, kv_heads, slots, head_dim, _bf16(qkv)), "rotary step")
+                                       width, heads, kv_heads, slots, head_dim, _bf16(qkv), torch.get_num_threads()),
+             "rotary step")
     return q
 
 
