@@ -247,6 +247,36 @@ static inline void dots_2x4(const float* a, const float* b, const float* k, int 
   out[4] = hsum(b0), out[5] = hsum(b1), out[6] = hsum(b2), out[7] = hsum(b3);
 }
 
+/* hsum of sixteen vectors at once, each in hsum's own tree: out[k] = hsum(v[k]), four shuffled additions in all
+   where sixteen hsums make four each (the input order below leaves key k in lane k). */
+static inline vec hsum16(const vec* v) {
+  static const int order[16] = {0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15};
+  vec a[8], b[4], c[2];
+  for (int k = 0; k < 8; k++)
+    a[k] = __builtin_shuffle(v[order[2 * k]], v[order[2 * k + 1]], (ivec){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(v[order[2 * k]], v[order[2 * k + 1]], (ivec){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  for (int k = 0; k < 4; k++)
+    b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], (ivec){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+           __builtin_shuffle(a[2 * k], a[2 * k + 1], (ivec){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  for (int k = 0; k < 2; k++)
+    c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], (ivec){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+           __builtin_shuffle(b[2 * k], b[2 * k + 1], (ivec){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  return __builtin_shuffle(c[0], c[1], (ivec){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(c[0], c[1], (ivec){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+/* dots_2x4's accumulators before their sums: a's four at sa[0..3], b's at sb[0..3]. */
+static inline void lanes_2x4(const float* a, const float* b, const float* k, int n, vec* sa, vec* sb) {
+  vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+  for (int i = 0; i < n; i += LANES) {
+    vec x = vload(a + i), y = vload(b + i), k0 = vload(k + i), k1 = vload(k + n + i), k2 = vload(k + 2 * n + i),
+        k3 = vload(k + 3 * n + i);
+    a0 = a0 + x * k0, a1 = a1 + x * k1, a2 = a2 + x * k2, a3 = a3 + x * k3;
+    b0 = b0 + y * k0, b1 = b1 + y * k1, b2 = b2 + y * k2, b3 = b3 + y * k3;
+  }
+  sa[0] = a0, sa[1] = a1, sa[2] = a2, sa[3] = a3, sb[0] = b0, sb[1] = b1, sb[2] = b2, sb[3] = b3;
+}
+
 static inline float vdot(const float* a, const float* b, int n) {
   vec acc = {0};
   for (int i = 0; i < n; i += LANES) acc = acc + vload(a + i) * vload(b + i);
@@ -333,18 +363,26 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
       for (int first = part * per_task; first < end; first += per_walk) {
         int count = end - first < per_walk ? end - first : per_walk, n = count * group;
         for (int c = 0; c < count; c++) { /* each query's mask in float32 and its heads' queries */
-          int64_t base = r * m_row + (first + c) * m_token;
-          for (int j = 0; j < padded; j++) masks[c * padded + j] = j < used ? load(mask, base + j, bf16) : -INFINITY;
+          load_row(masks + (size_t)c * padded, mask, r * m_row + (first + c) * m_token, used, bf16);
+          for (int j = used; j < padded; j++) masks[c * padded + j] = -INFINITY;
           for (int h = 0; h < group; h++)
-            for (int i = 0; i < d; i++)
-              queries[(c * group + h) * d + i] = load(q, r * q_row + (kvh * group + h) * q_head + (first + c) * q_token + i, bf16);
+            load_row(queries + (size_t)(c * group + h) * d, q, r * q_row + (kvh * group + h) * q_head + (first + c) * q_token, d,
+                     bf16);
         }
         for (int j0 = 0; j0 < used; j0 += KEYS) { /* scores: scaled, capped, masked; -inf where hidden */
           int keys_here = used - j0 < KEYS ? used - j0 : KEYS;
           load_row(block, keys, head_base + (int64_t)j0 * d, keys_here * d, bf16);
-          for (int pair = 0; pair < n; pair += 2) {
+          for (int pair = 0; pair < n; pair += 2) { /* the dot products, each alone */
             const float *a = queries + pair * d, *b = pair + 1 < n ? a + d : a;
-            for (int j = 0; j < keys_here; j += 4) {
+            float *sa = scores + (size_t)pair * padded + j0, *sb = sa + padded;
+            int j = 0;
+            for (; j + LANES <= keys_here; j += LANES) { /* sixteen keys' scores summed at once */
+              vec la[LANES], lb[LANES];
+              for (int k = 0; k < LANES; k += 4) lanes_2x4(a, b, block + (size_t)(j + k) * d, d, la + k, lb + k);
+              vstore(sa + j, hsum16(la));
+              if (pair + 1 < n) vstore(sb + j, hsum16(lb));
+            }
+            for (; j < keys_here; j += 4) {
               float s[8];
               if (j + 4 <= keys_here) {
                 dots_2x4(a, b, block + (size_t)j * d, d, s);
@@ -352,13 +390,25 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
                 for (int k = 0; k < keys_here - j; k++)
                   s[k] = vdot(a, block + (size_t)(j + k) * d, d), s[4 + k] = vdot(b, block + (size_t)(j + k) * d, d);
               }
-              for (int k = 0; k < 4 && j + k < keys_here; k++)
-                for (int e = 0; e < 2 && pair + e < n; e++) {
-                  float m = masks[((pair + e) / group) * padded + j0 + j + k], v = s[4 * e + k] * scale;
-                  if (cap > 0) v = cap * tanhf(v / cap);
-                  scores[(size_t)(pair + e) * padded + j0 + j + k] = m > HIDDEN ? v + m : -INFINITY;
-                }
+              for (int k = 0; k < 4 && j + k < keys_here; k++) {
+                sa[j + k] = s[k];
+                if (pair + 1 < n) sb[j + k] = s[4 + k];
+              }
             }
+          }
+        }
+        for (int pair = 0; pair < n; pair++) { /* scaled, capped, masked: -inf where hidden */
+          float *p = scores + (size_t)pair * padded, *m = masks + (size_t)(pair / group) * padded;
+          for (int j = 0; j < used; j += LANES) {
+            vec v = vload(p + j) * scale, mv = vload(m + j), hidden = (vec){0} - INFINITY;
+            if (cap > 0)
+              for (int l = 0; l < LANES; l++) v[l] = cap * tanhf(v[l] / cap);
+            ivec shown = mv > HIDDEN, x, y;
+            vec sum = v + mv;
+            memcpy(&x, &sum, sizeof(vec));
+            memcpy(&y, &hidden, sizeof(vec));
+            x = (x & shown) | (y & ~shown);
+            memcpy(p + j, &x, sizeof(vec));
           }
         }
         float sums[CHUNK > group ? CHUNK : group];
