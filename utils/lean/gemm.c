@@ -117,8 +117,8 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
 #define AMX_M 32 /* weight rows a block: two A tiles */
 #define AMX_K 32 /* inputs a tile step: 64 bytes of each weight row */
 /* A's lines are prefetched into L1 this many steps ahead. Tile registers are not renamed: a step's A loads wait for
-   the step before's products, and its products for the loads, so a load from L1 keeps that chain short (docs/results.md,
-   "Wide passes": the 1.5B's layers at 17-32 rows 13-16% faster, one row 2-4%). */
+   the step before's products, and its products for the loads, so a load from L1 keeps that chain short
+   (docs/results.md, eighteenth round, "Wide passes"). */
 #define AMX_AHEAD 2
 
 static int amx_state = -1; /* -1: not asked yet; 0: no; 1: the kernel's permission granted */
