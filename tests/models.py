@@ -7,6 +7,12 @@ import torch
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -65,6 +71,24 @@ def tiny_model(name: str, seed: int = 0, vocab: int = VOCAB, dtype: torch.dtype 
     # The config keeps eos 2 (padding evidence); tests/test_habits.py decodes with it set.
     model.generation_config.eos_token_id = None
     return model
+
+
+def gemma_config(name: str, common: dict):
+    """A tiny Gemma-family config and model class (`name`: gemma, gemma2 or gemma3) over the `common` options, with
+    Gemma's own: a head size of its own; Gemma 2 and 3 three layers, sliding ones around a full one with a
+    window of 6 positions, a query scale of their own; Gemma 2's caps on the attention and final logits; Gemma 3's
+    two rotary tables."""
+    common = {**common, "head_dim": 16}
+    if name == "gemma":
+        return GemmaConfig(**common), GemmaForCausalLM
+    mixed = dict(num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=6,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    common = {**common, **mixed}
+    if name == "gemma2":
+        return Gemma2Config(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **common), Gemma2ForCausalLM
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
+    return Gemma3TextConfig(rope_parameters=rope, **common), Gemma3ForCausalLM
 
 
 def prompt(seed: int, length: int = 12, vocab: int = VOCAB) -> list[int]:

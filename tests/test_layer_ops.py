@@ -173,14 +173,14 @@ def _model(family: str):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_the_lean_forward_over_our_operations_gives_the_models_float32_logits(family, monkeypatch):
-    """Chains, a rollback and a tree through our operations (Qwen3 and Gemma 3: their q/k norms keep torch's rotary
+    """Chains, a rollback and a tree through our operations (Qwen3 and Gemma 3: their q/k norms, then our rotary
     step; Gemma 2: capped scores; sliding layers past their window): the Hugging Face model's float32 logits to
     float32 rounding.
     With SPECDEC_NATIVE=0 the same model takes torch's operations."""
     model = _model(family)
     lean = lean_decoder(model)
     runs = _ours_run_here()
-    assert lean.native == runs and lean.native_rope == (runs and family not in ("qwen3", "gemma3"))
+    assert lean.native == runs and lean.native_rope == runs
     ids = prompt(1, 30)
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([ids])).logits[0]

@@ -9,22 +9,9 @@ import copy
 
 import pytest
 import torch
-from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GemmaConfig,
-    GemmaForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from tests.models import SMALL, VOCAB, prompt, tiny_model
+from tests.models import SMALL, VOCAB, gemma_config, prompt, tiny_model
 from utils.lean import LEAN_ENV, forget, forward_path, lean_decoder
 from utils.runners.factory import make_runner
 from utils.runners.static import StaticRunner
@@ -35,31 +22,14 @@ TOLERANCE = 1e-10  # float64 logits of size ~10: only the summation order may di
 EAGER_TOLERANCE = 1e-5
 
 
-def _gemma(name: str, common: dict):
-    """Gemma's options: a head size of its own; Gemma 2 and 3 three layers, sliding ones around a full one with a
-    window of 6 positions, a query scale of their own; Gemma 2's caps on the attention and final logits; Gemma 3's
-    two rotary tables."""
-    common = {**common, "head_dim": 16}
-    if name == "gemma":
-        return GemmaConfig(**common), GemmaForCausalLM
-    mixed = dict(num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=6,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    common = {**common, **mixed}
-    if name == "gemma2":
-        return Gemma2Config(attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **common), Gemma2ForCausalLM
-    rope = {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
-    return Gemma3TextConfig(rope_parameters=rope, **common), Gemma3ForCausalLM
-
-
 def _extra_model(name: str, attention: str, seed: int = 0):
     """Families and options the suite's tiny models lack: Qwen3's q/k norms, Llama-3 rope scaling, tied heads, the
-    Gemma family (`_gemma`; Gemma 2 always eager: transformers runs no other attention for it)."""
+    Gemma family (`gemma_config`; Gemma 2 always eager: transformers runs no other attention for it)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
                   num_key_value_heads=2, initializer_range=0.3, **SMALL)
     if name.startswith("gemma"):
-        config, model_class = _gemma(name, common)
+        config, model_class = gemma_config(name, common)
         config._attn_implementation = "eager" if name == "gemma2" else attention
         model = model_class(config).to(torch.float64).eval()
         with torch.no_grad():  # Gemma's norms start at 0 (a weight of 1 + 0): random, so that (1 + weight) is seen

@@ -1,13 +1,16 @@
-/* A Llama-family model's whole stack of decoder layers in one call, built with `gemm.c` and `layer.c` into one
-   library by `utils/lean/native.py` and driven by `utils/lean/decoder.py`. Each layer is the lean forward's
-   (`llama.py`'s `_block`), step for step and with the same kernels: the norm, the q/k/v product, the rotary step and
-   the buffer's write, attention, the output product, the residual addition with the MLP's norm, the gate/up
-   product, silu(gate) * up, the down product and the residual addition (made by the next layer's norm, the last
-   one's here). What it saves is the Python between them: about twelve calls a layer, each with its tensors
-   allocated and its arguments converted (an eighth of a 0.5B's one-token pass, docs/results.md, seventeenth round).
+/* A decoder-only model's whole stack of layers in one call, built with `gemm.c` and `layer.c` into one library by
+   `utils/lean/native.py` and driven by `utils/lean/decoder.py`. Each layer is the lean forward's (`llama.py`'s and
+   `gemma.py`'s `_block`), step for step and with the same kernels: the norm, the q/k/v product, q's and k's norms
+   (Qwen3, Gemma 3), the rotary step and the buffer's write, attention, the output product and its norm (Gemma 2 and
+   3), the residual addition with the MLP's norm, the gate/up product, act(gate) * up, the down product and its norm
+   (Gemma 2 and 3), and the residual addition (made by the next layer's norm, the last one's here). What it saves is
+   the Python between them: about twelve calls a layer, each with its tensors allocated and its arguments converted
+   (an eighth of a 0.5B's one-token pass, docs/results.md, seventeenth round).
 
    The weights' pointers come once per model (`LAYER_POINTERS` a layer), the buffer's once per pass; a linear is
-   our bfloat16 kernel (`specdec_gemm`) or our 4-bit one (`specdec_gemm_q4`), the same kind in every layer. */
+   our bfloat16 kernel (`specdec_gemm`) or our 4-bit one (`specdec_gemm_q4`), the same kind in every layer. A layer
+   of a model that mixes two kinds (Gemma 2 and 3) takes the sliding window's mask and, Gemma 3, its own rotary
+   tables where its `layer_kinds` bits say so. */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -26,12 +29,14 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
                       const void* values, const void* mask, int64_t m_row, int64_t m_token, void* out, int rows,
                       int heads, int kv_heads, int width, int used, int slots, int d, float scale, float cap, int bf16,
                       int threads);
-int specdec_silu_mul(const void* gate_up, void* out, int tokens, int n, int bf16, int threads);
+int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads);
 
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
-/* A layer's pointers: its two norms' weights, then per linear (in the order above) its weight, its scales (4 bits;
-   else NULL) and its bias (in the pass's dtype; NULL without one). */
-enum { ATTENTION_NORM, MLP_NORM, FIRST_LINEAR, LAYER_POINTERS = FIRST_LINEAR + 3 * LINEARS };
+/* A layer's pointers: its norms' weights (the last four NULL where the model has none), then per linear (in the
+   order above) its weight, its scales (4 bits; else NULL) and its bias (in the pass's dtype; NULL without one). */
+enum { ATTENTION_NORM, MLP_NORM, Q_NORM, K_NORM, POST_ATTENTION_NORM, POST_MLP_NORM, FIRST_LINEAR,
+       LAYER_POINTERS = FIRST_LINEAR + 3 * LINEARS };
+enum { SLIDING = 1, SECOND_ROPE = 2 }; /* a layer's kind bits */
 
 /* A pass's shape and numbers (`decoder.py`'s `Shape` mirrors it field for field). */
 typedef struct {
@@ -41,7 +46,9 @@ typedef struct {
   int64_t kinds[LINEARS], outs[LINEARS]; /* each linear's kernel (0 bfloat16, 1 4-bit) and output width */
   int64_t groups[LINEARS];               /* a 4-bit linear's quantization group (32 or 64 inputs a scale) */
   int64_t bf16, norm_bf16, threads;      /* the pass in bfloat16 (else float32); the norms' weights in bfloat16 */
-  float eps, scale;                      /* the norms' epsilon; attention's scale */
+  int64_t plus_one, activation;          /* norms times (1 + weight) (Gemma's); `specdec_gated`'s kind */
+  int64_t sliding_row, sliding_token;    /* the sliding window mask's strides (its last one 1) */
+  float eps, scale, cap;                 /* the norms' epsilon; attention's scale and logits' cap (0: none) */
 } shape_t;
 
 static int linear(const void* const* p, int which, const void* x, void* y, int tokens, int out, int in,
@@ -52,17 +59,39 @@ static int linear(const void* const* p, int which, const void* x, void* y, int t
   return specdec_gemm((const uint16_t*)p[0], x, p[2], y, tokens, out, in, (int)s->bf16, (int)s->bf16, (int)s->threads);
 }
 
+/* Each token's heads (n of them, d values each, `stride` values apart from one token to the next) normalised in
+   place: Qwen3's and Gemma 3's q and k norms. */
+static int head_norms(void* x, const void* weight, int tokens, int64_t stride, int n, int d, const shape_t* s) {
+  int size = s->bf16 ? 2 : 4, status = 0;
+  for (int t = 0; t < tokens && !status; t++) {
+    void* at = (char*)x + (size_t)t * stride * size;
+    status = specdec_rms_norm(at, NULL, weight, at, n, d, s->eps, (int)s->plus_one, (int)s->bf16, (int)s->norm_bf16,
+                              (int)s->threads);
+  }
+  return status;
+}
+
+/* x normalised in place, where `weight` is given (a norm the model has). */
+static int norm_in_place(void* x, const void* weight, int tokens, int n, const shape_t* s) {
+  if (!weight) return 0;
+  return specdec_rms_norm(x, NULL, weight, x, tokens, n, s->eps, (int)s->plus_one, (int)s->bf16, (int)s->norm_bf16,
+                          (int)s->threads);
+}
+
 /* h (rows * width tokens of `hidden`, the embeddings) -> h after every layer, in place. `work`: room for
    tokens * (2 hidden + the q/k/v width + 2 heads head_dim + 3 intermediate) values of the pass's dtype; `kv`: each
-   layer's keys then values buffer (rows, kv_heads, slots, head_dim); cos and sin: the rotary tables (positions,
-   head_dim); positions and write_index (rows, width); mask (rows, 1, width, used), added to the scores. Returns 0,
-   else the failing step's status times 100 plus the step (1 norm, 2 q/k/v, 3 rotary, 4 attention, 5 output, 6 norm,
-   7 gate/up, 8 silu, 9 down). */
-int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, int n_layers, const void* cos,
-                    const void* sin, const int64_t* positions, const int64_t* write_index, const void* mask,
+   layer's keys then values buffer (rows, kv_heads, slots, head_dim); `layer_kinds`: each layer's kind bits; cos and
+   sin: the rotary tables (positions, head_dim), cos2 and sin2 the second kind's (or NULL); positions and
+   write_index (rows, width); mask (rows, 1, width, used), added to the scores, and `sliding` the sliding window's
+   (or NULL). Returns 0, else the failing step's status times 100 plus the step (1 norm, 2 q/k/v, 3 rotary, 4
+   attention, 5 output, 6 norm, 7 gate/up, 8 activation, 9 down, 10 q/k norms, 11 output norm, 12 MLP output norm). */
+int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, const int64_t* layer_kinds,
+                    int n_layers, const void* cos, const void* sin, const void* cos2, const void* sin2,
+                    const int64_t* positions, const int64_t* write_index, const void* mask, const void* sliding,
                     const shape_t* s) {
   int tokens = (int)(s->rows * s->width), bf16 = (int)s->bf16, threads = (int)s->threads;
   int hidden = (int)s->hidden, attended = (int)(s->heads * s->head_dim), size = bf16 ? 2 : 4;
+  int plus_one = (int)s->plus_one, d = (int)s->head_dim;
   char* at = (char*)work;
   void *x = at, *delta = at + (size_t)tokens * hidden * size, *qkv = at + (size_t)2 * tokens * hidden * size;
   void* q = (char*)qkv + (size_t)tokens * s->outs[QKV] * size;
@@ -76,19 +105,30 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
     const void* const* p = layers + (size_t)l * LAYER_POINTERS;
     const void* const* w = p + FIRST_LINEAR;
     void *keys = kv[2 * l], *values = kv[2 * l + 1];
-    STEP(specdec_rms_norm(h, l ? delta : NULL, p[ATTENTION_NORM], x, tokens, hidden, s->eps, 0, bf16,
+    int second = (layer_kinds[l] & SECOND_ROPE) != 0, window = (layer_kinds[l] & SLIDING) != 0;
+    STEP(specdec_rms_norm(h, l ? delta : NULL, p[ATTENTION_NORM], x, tokens, hidden, s->eps, plus_one, bf16,
                           (int)s->norm_bf16, threads), 1);
     STEP(linear(w + 3 * QKV, QKV, x, qkv, tokens, (int)s->outs[QKV], hidden, s), 2);
-    STEP(specdec_rope_write(qkv, cos, sin, positions, write_index, q, keys, values, (int)s->rows, (int)s->width,
-                            (int)s->heads, (int)s->kv_heads, (int)s->slots, (int)s->head_dim, bf16, threads), 3);
-    STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, mask, s->mask_row,
-                           s->mask_token, attention, (int)s->rows, (int)s->heads, (int)s->kv_heads, (int)s->width,
-                           (int)s->used, (int)s->slots, (int)s->head_dim, s->scale, 0.0f, bf16, threads), 4);
+    if (p[Q_NORM]) {
+      STEP(head_norms(qkv, p[Q_NORM], tokens, s->outs[QKV], (int)s->heads, d, s), 10);
+      STEP(head_norms((char*)qkv + (size_t)attended * size, p[K_NORM], tokens, s->outs[QKV], (int)s->kv_heads, d, s),
+           10);
+    }
+    STEP(specdec_rope_write(qkv, second ? cos2 : cos, second ? sin2 : sin, positions, write_index, q, keys, values,
+                            (int)s->rows, (int)s->width, (int)s->heads, (int)s->kv_heads, (int)s->slots, d, bf16,
+                            threads), 3);
+    STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, window ? sliding : mask,
+                           window ? s->sliding_row : s->mask_row, window ? s->sliding_token : s->mask_token,
+                           attention, (int)s->rows, (int)s->heads, (int)s->kv_heads, (int)s->width, (int)s->used,
+                           (int)s->slots, d, s->scale, s->cap, bf16, threads), 4);
     STEP(linear(w + 3 * O, O, attention, delta, tokens, hidden, attended, s), 5);
-    STEP(specdec_rms_norm(h, delta, p[MLP_NORM], x, tokens, hidden, s->eps, 0, bf16, (int)s->norm_bf16, threads), 6);
+    STEP(norm_in_place(delta, p[POST_ATTENTION_NORM], tokens, hidden, s), 11);
+    STEP(specdec_rms_norm(h, delta, p[MLP_NORM], x, tokens, hidden, s->eps, plus_one, bf16, (int)s->norm_bf16, threads),
+         6);
     STEP(linear(w + 3 * GATE_UP, GATE_UP, x, gate_up, tokens, (int)s->outs[GATE_UP], hidden, s), 7);
-    STEP(specdec_silu_mul(gate_up, act, tokens, (int)s->intermediate, bf16, threads), 8);
+    STEP(specdec_gated(gate_up, act, tokens, (int)s->intermediate, (int)s->activation, bf16, threads), 8);
     STEP(linear(w + 3 * DOWN, DOWN, act, delta, tokens, hidden, (int)s->intermediate, s), 9);
+    STEP(norm_in_place(delta, p[POST_MLP_NORM], tokens, hidden, s), 12);
   }
 #undef STEP
   for (int64_t i = 0; i < (int64_t)tokens * hidden; i++) { /* the last layer's residual addition, rounded as torch's */

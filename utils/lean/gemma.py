@@ -81,7 +81,6 @@ class LeanGemma(LeanLlama):
     layer_class = GemmaLayer
     reference_norm = staticmethod(gemma_norm)
     norm_plus_one = True
-    native_stack = False  # its layers have more norms and steps than decoder.c's
 
     def __init__(self, model) -> None:
         super().__init__(model)

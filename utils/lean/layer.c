@@ -476,33 +476,47 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
   }
   return status;
 }
-/* out = silu(gate) * up for `tokens` rows of gate_up = [gate | up] (n each, n % LANES == 0) -> (tokens, n): silu
-   rounded to the dtype, then the product rounded (torch's two eager steps' roundings). silu(g) = g sigmoid(g), the
-   sigmoid from e^-|g| (`vexp`): within a float32 ulp or two of torch's, so a bfloat16 value can sit one step away
-   from torch's at a rounding's edge. Each value alone: the same bits whatever the pass's width. */
-#define SILU_CHUNK 1024 /* values a task serves */
-int specdec_silu_mul(const void* gate_up, void* out, int tokens, int n, int bf16, int threads) {
-  if (n % LANES) return 1;
-  int chunks = (n + SILU_CHUNK - 1) / SILU_CHUNK;
+/* out = act(gate) * up for `tokens` rows of gate_up = [gate | up] (n each, n % LANES == 0) -> (tokens, n): the
+   activation rounded to the dtype, then the product rounded (torch's two eager steps' roundings). silu (kind 0):
+   x sigmoid(x); gelu's tanh approximation (kind 1): torch's steps, 0.5 x (1 + tanh(y)) with y = sqrt(2 / pi)
+   (x + 0.044715 x^3), so that it is 0 where tanh(y) rounds to -1, as torch's is. Both from e^-|z| (`vexp`): within
+   a float32 ulp or a few of torch's (gelu: of tanh's, where 1 + tanh(y) cancels), so a bfloat16 value can sit one
+   step away from torch's at a rounding's edge. Each value alone: the same bits whatever the pass's width. */
+#define GATED_CHUNK 1024 /* values a task serves */
+int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads) {
+  if (n % LANES || kind < 0 || kind > 1) return 1;
+  int chunks = (n + GATED_CHUNK - 1) / GATED_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens * chunks > 1)
   for (int task = 0; task < tokens * chunks; task++) {
-    int t = task / chunks, from = task % chunks * SILU_CHUNK, to = from + SILU_CHUNK < n ? from + SILU_CHUNK : n;
+    int t = task / chunks, from = task % chunks * GATED_CHUNK, to = from + GATED_CHUNK < n ? from + GATED_CHUNK : n;
     float g[LANES] __attribute__((aligned(64))), u[LANES] __attribute__((aligned(64)));
     for (int i = from; i < to; i += LANES) {
       load_row(g, gate_up, (int64_t)t * 2 * n + i, LANES, bf16);
       load_row(u, gate_up, (int64_t)t * 2 * n + n + i, LANES, bf16);
-      vec x = vload(g), magnitude, numerator, one = (vec){0} + 1.0f;
-      ivec bits, negative = x < 0;
-      memcpy(&bits, &x, sizeof(vec));
+      vec x = vload(g), z = kind ? 0.7978845608028654f * (x + 0.044715f * (x * x * x)) : x;
+      vec magnitude, act, one = (vec){0} + 1.0f;
+      ivec bits, negative = z < 0;
+      memcpy(&bits, &z, sizeof(vec));
       bits &= 0x7fffffff;
       memcpy(&magnitude, &bits, sizeof(vec));
-      vec e = vexp(-magnitude); /* sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below */
-      ivec e_bits, one_bits;
-      memcpy(&e_bits, &e, sizeof(vec));
-      memcpy(&one_bits, &one, sizeof(vec));
-      bits = (e_bits & negative) | (one_bits & ~negative);
-      memcpy(&numerator, &bits, sizeof(vec));
-      vec silu = x * (numerator / (one + e)), product = vround(silu, bf16) * vload(u);
+      if (kind) { /* tanh(z) = sign(z) (1 - e) / (1 + e), e = e^-2|z| */
+        vec e = vexp(-2.0f * magnitude), t = (one - e) / (one + e), minus = -t;
+        ivec t_bits, minus_bits;
+        memcpy(&t_bits, &t, sizeof(vec));
+        memcpy(&minus_bits, &minus, sizeof(vec));
+        bits = (minus_bits & negative) | (t_bits & ~negative);
+        memcpy(&t, &bits, sizeof(vec));
+        act = 0.5f * x * (one + t);
+      } else { /* sigmoid(z) = 1 / (1 + e) for z >= 0, e / (1 + e) below, e = e^-|z| */
+        vec e = vexp(-magnitude), numerator;
+        ivec e_bits, one_bits;
+        memcpy(&e_bits, &e, sizeof(vec));
+        memcpy(&one_bits, &one, sizeof(vec));
+        bits = (e_bits & negative) | (one_bits & ~negative);
+        memcpy(&numerator, &bits, sizeof(vec));
+        act = x * (numerator / (one + e));
+      }
+      vec product = vround(act, bf16) * vload(u);
       store_row(out, (int64_t)t * n + i, (const float*)&product, LANES, bf16);
     }
   }

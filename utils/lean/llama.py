@@ -104,7 +104,6 @@ class LeanLlama(nn.Module):
     layer_class = Layer
     reference_norm = staticmethod(rms_norm)  # the model's RMSNorm in torch's steps, where ours do not run
     norm_plus_one = False  # RMSNorm's weight applied as (1 + weight) in float32 (Gemma's): ours, the same norm
-    native_stack = True  # whether `decoder.py` may run the layers in one call (Llama's layers, not Gemma's)
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -128,12 +127,12 @@ class LeanLlama(nn.Module):
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype,
                                               [len(self.layers)] * len(self.layers[0].linears) + [1])
         # Our own norms, rotary step and attention (`layer.c`) where they run: one call each for several eager
-        # operations, the attention width-invariant by construction; the rotary step too unless q and k are
-        # normalised first (Qwen3's and Gemma 3's q/k norms run in torch). Where ours do not run, invariance pads
+        # operations, the attention width-invariant by construction (q's and k's norms, Qwen3's and Gemma 3's, are
+        # ours too, before our rotary step). Where ours do not run, invariance pads
         # torch's attention's queries (`_sdpa`) and reads the keys in whole blocks of its CPU kernel (512), so that
         # a row's bits do not depend on how far the others reach.
         self.native = native.layer_ops(self.dtype, config.hidden_size, self.head_dim)
-        self.native_rope = self.native and all(layer.qk_norms is None for layer in self.layers)
+        self.native_rope = self.native
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
@@ -181,7 +180,7 @@ class LeanLlama(nn.Module):
         ropes = {kind: self._rope(slots.positions, kv.slots, kind) for kind in self._rope_kinds}
         h = self._embed(ids).to(self.dtype)
         if self.stack is not None and self.stack.runs(ids.numel()):
-            h = self.stack(h, ropes[None], slots, kv)
+            h = self.stack(h, ropes, slots, kv)
         else:
             for index, layer in enumerate(self.layers):
                 mask = slots.sliding_mask if layer.sliding and slots.sliding_mask is not None else slots.mask
@@ -205,6 +204,11 @@ class LeanLlama(nn.Module):
         rows, width, _ = x.shape
         if self.native_rope:  # rotated and written in one call
             qkv = layer.qkv(x)
+            if layer.qk_norms is not None:  # each head of q and of k normalised first
+                q, k, v = layer.qkv.split(qkv)
+                q, k = (self._norm(part.reshape(rows, width, -1, self.head_dim), norm).reshape(part.shape)
+                        for part, norm in zip((q, k), layer.qk_norms, strict=True))
+                qkv = torch.cat([q, k, v], dim=-1)
             keys, values = kv.layer(index, qkv.new_empty(rows, self.kv_heads, 0, self.head_dim))
             q = native.rope_write(qkv, *rope, slots.positions, slots.write_index, keys, values, self.heads)
             return layer.o(self._attend(layer, q.transpose(1, 2), keys, values, mask))

@@ -15,11 +15,11 @@ cannot be built (no C compiler, a CPU without AVX2 and FMA) or with `SPECDEC_NAT
     layer_ops(dtype, hidden, hd) whether the lean forward's norms, rotary step and attention run here (`layer.c`):
     rms_norm, add_rms_norm,      one call each where torch takes several eager operations; attention is
     rope_write, attention,       width-invariant without padding (each query alone, in one fixed order)
-    silu_mul
-    decoder(...)                 a Llama-family model's whole stack of layers in one call (`decoder.c`, driven by
+    gated_mul                    act(gate) * up, silu or gelu's tanh approximation
+    decoder(...)                 a decoder-only model's whole stack of layers in one call (`decoder.c`, driven by
                                  `decoder.py`)
 
-On AMX (Intel Xeon from Sapphire Rapids) bfloat16 activations take the tile unit: 32 rows cost what one costs,
+On AMX (Intel Xeon from Sapphire Rapids) bfloat16 activations take the tile unit: 16 rows cost what one costs,
 the weights' reading alone (measured against torch's products: docs/results.md, eleventh round).
 Elsewhere the bfloat16 kernel multiplies in float32, so on a CPU without bfloat16 arithmetic (AVX2 only) a model held in
 bfloat16 (its checkpoint's dtype, most Hub checkpoints) computes in float32 at half the bytes a float32 model
@@ -43,10 +43,10 @@ from torch import Tensor
 
 from utils.paths import cache_dir
 
-__all__ = ["LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "add_rms_norm", "attention",
-           "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gemm", "gemm_q4", "layer_ops",
-           "pack_q4", "q4_group", "rms_norm", "rope_write", "silu_mul", "supports", "supports_q4", "tile_unit",
-           "unavailable"]
+__all__ = ["ACTIVATION_KINDS", "LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "add_rms_norm",
+           "attention", "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gated_mul", "gemm",
+           "gemm_q4", "layer_ops", "pack_q4", "q4_group", "rms_norm", "rope_write", "supports", "supports_q4",
+           "tile_unit", "unavailable"]
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
 SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"), Path(__file__).with_name("decoder.c"))
@@ -57,6 +57,7 @@ Q4_BLOCK = 32  # gemm.c's 4-bit block: input columns quantized together (an int8
 #                scale and minimum serve one block or two)
 Q4_ROWS = 16  # and its weight rows laid out together (one per vector lane)
 Q4_GROUPS = (32, 64)  # the quantization groups it takes: a scale and a minimum per block of 32 inputs, or per two
+ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # layer.c's `specdec_gated` kinds, by transformers' names
 LANES = 16  # layer.c's LANES: a norm's width and a head's size must be multiples of it
 # -ffp-contract=off: a product and a sum written apart stay apart (rounded as torch's eager steps round them)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
@@ -109,10 +110,10 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.specdec_rope_write.argtypes = [pointer] * 8 + [i32] * 8
     library.specdec_attention.argtypes = ([pointer, i64, i64, i64, pointer, pointer, pointer, i64, i64, pointer]
                                           + [i32] * 7 + [f32, f32, i32, i32])
-    library.specdec_silu_mul.argtypes = [pointer] * 2 + [i32] * 4
-    library.specdec_decoder.argtypes = [pointer] * 4 + [i32] + [pointer] * 6
+    library.specdec_gated.argtypes = [pointer] * 2 + [i32] * 5
+    library.specdec_decoder.argtypes = [pointer] * 5 + [i32] + [pointer] * 9
     for function in (library.specdec_rms_norm, library.specdec_rope_write, library.specdec_attention,
-                     library.specdec_silu_mul, library.specdec_decoder):
+                     library.specdec_gated, library.specdec_decoder):
         function.restype = ctypes.c_int
     library.specdec_amx.restype = ctypes.c_int
     if library.specdec_block() == 0:
@@ -336,14 +337,15 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
     return out
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for gate_up (..., 2 n) = [gate | up] -> (..., n), each step rounded to the dtype as torch's
-    (float32 or bfloat16; its e^x is ours: within a float32 ulp or two of torch's)."""
+def gated_mul(gate_up: Tensor, activation: str) -> Tensor:
+    """act(gate) * up for gate_up (..., 2 n) = [gate | up] -> (..., n), `activation` one of `ACTIVATION_KINDS`
+    (transformers' names), each step rounded to the dtype as torch's (float32 or bfloat16; both activations are
+    x sigmoid(z) with our e^x: within a float32 ulp or a few of torch's)."""
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
-    _checked(_ops().specdec_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, _bf16(gate_up),
-                                     torch.get_num_threads()), "silu")
+    _checked(_ops().specdec_gated(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n,
+                                  ACTIVATION_KINDS[activation], _bf16(gate_up), torch.get_num_threads()), activation)
     return out
 
 
