@@ -180,7 +180,7 @@ def test_the_lean_forward_over_our_operations_gives_the_models_float32_logits(fa
     model = _model(family)
     lean = lean_decoder(model)
     runs = _ours_run_here()
-    assert lean.native == runs and lean.native_rope == runs
+    assert lean.native == runs
     ids = prompt(1, 30)
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([ids])).logits[0]

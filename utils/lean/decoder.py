@@ -61,12 +61,12 @@ class NativeStack:
     @staticmethod
     def unsupported(lean) -> str | None:
         """Why `NativeStack` cannot run `lean`'s layers, None when it can."""
-        if not lean.native_rope:
-            return "our rotary step does not run its layers"
+        if not lean.native:
+            return "our norms, rotary step and attention do not run it (its dtype, or a width not a multiple of 16)"
         if lean.activation_name not in native.ACTIVATION_KINDS:
             return f"activation {lean.activation_name!r}"
         if len(lean._rope_kinds) > 2 or len({layer.softcap for layer in lean.layers}) > 1:
-            return "more than two kinds of layers"
+            return "layers of more than two kinds, or attention caps that differ"
         kinds = {tuple((_kind(linear), linear.q4 and native.q4_group(*linear.q4)) for linear in layer.linears)
                  for layer in lean.layers}
         if len(kinds) != 1 or None in (kind for kind, _ in next(iter(kinds))):

@@ -132,7 +132,6 @@ class LeanLlama(nn.Module):
         # torch's attention's queries (`_sdpa`) and reads the keys in whole blocks of its CPU kernel (512), so that
         # a row's bits do not depend on how far the others reach.
         self.native = native.layer_ops(self.dtype, config.hidden_size, self.head_dim)
-        self.native_rope = self.native
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
@@ -144,13 +143,13 @@ class LeanLlama(nn.Module):
         """cos and sin at `positions` (rows, width) -> each (rows, 1, width, head_dim), from a table computed
         once by the model's rotary module for a buffer's `slots` positions (a position never passes them);
         `kind`: the layer type a rotary module of several tables is asked for (Gemma 3's), None: its only one.
-        Where our rotary step runs (`native_rope`), the tables themselves, (positions, head_dim): it reads them."""
+        Where our rotary step runs (`native`), the tables themselves, (positions, head_dim): it reads them."""
         if kind not in self._tables or slots > self._tables[kind][0].shape[0]:
             probe = torch.empty(0, dtype=self.dtype, device=self.norm.device)
             cos, sin = self._rotary_at(probe, torch.arange(slots, device=self.norm.device)[None], kind)
             self._tables[kind] = cos[0].contiguous(), sin[0].contiguous()
         cos, sin = self._tables[kind]
-        if self.native_rope:
+        if self.native:
             return cos, sin
         return cos[positions][:, None], sin[positions][:, None]
 
@@ -202,7 +201,7 @@ class LeanLlama(nn.Module):
     def _attention(self, layer: Layer, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots: PassSlots,
                    kv: StaticKV, index: int) -> Tensor:
         rows, width, _ = x.shape
-        if self.native_rope:  # rotated and written in one call
+        if self.native:  # rotated and written in one call
             qkv = layer.qkv(x)
             if layer.qk_norms is not None:  # each head of q and of k normalised first
                 q, k, v = layer.qkv.split(qkv)

@@ -339,8 +339,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
 
 def gated_mul(gate_up: Tensor, activation: str) -> Tensor:
     """act(gate) * up for gate_up (..., 2 n) = [gate | up] -> (..., n), `activation` one of `ACTIVATION_KINDS`
-    (transformers' names), each step rounded to the dtype as torch's (float32 or bfloat16; both activations are
-    x sigmoid(z) with our e^x: within a float32 ulp or a few of torch's)."""
+    (transformers' names), each step rounded to the dtype as torch's (float32 or bfloat16; silu x sigmoid(x), gelu
+    torch's 0.5 x (1 + tanh(y)), both from our e^x: within a float32 ulp or a few of torch's, `layer.c`)."""
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
