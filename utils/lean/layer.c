@@ -122,11 +122,11 @@ int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, 
 #pragma omp atomic write
       status = 2;
     }
-    float *more = row + n, *w = row + 2 * n;
-    if (row) load_row(w, weight, 0, n, weight_bf16);
+    if (row) load_row(row + 2 * n, weight, 0, n, weight_bf16);
 #pragma omp for schedule(static)
     for (int t = 0; t < tokens; t++) {
       if (!row) continue;
+      float *more = row + n, *w = row + 2 * n;
       int64_t base = (int64_t)t * n;
       load_row(row, x, base, n, bf16);
       if (delta) { /* the residual addition, rounded to the dtype and written back */
@@ -183,10 +183,10 @@ int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const 
 #pragma omp atomic write
       status = 2;
     }
-    float *x = scratch, *y = scratch + d, *c = scratch + 2 * d, *s = scratch + 3 * d;
 #pragma omp for schedule(static)
     for (int64_t token = 0; token < tokens; token++) {
       if (!scratch) continue;
+      float *x = scratch, *y = scratch + d, *c = scratch + 2 * d, *s = scratch + 3 * d;
       int64_t r = token / width, slot = write_index[token];
       load_row(c, cos, positions[token] * d, d, bf16);
       load_row(s, sin, positions[token] * d, d, bf16);
