@@ -124,9 +124,8 @@ class NativeStack:
         like = h.new_empty(rows, lean.kv_heads, 0, lean.head_dim)
         buffers = [pointer for index in range(len(lean.layers))
                    for pointer in (tensor.data_ptr() for tensor in kv.layer(index, like))]
-        masks = [mask if mask is None or (mask.stride(-1) == 1 and mask.dtype == h.dtype) else mask.to(h.dtype).contiguous()
-                 for mask in (slots.mask, slots.sliding_mask)]
-        mask, sliding = masks[0], masks[1] if masks[1] is not None else masks[0]
+        mask = native.readable_mask(slots.mask, h.dtype)
+        sliding = mask if slots.sliding_mask is None else native.readable_mask(slots.sliding_mask, h.dtype)
         tables = [ropes[kind] for kind in lean._rope_kinds]
         second = tables[1] if len(tables) > 1 else (None, None)
         positions = slots.positions.to(torch.int64).contiguous()

@@ -233,9 +233,9 @@ static inline float hsum(vec v) { /* a fixed tree: lane i plus lane i + 8, then 
   return v[0];
 }
 
-/* Scores of two query heads a and b against four keys k0..k3 (float32 rows of n): out[0..3] for a, out[4..7] for b;
-   each one dot product in the same order as every other (LANES accumulators, then hsum). */
-static inline void dots_2x4(const float* a, const float* b, const float* k, int n, float* out) {
+/* Two query heads a and b against four keys k0..k3 (float32 rows of n): each dot product's LANES accumulators, a's
+   four at sa[0..3], b's at sb[0..3], before their sums. */
+static inline void lanes_2x4(const float* a, const float* b, const float* k, int n, vec* sa, vec* sb) {
   vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
   for (int i = 0; i < n; i += LANES) {
     vec x = vload(a + i), y = vload(b + i), k0 = vload(k + i), k1 = vload(k + n + i), k2 = vload(k + 2 * n + i),
@@ -243,8 +243,15 @@ static inline void dots_2x4(const float* a, const float* b, const float* k, int 
     a0 = a0 + x * k0, a1 = a1 + x * k1, a2 = a2 + x * k2, a3 = a3 + x * k3;
     b0 = b0 + y * k0, b1 = b1 + y * k1, b2 = b2 + y * k2, b3 = b3 + y * k3;
   }
-  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
-  out[4] = hsum(b0), out[5] = hsum(b1), out[6] = hsum(b2), out[7] = hsum(b3);
+  sa[0] = a0, sa[1] = a1, sa[2] = a2, sa[3] = a3, sb[0] = b0, sb[1] = b1, sb[2] = b2, sb[3] = b3;
+}
+
+/* Their scores: out[0..3] for a, out[4..7] for b, each one dot product in the same order as every other (LANES
+   accumulators, then hsum). */
+static inline void dots_2x4(const float* a, const float* b, const float* k, int n, float* out) {
+  vec sa[4], sb[4];
+  lanes_2x4(a, b, k, n, sa, sb);
+  for (int j = 0; j < 4; j++) out[j] = hsum(sa[j]), out[4 + j] = hsum(sb[j]);
 }
 
 /* hsum of sixteen vectors at once, each in hsum's own tree: out[k] = hsum(v[k]), four shuffled additions in all
@@ -263,18 +270,6 @@ static inline vec hsum16(const vec* v) {
            __builtin_shuffle(b[2 * k], b[2 * k + 1], (ivec){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
   return __builtin_shuffle(c[0], c[1], (ivec){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
          __builtin_shuffle(c[0], c[1], (ivec){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
-}
-
-/* dots_2x4's accumulators before their sums: a's four at sa[0..3], b's at sb[0..3]. */
-static inline void lanes_2x4(const float* a, const float* b, const float* k, int n, vec* sa, vec* sb) {
-  vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-  for (int i = 0; i < n; i += LANES) {
-    vec x = vload(a + i), y = vload(b + i), k0 = vload(k + i), k1 = vload(k + n + i), k2 = vload(k + 2 * n + i),
-        k3 = vload(k + 3 * n + i);
-    a0 = a0 + x * k0, a1 = a1 + x * k1, a2 = a2 + x * k2, a3 = a3 + x * k3;
-    b0 = b0 + y * k0, b1 = b1 + y * k1, b2 = b2 + y * k2, b3 = b3 + y * k3;
-  }
-  sa[0] = a0, sa[1] = a1, sa[2] = a2, sa[3] = a3, sb[0] = b0, sb[1] = b1, sb[2] = b2, sb[3] = b3;
 }
 
 static inline float vdot(const float* a, const float* b, int n) {

@@ -16,6 +16,7 @@ cannot be built (no C compiler, a CPU without AVX2 and FMA) or with `SPECDEC_NAT
     rms_norm, add_rms_norm,      one call each where torch takes several eager operations; attention is
     rope_write, attention,       width-invariant without padding (each query alone, in one fixed order)
     gated_mul                    act(gate) * up, silu or gelu's tanh approximation
+    readable_mask(mask, dtype)   a mask as layer.c reads it (attention's, the stack's)
     decoder(...)                 a decoder-only model's whole stack of layers in one call (`decoder.c`, driven by
                                  `decoder.py`)
 
@@ -45,8 +46,8 @@ from utils.paths import cache_dir
 
 __all__ = ["ACTIVATION_KINDS", "LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "add_rms_norm",
            "attention", "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gated_mul", "gemm",
-           "gemm_q4", "layer_ops", "pack_q4", "q4_group", "rms_norm", "rope_write", "supports", "supports_q4",
-           "tile_unit", "unavailable"]
+           "gemm_q4", "layer_ops", "pack_q4", "q4_group", "readable_mask", "rms_norm", "rope_write", "supports",
+           "supports_q4", "tile_unit", "unavailable"]
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
 SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"), Path(__file__).with_name("decoder.c"))
@@ -319,6 +320,11 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
     return q
 
 
+def readable_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """`mask` as layer.c reads it: in the pass's `dtype`, its last stride 1 (no copy where it already is)."""
+    return mask if mask.stride(-1) == 1 and mask.dtype == dtype else mask.to(dtype).contiguous()
+
+
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
     """Attention of the queries q (rows, heads, width, head_dim; any strides but the last) over the first
     `mask.shape[-1]` slots of the buffer's keys and values (rows, kv_heads, slots, head_dim), `mask` (rows, 1, width,
@@ -327,7 +333,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
     each query alone in one fixed order: the same bits whatever the pass's width."""
     rows, heads, width, head_dim = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
-    mask = mask if mask.stride(-1) == 1 and mask.dtype == q.dtype else mask.to(q.dtype).contiguous()
+    mask = readable_mask(mask, q.dtype)
     out = q.new_empty(rows, width, heads * head_dim)
     _checked(_ops().specdec_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), keys.data_ptr(),
                                       values.data_ptr(), mask.data_ptr(), mask.stride(0), mask.stride(2),
