@@ -10,7 +10,7 @@ linear (int8, torch's int4, accelerate's hooked modules) is never fused: its own
 
 Kernels (float weights): the one measured fastest here for the pass's row count (`kernels.py`: `F.linear`, the
 weight-major product, `torch.mv`, padded or not, our own), once per weight shape and machine. Float32 activations
-over bfloat16 weights (`native.compute_dtype`: a CPU without bfloat16 arithmetic) take our own kernel, which reads
+over bfloat16 weights (`numerics`: a CPU without bfloat16 arithmetic) take our own kernel, which reads
 the weights in bfloat16 and sums in float32; a prompt's pass over more rows than it takes multiplies by the weight
 converted to float32.
 """
@@ -69,7 +69,7 @@ class Linear:
         if self.q4 is not None:
             out = native.gemm_q4(x.reshape(rows, -1), *self.q4, sum(self.widths), self.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
-        if x.dtype != self.weight.dtype:  # float32 activations over bfloat16 weights (`native.compute_dtype`)
+        if x.dtype != self.weight.dtype:  # float32 activations over bfloat16 weights (`numerics`)
             if rows > native.MAX_ROWS:
                 bias = None if self.bias is None else self.bias.to(x.dtype)
                 return F.linear(x, self.weight.to(x.dtype), bias)
@@ -139,20 +139,39 @@ def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
     return whole
 
 
+def _takes_float32(linear: Linear) -> bool:
+    """Whether `linear` multiplies float32 rows over weights held in bfloat16 or fewer bits: our bfloat16 kernel, our
+    4-bit one, or a quantized module that converts its rows (`utils.quantize.QuantizedLinear`)."""
+    if linear.q4 is not None:
+        return True
+    if linear.weight is not None:
+        return native.supports(tuple(linear.weight.shape), linear.weight.dtype)
+    return all(getattr(module, "bits", None) in (4, 8) and hasattr(module, "compute") for module in linear.modules)
+
+
+def _computed_dtype(linears: list[Linear], own: torch.dtype) -> torch.dtype:
+    """float32 over bfloat16 weights (`own`) where this CPU has no bfloat16 arithmetic and every linear takes float32
+    rows, else `own`. Decided by the model's dtype and the CPU, not by its weights' format, so that a self-drafter
+    (4-bit linears) computes in its target's dtype: it writes into the target's buffer (`SharedCacheRunner`)."""
+    if own == torch.bfloat16 and not native.bfloat16_arithmetic() and all(map(_takes_float32, linears)):
+        return torch.float32
+    return own
+
+
 def numerics(linears: list[Linear], dtype: torch.dtype, counts: list[int] | None = None) -> tuple[torch.dtype, bool]:
     """(the dtype a lean forward computes in, whether its passes are width-invariant) for a model whose layers
     have `linears` (one layer's and the head: every layer has the same shapes), each `counts` times in a pass (1
     each when not given), and whose norms are in `dtype`.
 
     The dtype: the weights', or float32 over bfloat16 weights on a CPU without bfloat16 arithmetic
-    (`native.compute_dtype`: our kernel alone, invariant by construction). Otherwise the kernel tables of these
+    (our kernels alone, invariant by construction). Otherwise the kernel tables of these
     shapes are measured now (`kernels.prepare`, once per machine) and invariance is priced over the whole pass:
     the invariant kernels' seconds over the fastest ones' for all its linears, averaged over the row buckets; at
     most `kernels.INVARIANCE_PAYS` (`kernels.invariance_pays`), every table takes its invariant family: one small
     matrix dearer by 20% is not a dearer pass (docs/results.md, tenth round).
     Never in float64 (it rounds far below any tie), nor with `SPECDEC_WIDTH_INVARIANT=0`; with `=1` at any price."""
     weights = [linear.weight for linear in linears if linear.weight is not None]
-    computed = native.compute_dtype(weights) if weights else dtype
+    computed = _computed_dtype(linears, weights[0].dtype if weights else dtype)
     if os.environ.get(INVARIANT_ENV) == "0" or computed == torch.float64:
         return computed, False
     if computed != (weights[0].dtype if weights else dtype):

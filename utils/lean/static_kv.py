@@ -89,7 +89,13 @@ class StaticKV:
             shape = (self.rows, like.shape[1], self.slots, like.shape[3])
             self.keys.append(like.new_zeros(shape))
             self.values.append(like.new_zeros(shape))
-        return self.keys[layer_idx], self.values[layer_idx]
+        keys = self.keys[layer_idx]
+        if keys.dtype != like.dtype or keys.shape[1] != like.shape[1] or keys.shape[3] != like.shape[3]:
+            # A model computing in another dtype over this buffer (a drafter lent the target's cache) would have
+            # our kernels read it as the wrong type.
+            raise ValueError(f"layer {layer_idx}'s buffer holds {keys.shape[1]} heads of {keys.shape[3]} in "
+                             f"{keys.dtype}; a pass wrote {like.shape[1]} heads of {like.shape[3]} in {like.dtype}")
+        return keys, self.values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The slots a query may see (a model that builds its own positions would read this; the

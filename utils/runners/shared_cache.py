@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from utils import cpu_passes
 from utils.cost_model import PassCosts
+from utils.lean import lean_decoder
 from utils.runners.model_info import input_device, is_encoder_decoder, model_devices
 from utils.runners.protocol import Blocks, Runner
 from utils.runners.sequence import SequenceRunner
@@ -36,12 +37,18 @@ SHAREABLE = (SequenceRunner, SharedBatchRunner, StaticRunner)  # runners whose p
 
 def can_share(target_runner: Runner, drafter: PreTrainedModel) -> bool:
     """Whether `drafter` can run over `target_runner`'s cache: a decoder-only runner with a cache of
-    one of the `SHAREABLE` kinds, the drafter on the same devices."""
+    one of the `SHAREABLE` kinds, the drafter on the same devices, computing in the same dtype (the buffer's)."""
     if not isinstance(target_runner, SHAREABLE) or is_encoder_decoder(drafter) or target_runner.encoder_decoder:
         return False
     if isinstance(target_runner, SequenceRunner) and not target_runner.use_cache:
         return False
-    return model_devices(drafter) == target_runner.devices
+    return model_devices(drafter) == target_runner.devices and _pass_dtype(drafter) == _pass_dtype(target_runner.model)
+
+
+def _pass_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype `model`'s passes compute and cache in: its lean forward's, else its embeddings'."""
+    lean = lean_decoder(model)
+    return model.get_input_embeddings().weight.dtype if lean is None else lean.dtype
 
 
 class SharedCacheRunner:
