@@ -56,7 +56,10 @@ def emulate_avx2(argv: list[str]) -> None:
     that this CPU has no bfloat16 arithmetic (`utils.lean.native`)."""
     if any(os.environ.get(name) != value for name, value in AVX2_ONLY.items()):
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.passes", *argv], os.environ | AVX2_ONLY)
-    native.FLAGS = tuple("-march=haswell" if flag == "-march=native" else flag for flag in native.FLAGS)
+    from utils.lean.build import MARCH_ENV
+
+    os.environ[MARCH_ENV] = "haswell"  # our kernels built for an AVX2-only CPU (`utils/lean/build.py`)
+    native._library.cache_clear()  # built for this CPU already, were they asked for before
     native.bfloat16_arithmetic = lambda: False
 
 

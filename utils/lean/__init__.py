@@ -3,7 +3,8 @@ the static runner (`utils/runners/static.py`) runs for every model a family file
 being the reference (tests) and the fallback for every other model.
 
     lean_decoder(model)   the model's lean forward (built once, kept while the model lives), None: the Hugging Face path
-    forward_path(model)   one line: which path the model's passes take, and why
+    forward_path(model)   one line: which path the model's passes take, and why (where the lean forward's layers run
+                          in Python, not in one native call: why not)
 
 One file per family group: `llama.py` (Llama and SmolLM2, Qwen2, Qwen3, Mistral), `gemma.py` (Gemma, Gemma 2,
 Gemma 3's text model; layers of two kinds, sliding-window and full, each attend through their own mask, which the
@@ -20,6 +21,7 @@ import weakref
 from torch import nn
 
 from utils.lean import gemma, llama
+from utils.lean.decoder import NativeStack
 
 __all__ = ["LEAN_ENV", "forget", "forward_path", "lean_decoder", "unsupported"]
 
@@ -66,8 +68,9 @@ def forget(model: nn.Module) -> None:
 def forward_path(model: nn.Module) -> str:
     """Which forward `model`'s passes take, in one line."""
     reason = unsupported(model)
-    if reason is None:
-        built = _BUILT.get(model)  # once built: whether its layers run in one native call (`decoder.py`)
-        stack = ", its layers in one native call" if built is not None and built.stack is not None else ""
-        return f"lean forward ({_family(model).__name__.rpartition('.')[2]}.py{stack})"
-    return f"Hugging Face forward ({reason})"
+    if reason is not None:
+        return f"Hugging Face forward ({reason})"
+    lean, file = lean_decoder(model), _family(model).__name__.rpartition(".")[2]  # built here where not yet
+    if lean.stack is not None:
+        return f"lean forward ({file}.py, its layers in one native call)"
+    return f"lean forward ({file}.py, layers in Python: {NativeStack.unsupported(lean)})"

@@ -62,7 +62,10 @@ class NativeStack:
     def unsupported(lean) -> str | None:
         """Why `NativeStack` cannot run `lean`'s layers, None when it can."""
         if not lean.native:
-            return "our norms, rotary step and attention do not run it (its dtype, or a width not a multiple of 16)"
+            dtype = str(lean.dtype).removeprefix("torch.")
+            return native.unavailable() or (f"our norms, rotary step and attention do not run a {dtype} pass over "
+                                             f"{lean.layers[0].attention_norm.shape[-1]} features, heads of "
+                                             f"{lean.head_dim} (float32 or bfloat16, multiples of {native.LANES})")
         if lean.activation_name not in native.ACTIVATION_KINDS:
             return f"activation {lean.activation_name!r}"
         if len(lean._rope_kinds) > 2 or len({layer.softcap for layer in lean.layers}) > 1:

@@ -31,10 +31,7 @@ whatever the number of rows (width-invariant by construction).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -42,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from utils.paths import cache_dir
+from utils.lean import build
 
 __all__ = ["ACTIVATION_KINDS", "LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "add_rms_norm",
            "attention", "bfloat16_arithmetic", "compute_dtype", "decoder", "dequantize_q4", "gated_mul", "gemm",
@@ -50,9 +47,7 @@ __all__ = ["ACTIVATION_KINDS", "LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q
            "supports_q4", "tile_unit", "unavailable"]
 
 GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
-SOURCES = (GEMM_SOURCE, Path(__file__).with_name("layer.c"), Path(__file__).with_name("decoder.c"))
-HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the build's key
-NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations everywhere
+NATIVE_ENV = build.NATIVE_ENV  # "0": none of our kernels, torch's operations everywhere
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
 Q4_BLOCK = 32  # gemm.c's 4-bit block: input columns quantized together (an int8 scale of the activations; a weight's
 #                scale and minimum serve one block or two)
@@ -60,46 +55,15 @@ Q4_ROWS = 16  # and its weight rows laid out together (one per vector lane)
 Q4_GROUPS = (32, 64)  # the quantization groups it takes: a scale and a minimum per block of 32 inputs, or per two
 ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # layer.c's `specdec_gated` kinds, by transformers' names
 LANES = 16  # layer.c's LANES: a norm's width and a head's size must be multiples of it
-# -ffp-contract=off: a product and a sum written apart stay apart (rounded as torch's eager steps round them)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-
-
-def _cpu_flags() -> str:
-    try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 @cache
+@build.announced  # one warning a process where they cannot run (not under SPECDEC_NATIVE=0)
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The built kernel and its input block (from the cache or compiled now), or None and why not."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc, gcc or $CC) to build it"
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"{compiler} did not run: {error}"
-    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()[:20]
-    path = cache_dir() / "kernels" / f"gemm-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            built = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
-                                   capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as error:
-            built = subprocess.CompletedProcess([], returncode=1, stderr=str(error))
-        if built.returncode != 0:
-            partial.unlink(missing_ok=True)
-            return None, f"{compiler} could not build {' and '.join(p.name for p in SOURCES)}: {built.stderr.strip()[-300:]}"
-        partial.replace(path)
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as error:  # e.g. a cache on a file system mounted noexec
-        return None, f"the built kernel does not load: {error}"
+    """The built kernel and its input block (from the cache or compiled now: `build.py`), or None and why not."""
+    library, reason = build.load()
+    if library is None:
+        return None, reason
     library.specdec_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
     library.specdec_gemm.restype = ctypes.c_int
     library.specdec_gemm_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
