@@ -11,25 +11,12 @@
    our bfloat16 kernel (`specdec_gemm`) or our 4-bit one (`specdec_gemm_q4`), the same kind in every layer. A layer
    of a model that mixes two kinds (Gemma 2 and 3) takes the sliding window's mask and, Gemma 3, its own rotary
    tables where its `layer_kinds` bits say so. */
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "bf16.h"
-
-int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, int rows, int out, int in, int x_bf16,
-                 int y_bf16, int threads);
-int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
-                    int in, int group, int x_bf16, int y_bf16, int threads);
-int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, int tokens, int n, float eps,
-                     int plus_one, int bf16, int weight_bf16, int threads);
-int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
-                       const int64_t* write_index, void* q_out, void* keys, void* values, int rows, int width,
-                       int heads, int kv_heads, int slots, int d, int bf16, int threads);
-int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_token, const void* keys,
-                      const void* values, const void* mask, int64_t m_row, int64_t m_token, void* out, int rows,
-                      int heads, int kv_heads, int width, int used, int slots, int d, float scale, float cap, int bf16,
-                      int threads);
-int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads);
+#include "specdec.h"
 
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
 /* A layer's pointers: its norms' weights (the last four NULL where the model has none), then per linear (in the
@@ -53,6 +40,7 @@ typedef struct {
 
 static int linear(const void* const* p, int which, const void* x, void* y, int tokens, int out, int in,
                   const shape_t* s) {
+  if (s->kinds[which] != 0 && s->kinds[which] != 1) return SPECDEC_UNSUPPORTED;
   if (s->kinds[which] == 1)
     return specdec_gemm_q4((const uint8_t*)p[0], (const uint16_t*)p[1], x, p[2], y, tokens, out, in,
                            (int)s->groups[which], (int)s->bf16, (int)s->bf16, (int)s->threads);
@@ -62,7 +50,7 @@ static int linear(const void* const* p, int which, const void* x, void* y, int t
 /* Each token's heads (n of them, d values each, `stride` values apart from one token to the next) normalised in
    place: Qwen3's and Gemma 3's q and k norms. */
 static int head_norms(void* x, const void* weight, int tokens, int64_t stride, int n, int d, const shape_t* s) {
-  int size = s->bf16 ? 2 : 4, status = 0;
+  int size = s->bf16 ? 2 : 4, status = SPECDEC_OK;
   for (int t = 0; t < tokens && !status; t++) {
     void* at = (char*)x + (size_t)t * stride * size;
     status = specdec_rms_norm(at, NULL, weight, at, n, d, s->eps, (int)s->plus_one, (int)s->bf16, (int)s->norm_bf16,
@@ -73,7 +61,7 @@ static int head_norms(void* x, const void* weight, int tokens, int64_t stride, i
 
 /* x normalised in place, where `weight` is given (a norm the model has). */
 static int norm_in_place(void* x, const void* weight, int tokens, int n, const shape_t* s) {
-  if (!weight) return 0;
+  if (!weight) return SPECDEC_OK;
   return specdec_rms_norm(x, NULL, weight, x, tokens, n, s->eps, (int)s->plus_one, (int)s->bf16, (int)s->norm_bf16,
                           (int)s->threads);
 }
@@ -83,13 +71,19 @@ static int norm_in_place(void* x, const void* weight, int tokens, int n, const s
    layer's keys then values buffer (rows, kv_heads, slots, head_dim); `layer_kinds`: each layer's kind bits; cos and
    sin: the rotary tables (positions, head_dim), cos2 and sin2 the second kind's (or NULL); positions and
    write_index (rows, width); mask (rows, 1, width, used), added to the scores, and `sliding` the sliding window's
-   (or NULL). Returns 0, else the failing step's status times 100 plus the step (1 norm, 2 q/k/v, 3 rotary, 4
-   attention, 5 output, 6 norm, 7 gate/up, 8 activation, 9 down, 10 q/k norms, 11 output norm, 12 MLP output norm). */
+   (or NULL). Returns SPECDEC_OK, else the failing step's status (a specdec_status) times 100 plus the step (1 norm,
+   2 q/k/v, 3 rotary, 4 attention, 5 output, 6 norm, 7 gate/up, 8 activation, 9 down, 10 q/k norms, 11 output norm,
+   12 MLP output norm); a shape whose sizes do not fit the kernels' int counts fails as step 1's SPECDEC_BAD_SHAPE.
+   The rotary tables' length is not in shape_t: positions are checked only for >= 0 (specdec_rope_write). */
 int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, const int64_t* layer_kinds,
                     int n_layers, const void* cos, const void* sin, const void* cos2, const void* sin2,
                     const int64_t* positions, const int64_t* write_index, const void* mask, const void* sliding,
                     const shape_t* s) {
-  int tokens = (int)(s->rows * s->width), bf16 = (int)s->bf16, threads = (int)s->threads;
+  int64_t all = s->rows * s->width;
+  if (s->rows < 0 || s->width < 0 || all > INT_MAX || s->hidden > INT_MAX || s->intermediate > INT_MAX ||
+      s->slots > INT_MAX || s->used > INT_MAX || s->heads * s->head_dim > INT_MAX || n_layers < 0)
+    return SPECDEC_BAD_SHAPE * 100 + 1;
+  int tokens = (int)all, bf16 = (int)s->bf16, threads = (int)s->threads;
   int hidden = (int)s->hidden, attended = (int)(s->heads * s->head_dim), size = bf16 ? 2 : 4;
   int plus_one = (int)s->plus_one, d = (int)s->head_dim;
   char* at = (char*)work;
@@ -98,7 +92,7 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
   void* attention = (char*)q + (size_t)tokens * attended * size;
   void* gate_up = (char*)attention + (size_t)tokens * attended * size;
   void* act = (char*)gate_up + (size_t)tokens * s->outs[GATE_UP] * size;
-  int status = 0;
+  int status = SPECDEC_OK;
 #define STEP(call, step)                          \
   if ((status = (call)) != 0) return status * 100 + (step)
   for (int l = 0; l < n_layers; l++) {
@@ -114,9 +108,9 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
       STEP(head_norms((char*)qkv + (size_t)attended * size, p[K_NORM], tokens, s->outs[QKV], (int)s->kv_heads, d, s),
            10);
     }
-    STEP(specdec_rope_write(qkv, second ? cos2 : cos, second ? sin2 : sin, positions, write_index, q, keys, values,
-                            (int)s->rows, (int)s->width, (int)s->heads, (int)s->kv_heads, (int)s->slots, d, bf16,
-                            threads), 3);
+    STEP(specdec_rope_write_checked(qkv, second ? cos2 : cos, second ? sin2 : sin, INT64_MAX, positions, write_index,
+                                    q, keys, values, (int)s->rows, (int)s->width, (int)s->heads, (int)s->kv_heads,
+                                    (int)s->slots, d, bf16, threads), 3);
     STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, window ? sliding : mask,
                            window ? s->sliding_row : s->mask_row, window ? s->sliding_token : s->mask_token,
                            attention, (int)s->rows, (int)s->heads, (int)s->kv_heads, (int)s->width, (int)s->used,
@@ -137,5 +131,5 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
     else
       ((float*)h)[i] += ((const float*)delta)[i];
   }
-  return 0;
+  return SPECDEC_OK;
 }

@@ -1,6 +1,9 @@
-/* Our GEMM kernels, built for the CPU they run on by `utils/lean/native.py` (cc -O3 -march=native -fopenmp):
-   bfloat16 weights (specdec_gemm, below: vector units, or the tile unit for bfloat16 activations where the CPU has
-   AMX) and 4-bit weights (specdec_gemm_q4, at the end of the file).
+/* Our GEMM kernels, built for the CPU they run on by `utils/lean/native.py` (cc -O3 -march=native -fopenmp
+   -ffp-contract=off): bfloat16 weights (specdec_gemm, below: vector units, or the tile unit for bfloat16 activations
+   where the CPU has AMX) and 4-bit weights (specdec_gemm_q4, at the end of the file). Each kernel has an AVX-512
+   version, an AVX2 + FMA one and a plain C one (any other CPU: x86-64 without AVX2, aarch64, ...), chosen at
+   compile time; the plain C ones take the AVX2 versions' steps lane for lane, so they give their bits. OpenMP is
+   optional (without -fopenmp the pragmas are ignored and every call runs on one thread).
 
    y = x W^T (+ b) for bfloat16 weights W (out, in) and up to MAX_ROWS rows of x (rows, in); x, b and y in float32
    or bfloat16.
@@ -17,13 +20,16 @@
    Shape of the work: each thread takes whole blocks of JB weight rows; a block's rows are read chunk by chunk
    (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L1, then used by every group of
    RB activation rows while it sits in the cache. */
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* the intrinsics are used only under their ISA's #if below */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "specdec.h"
 
 #if defined(__AVX2__)
 /* 8 float32 -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even, a NaN stays a NaN). */
@@ -38,7 +44,7 @@ static inline __m128i bf16_round8(__m256 v) {
 }
 #endif
 
-#define MAX_ROWS 32
+#define MAX_ROWS SPECDEC_MAX_ROWS
 #define JB 4
 #define KC 512
 #define PREFETCH 16384
@@ -71,14 +77,49 @@ static inline float vsum(vf v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-#else
-#define KB 0 /* no kernel for this CPU: specdec_block() says so and the caller keeps torch's products */
+#else /* plain C, any CPU: AVX2's steps lane for lane (8 float32 lanes, fmaf, its horizontal sum's tree) */
+#define KB 16
+#define RB 2
+#define PLAIN_LANES (KB / 2)
+typedef struct { float l[PLAIN_LANES]; } vf;
+typedef struct { uint16_t h[KB]; } vi;
+static inline vi load_w(const uint16_t* p) {
+  vi w;
+  memcpy(w.h, p, sizeof w.h);
+  return w;
+}
+static inline vf even_half(vi w) { /* AVX2's 32-bit lane i holds weights 2i (low half) and 2i + 1 */
+  vf v;
+  for (int i = 0; i < PLAIN_LANES; i++) v.l[i] = bf16_to_f32(w.h[2 * i]);
+  return v;
+}
+static inline vf odd_half(vi w) {
+  vf v;
+  for (int i = 0; i < PLAIN_LANES; i++) v.l[i] = bf16_to_f32(w.h[2 * i + 1]);
+  return v;
+}
+static inline vf vzero(void) {
+  vf v = {{0}};
+  return v;
+}
+static inline vf vload(const float* p) {
+  vf v;
+  memcpy(v.l, p, sizeof v.l);
+  return v;
+}
+static inline vf vfma(vf a, vf b, vf c) {
+  for (int i = 0; i < PLAIN_LANES; i++) c.l[i] = fmaf(a.l[i], b.l[i], c.l[i]);
+  return c;
+}
+static inline float vsum(vf v) { /* AVX2's tree: halves added, then lanes 0 + 2 and 1 + 3, then those two */
+  float s0 = v.l[0] + v.l[4], s1 = v.l[1] + v.l[5], s2 = v.l[2] + v.l[6], s3 = v.l[3] + v.l[7];
+  return (s0 + s2) + (s1 + s3);
+}
 #endif
 
-/* The input width must be a multiple of this (0: no kernel was built). */
+/* The input width must be a multiple of this (every build has a kernel). */
 int specdec_block(void) { return KB; }
 
-#if KB
 #define HALF (KB / 2)
 
 
@@ -99,7 +140,6 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
       }
     }
 }
-#endif
 
 /* ---- bfloat16 activations on AMX (Intel's tile unit: Sapphire Rapids and later) ----
    The same y = x W^T (+ b) with bfloat16 x, on the tile unit: W's rows are read as they lie in memory (A tiles of
@@ -168,7 +208,7 @@ static int gemm_amx(const uint16_t* W, const uint16_t* x, const uint16_t* bias, 
   int n0 = rows < 16 ? rows : 16, n1 = rows - n0; /* the activation rows each B tile holds */
   size_t step_values = (size_t)16 * rows; /* 32-bit values a step's B tiles hold */
   uint32_t* packed = (uint32_t*)aligned_alloc(64, ((size_t)steps * step_values * 4 + 63) / 64 * 64);
-  if (!packed) return -1;
+  if (!packed) return SPECDEC_NO_MEMORY;
   int blocks = (out + AMX_M - 1) / AMX_M, failed = 0;
 #pragma omp parallel num_threads(threads)
   {
@@ -239,7 +279,7 @@ static int gemm_amx(const uint16_t* W, const uint16_t* x, const uint16_t* bias, 
     _tile_release();
   }
   free(packed);
-  return failed ? -1 : 0;
+  return failed ? SPECDEC_NO_MEMORY : SPECDEC_OK;
 }
 #endif
 
@@ -254,17 +294,18 @@ int specdec_amx(void) {
 }
 
 /* x_bf16, y_bf16: 1 where x (and the bias), y are bfloat16, 0 where float32; bias: NULL or `out` values.
-   Returns 0, or -1 where no kernel was built, rows > MAX_ROWS, in % KB != 0 or memory ran out. */
+   Returns SPECDEC_OK; SPECDEC_BAD_SHAPE where rows is not 1..MAX_ROWS, in not a positive multiple of KB or out
+   negative; SPECDEC_NO_MEMORY. */
 int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, int rows, int out, int in,
                  int x_bf16, int y_bf16, int threads) {
-#if KB
-  if (rows < 1 || rows > MAX_ROWS || in % KB) return -1;
+  if (rows < 1 || rows > MAX_ROWS || in < 1 || in % KB || out < 0) return SPECDEC_BAD_SHAPE;
+  if (out == 0) return SPECDEC_OK;
 #ifdef AMX
   if (x_bf16 && specdec_amx() == 1 && in % AMX_K == 0)
     return gemm_amx(W, (const uint16_t*)x, (const uint16_t*)bias, y, rows, out, in, y_bf16, threads);
 #endif
   float* xp = (float*)malloc((size_t)rows * in * sizeof(float));
-  if (!xp) return -1;
+  if (!xp) return SPECDEC_NO_MEMORY;
   for (int r = 0; r < rows; r++)
     for (int k = 0; k < in; k += KB)
       for (int i = 0; i < KB; i++) {
@@ -298,11 +339,7 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
       }
   }
   free(xp);
-  return 0;
-#else
-  (void)W, (void)x, (void)bias, (void)y, (void)rows, (void)out, (void)in, (void)x_bf16, (void)y_bf16, (void)threads;
-  return -1;
-#endif
+  return SPECDEC_OK;
 }
 
 /* ---- 4-bit weights (llama.cpp's Q4_1 x Q8_1 numbers, laid out for 16 weight rows at once) ----
@@ -323,8 +360,6 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
    Per output one order whatever the number of rows or threads (width-invariant): its lane's integer sums (exact),
    then float32 steps in block order. AVX-512 VNNI takes a group as one 512-bit register; AVX2 (with AVX-VNNI where
    there is one, else maddubs) as two 256-bit halves doing the same steps per lane: the same bits on either. */
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define Q4 1
 #define Q4_BLOCK 32
 #define Q4_ROWS 16
 #define Q4_GROUP_BYTES (Q4_ROWS * Q4_BLOCK / 2) /* one block of a group */
@@ -336,6 +371,8 @@ static inline void q4_prefetch(const uint8_t* w, const uint16_t* dm) {
   for (int line = 0; line < Q4_GROUP_BYTES; line += 64) __builtin_prefetch(w + Q4_AHEAD * Q4_GROUP_BYTES + line, 0, 2);
   __builtin_prefetch(dm + Q4_AHEAD * 2 * Q4_ROWS, 0, 2);
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define Q4_512 1
 #endif
@@ -436,72 +473,118 @@ static inline void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t*
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(acc[r][h], accm[r][h]));
 }
 #endif
-#endif
 
-/* The input width must be a multiple of this (0: no 4-bit kernel was built). */
-int specdec_q4_block(void) {
-#ifdef Q4
-  return Q4_BLOCK;
-#else
-  return 0;
-#endif
+/* Row l of a group's block (its four bytes of each of the block's four vectors: their low nibbles and high ones
+   interleaved four by four are its 32 inputs in order), d * q + m (a product, then a sum) in float32, to w[at..]. */
+static inline void dequantize_block(const uint8_t* block, const uint16_t* scales, int l, void* w, size_t at,
+                                    int y_bf16) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[l])), m = _mm256_set1_ps(_cvtsh_ss(scales[Q4_ROWS + l]));
+  uint32_t mine[4];
+  for (int v = 0; v < 4; v++) memcpy(mine + v, block + 64 * v + 4 * l, 4);
+  __m128i bytes = _mm_loadu_si128((const __m128i*)mine);
+  __m128i lows = _mm_and_si128(bytes, low), highs = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+  __m128i q16[2] = {_mm_unpacklo_epi32(lows, highs), _mm_unpackhi_epi32(lows, highs)}; /* inputs 0-15, 16-31 */
+  for (int e = 0; e < 4; e++) { /* eight inputs at a time */
+    __m128i q8 = e % 2 ? _mm_srli_si128(q16[e / 2], 8) : q16[e / 2];
+    __m256 value = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), m);
+    if (y_bf16) _mm_storeu_si128((__m128i*)((uint16_t*)w + at + 8 * e), bf16_round8(value));
+    else _mm256_storeu_ps((float*)w + at + 8 * e, value);
+  }
+}
+#else /* plain C, any CPU: the same steps per lane as the vector kernels above, so the same bits */
+/* As _mm256_cvtps_epi32 (round to nearest even; a NaN or a value out of int32's range gives INT32_MIN), clamped. */
+static inline int quantize_block(const float* v, float inverse, int8_t* q) {
+  int sum = 0;
+  for (int i = 0; i < Q4_BLOCK; i++) {
+    float t = v[i] * inverse;
+    long n = fabsf(t) < 2147483648.0f ? lrintf(t) : -2147483647L - 1;
+    n = n > 127 ? 127 : n < -127 ? -127 : n;
+    q[i] = (int8_t)n;
+    sum += (int)n;
+  }
+  return sum;
 }
 
-/* The (out, in) weight the 4-bit layout holds, d * q + m (a product, then a sum) in float32, stored in bfloat16
-   (y_bf16) or float32: for a prompt's pass over more rows than MAX_ROWS, which then multiplies by it with torch's
-   GEMM. A row's block is its four bytes of each of the block's four vectors: their low nibbles and high ones
-   interleaved four by four are its 32 inputs in order. */
-int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int group, int y_bf16,
-                          int threads) {
-#ifdef Q4
-  int blocks = in / Q4_BLOCK, per = group / Q4_BLOCK;
-  if ((group != Q4_BLOCK && group != 2 * Q4_BLOCK) || in % group) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int j = 0; j < out; j++) {
-    int g = j / Q4_ROWS, l = j % Q4_ROWS;
-    const __m128i low = _mm_set1_epi8(0x0f);
-    for (int b = 0; b < blocks; b++) {
-      const uint8_t* block = Wq + ((size_t)g * blocks + b) * Q4_GROUP_BYTES;
-      const uint16_t* scales = dm + ((size_t)g * (blocks / per) + b / per) * 2 * Q4_ROWS;
-      __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[l])), m = _mm256_set1_ps(_cvtsh_ss(scales[Q4_ROWS + l]));
-      uint32_t mine[4];
-      for (int v = 0; v < 4; v++) memcpy(mine + v, block + 64 * v + 4 * l, 4);
-      __m128i bytes = _mm_loadu_si128((const __m128i*)mine);
-      __m128i lows = _mm_and_si128(bytes, low), highs = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-      __m128i q16[2] = {_mm_unpacklo_epi32(lows, highs), _mm_unpackhi_epi32(lows, highs)}; /* inputs 0-15, 16-31 */
-      for (int e = 0; e < 4; e++) { /* eight inputs at a time */
-        __m128i q8 = e % 2 ? _mm_srli_si128(q16[e / 2], 8) : q16[e / 2];
-        __m256 value = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), m);
-        size_t at = (size_t)j * in + (size_t)b * Q4_BLOCK + 8 * e;
-        if (y_bf16) _mm_storeu_si128((__m128i*)((uint16_t*)w + at), bf16_round8(value));
-        else _mm256_storeu_ps((float*)w + at, value);
+/* Row l's 32 weights of a block, in input order (see the layout above). */
+static inline void unpack_row(const uint8_t* block, int l, uint8_t q[Q4_BLOCK]) {
+  for (int v = 0; v < 4; v++)
+    for (int i = 0; i < 4; i++) {
+      uint8_t byte = block[64 * v + 4 * l + i];
+      q[8 * v + i] = byte & 0x0f;
+      q[8 * v + 4 + i] = byte >> 4;
+    }
+}
+
+/* The AVX-512 kernel's steps, one lane (weight row l) at a time: an exact integer sum, then two fmaf chains. */
+static inline void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t* qx, const float* dx, const float* sx,
+                            int blocks, int per, int in, int nr, float out[Q4_X][Q4_ROWS]) {
+  float acc[Q4_X][Q4_ROWS] = {{0}}, accm[Q4_X][Q4_ROWS] = {{0}};
+  for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES) {
+    const uint16_t* dm = dm0 + (size_t)(b / per) * 2 * Q4_ROWS; /* a scale and a minimum serve `per` blocks */
+    q4_prefetch(w, dm);
+    for (int l = 0; l < Q4_ROWS; l++) {
+      uint8_t q[Q4_BLOCK];
+      unpack_row(w, l, q);
+      float d = f16_to_f32(dm[l]), m = f16_to_f32(dm[Q4_ROWS + l]);
+      for (int r = 0; r < nr; r++) {
+        const int8_t* x = qx + (size_t)r * in + (size_t)b * Q4_BLOCK;
+        int32_t s = 0;
+        for (int k = 0; k < Q4_BLOCK; k++) s += q[k] * x[k];
+        acc[r][l] = fmaf((float)s, d * dx[(size_t)r * blocks + b], acc[r][l]);
+        accm[r][l] = fmaf(m, sx[(size_t)r * blocks + b], accm[r][l]);
       }
     }
   }
-  return 0;
-#else
-  (void)Wq, (void)dm, (void)w, (void)out, (void)in, (void)group, (void)y_bf16, (void)threads;
-  return -1;
-#endif
+  for (int r = 0; r < nr; r++)
+    for (int l = 0; l < Q4_ROWS; l++) out[r][l] = acc[r][l] + accm[r][l];
 }
 
-int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
-                    int in, int group, int x_bf16, int y_bf16, int threads) {
-#ifdef Q4
-  int blocks = in / Q4_BLOCK, groups = (out + Q4_ROWS - 1) / Q4_ROWS, per = group / Q4_BLOCK;
-  if (rows < 1 || rows > MAX_ROWS || (group != Q4_BLOCK && group != 2 * Q4_BLOCK) || in % group) return -1;
-  int8_t* qx = (int8_t*)aligned_alloc(64, ((size_t)rows * in + 63) / 64 * 64);
-  float* dx = (float*)malloc((size_t)rows * blocks * sizeof(float));
-  float* sx = (float*)malloc((size_t)rows * blocks * sizeof(float)); /* dx * the block's sum of qx */
-  if (!qx || !dx || !sx) {
-    free(qx), free(dx), free(sx);
-    return -1;
+static inline void dequantize_block(const uint8_t* block, const uint16_t* scales, int l, void* w, size_t at,
+                                    int y_bf16) {
+  float d = f16_to_f32(scales[l]), m = f16_to_f32(scales[Q4_ROWS + l]);
+  uint8_t q[Q4_BLOCK];
+  unpack_row(block, l, q);
+  for (int k = 0; k < Q4_BLOCK; k++) {
+    float product = d * (float)q[k], value = product + m; /* two roundings, as the vector kernel's (no fusing) */
+    if (y_bf16) ((uint16_t*)w)[at + k] = f32_to_bf16(value);
+    else ((float*)w)[at + k] = value;
   }
+}
+#endif
+
+/* The input width must be a multiple of this (every build has a kernel). */
+int specdec_q4_block(void) { return Q4_BLOCK; }
+
+/* The (out, in) weight the 4-bit layout holds, d * q + m (a product, then a sum) in float32, stored in bfloat16
+   (y_bf16) or float32: for a prompt's pass over more rows than MAX_ROWS, which then multiplies by it with torch's
+   GEMM. */
+int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int group, int y_bf16,
+                          int threads) {
+  if (group != Q4_BLOCK && group != 2 * Q4_BLOCK) return SPECDEC_UNSUPPORTED;
+  if (out < 0 || in < 1 || in % group) return SPECDEC_BAD_SHAPE;
+  int blocks = in / Q4_BLOCK, per = group / Q4_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int j = 0; j < out; j++) {
+    int g = j / Q4_ROWS, l = j % Q4_ROWS;
+    for (int b = 0; b < blocks; b++) {
+      const uint8_t* block = Wq + ((size_t)g * blocks + b) * Q4_GROUP_BYTES;
+      const uint16_t* scales = dm + ((size_t)g * (blocks / per) + b / per) * 2 * Q4_ROWS;
+      dequantize_block(block, scales, l, w, (size_t)j * in + (size_t)b * Q4_BLOCK, y_bf16);
+    }
+  }
+  return SPECDEC_OK;
+}
+
+/* Each row of x quantized per block of Q4_BLOCK: qx (rows, in) int8, dx (rows, blocks) its scale max|x| / 127 and
+   sx (rows, blocks) dx times the block's sum of qx. */
+static void quantize_rows(const void* x, int8_t* qx, float* dx, float* sx, int rows, int in, int x_bf16) {
+  int blocks = in / Q4_BLOCK;
   for (int r = 0; r < rows; r++)
     for (int b = 0; b < blocks; b++) {
       float v[Q4_BLOCK], amax = 0.0f;
       for (int i = 0; i < Q4_BLOCK; i++) {
-        size_t from = (size_t)r * in + b * Q4_BLOCK + i;
+        size_t from = (size_t)r * in + (size_t)b * Q4_BLOCK + i;
         v[i] = x_bf16 ? bf16_to_f32(((const uint16_t*)x)[from]) : ((const float*)x)[from];
         amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
       }
@@ -510,6 +593,23 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
       dx[(size_t)r * blocks + b] = d;
       sx[(size_t)r * blocks + b] = d * (float)sum;
     }
+}
+
+/* y = x W^T (+ bias) for the 4-bit W (out rows in the layout above) and rows 1..MAX_ROWS of x: SPECDEC_OK;
+   SPECDEC_UNSUPPORTED for a group other than 32 or 64; SPECDEC_BAD_SHAPE; SPECDEC_NO_MEMORY. */
+int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
+                    int in, int group, int x_bf16, int y_bf16, int threads) {
+  if (group != Q4_BLOCK && group != 2 * Q4_BLOCK) return SPECDEC_UNSUPPORTED;
+  if (rows < 1 || rows > MAX_ROWS || out < 0 || in < 1 || in % group) return SPECDEC_BAD_SHAPE;
+  int blocks = in / Q4_BLOCK, groups = (out + Q4_ROWS - 1) / Q4_ROWS, per = group / Q4_BLOCK;
+  int8_t* qx = (int8_t*)aligned_alloc(64, ((size_t)rows * in + 63) / 64 * 64);
+  float* dx = (float*)malloc((size_t)rows * blocks * sizeof(float));
+  float* sx = (float*)malloc((size_t)rows * blocks * sizeof(float));
+  if (!qx || !dx || !sx) {
+    free(qx), free(dx), free(sx);
+    return SPECDEC_NO_MEMORY;
+  }
+  quantize_rows(x, qx, dx, sx, rows, in, x_bf16);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int g = 0; g < groups; g++) {
     float o[Q4_X][Q4_ROWS] __attribute__((aligned(64)));
@@ -530,10 +630,5 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
     }
   }
   free(qx), free(dx), free(sx);
-  return 0;
-#else
-  (void)Wq, (void)dm, (void)x, (void)bias, (void)y, (void)rows, (void)out, (void)in, (void)group, (void)x_bf16,
-      (void)y_bf16, (void)threads;
-  return -1;
-#endif
+  return SPECDEC_OK;
 }

@@ -1,0 +1,51 @@
+/* The kernels' entry points (gemm.c, layer.c, decoder.c), as `utils/lean/native.py` calls them through ctypes and
+   as tests/native/test_kernels.c calls them. Every operation returns a `specdec_status`: SPECDEC_OK, or why it
+   did nothing (checked before anything is written). The three queries (specdec_block, specdec_q4_block,
+   specdec_amx) return what they say instead.
+
+   Sizes are `int` where a tensor dimension is (a caller's shape); every offset and size computed from them is
+   int64_t or size_t, so rows * in and the like do not overflow. */
+#ifndef SPECDEC_H
+#define SPECDEC_H
+#include <stdint.h>
+
+/* 1 and 2 keep the values layer.c returned before these names (decoder.py prints status // 100). */
+enum specdec_status {
+  SPECDEC_OK = 0,
+  SPECDEC_BAD_SHAPE = 1,   /* a size negative (or zero where one is needed) or not a multiple of the kernel's block */
+  SPECDEC_NO_MEMORY = 2,   /* scratch memory could not be allocated */
+  SPECDEC_BAD_INDEX = 3,   /* a slot, position or key count outside the buffer or table it indexes */
+  SPECDEC_UNSUPPORTED = 4, /* a kind (quantization group, activation, linear kind) this build has no kernel for */
+};
+
+#define SPECDEC_MAX_ROWS 32 /* the most activation rows the GEMMs take in one call */
+
+/* gemm.c */
+int specdec_block(void);    /* the bfloat16 GEMM's input multiple (nonzero in every build) */
+int specdec_q4_block(void); /* the 4-bit GEMM's input multiple (nonzero in every build) */
+int specdec_amx(void);      /* 1 where bfloat16 activations take the tile unit, else 0 */
+int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, int rows, int out, int in, int x_bf16,
+                 int y_bf16, int threads);
+int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const void* bias, void* y, int rows, int out,
+                    int in, int group, int x_bf16, int y_bf16, int threads);
+int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int group, int y_bf16,
+                          int threads);
+
+/* layer.c */
+int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, int tokens, int n, float eps,
+                     int plus_one, int bf16, int weight_bf16, int threads);
+int specdec_rope_write_checked(const void* qkv, const void* cos, const void* sin, int64_t table_rows,
+                               const int64_t* positions, const int64_t* write_index, void* q_out, void* keys,
+                               void* values, int rows, int width, int heads, int kv_heads, int slots, int d, int bf16,
+                               int threads);
+int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
+                       const int64_t* write_index, void* q_out, void* keys, void* values, int rows, int width,
+                       int heads, int kv_heads, int slots, int d, int bf16, int threads);
+int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_token, const void* keys,
+                      const void* values, const void* mask, int64_t m_row, int64_t m_token, void* out, int rows,
+                      int heads, int kv_heads, int width, int used, int slots, int d, float scale, float cap, int bf16,
+                      int threads);
+int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads);
+
+/* decoder.c: its shape_t is there (decoder.py's Shape mirrors it field for field) */
+#endif
