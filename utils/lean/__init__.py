@@ -28,7 +28,8 @@ __all__ = ["LEAN_ENV", "forget", "forward_path", "lean_decoder", "unsupported"]
 LEAN_ENV = "SPECDEC_LEAN"
 _FAMILIES = (llama, gemma)  # each: unsupported(model) -> reason or None, and its forward class
 _CLASSES = {llama: llama.LeanLlama, gemma: gemma.LeanGemma}
-_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its lean forward or None, `_Watched`)
+_HOOKED: weakref.WeakSet = weakref.WeakSet()  # models whose load_state_dict forgets their lean forward
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -54,15 +55,51 @@ def _family(model: nn.Module):
 
 def lean_decoder(model: nn.Module):
     """`model`'s lean forward, built on first use (the fused weights replace the model's own by views: no
-    second copy), None when `unsupported(model)` says why not."""
-    if model not in _BUILT:  # the answer for a model is kept, a "no" too (it is asked at every pass)
-        _BUILT[model] = _CLASSES[_family(model)](model) if unsupported(model) is None else None
-    return _BUILT[model]
+    second copy), None when `unsupported(model)` says why not. Built again where the model's weights were loaded
+    since (`load_state_dict`, in place or assigned: a forward holds fused copies and data pointers) or a sampled
+    parameter was replaced (`_Watched`)."""
+    built = _BUILT.get(model)  # the answer for a model is kept, a "no" too (it is asked at every pass)
+    if built is None or (built[0] is not None and not built[1].unchanged()):
+        lean = _CLASSES[_family(model)](model) if unsupported(model) is None else None
+        if lean is not None and model not in _HOOKED:
+            model.register_load_state_dict_post_hook(_loaded_again)
+            _HOOKED.add(model)
+        built = _BUILT[model] = (lean, _Watched(model) if lean is not None else None)
+    return built[0]
 
 
 def forget(model: nn.Module) -> None:
-    """Drop `model`'s lean forward (its linears were replaced: `utils.quantized_models.install`)."""
+    """Drop `model`'s lean forward (its linears were replaced: `utils.quantized_models.install`; its weights
+    loaded again)."""
     _BUILT.pop(model, None)
+
+
+def _loaded_again(model: nn.Module, incompatible_keys) -> None:
+    """`load_state_dict`'s post hook: the next pass builds the lean forward over the weights now loaded."""
+    forget(model)
+
+
+class _Watched:
+    """A few of a model's parameters, as its lean forward was built over them (the first, the last and two
+    between, by name): whether each is still the same tensor at the same address, checked at every pass (a few
+    attribute reads) so that a parameter replaced without `load_state_dict` (`module.weight = ...`, `.data = ...`)
+    is seen."""
+
+    SAMPLES = 4
+
+    def __init__(self, model: nn.Module) -> None:
+        names = [name for name, _ in model.named_parameters()]
+        picked = sorted({names[round(i * (len(names) - 1) / (self.SAMPLES - 1))] for i in range(self.SAMPLES)}) if names else []
+        self._watched = []
+        for name in picked:
+            owner, _, attribute = name.rpartition(".")
+            module = model.get_submodule(owner)
+            tensor = getattr(module, attribute)
+            self._watched.append((weakref.ref(module), attribute, tensor, tensor.data_ptr()))  # the model not kept
+
+    def unchanged(self) -> bool:
+        return all(getattr(module(), attribute, None) is tensor and tensor.data_ptr() == address
+                   for module, attribute, tensor, address in self._watched)
 
 
 def forward_path(model: nn.Module) -> str:

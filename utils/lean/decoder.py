@@ -78,9 +78,35 @@ class NativeStack:
             return f"an MLP width not a multiple of {native.LANES}"
         return None
 
+    @staticmethod
+    def unreadable(lean) -> str | None:
+        """Why decoder.c could not read `lean`'s tensors as its arguments say (checked once, at build time: what
+        a pointer names must be contiguous, in the dtype and of the shape decoder.c takes), None when it can."""
+        first = lean.layers[0]
+        hidden, attended = first.mlp_norm.shape[0], lean.heads * lean.head_dim
+        intermediate = first.gate_up.widths[0]
+        if lean.norm.dtype not in native.READABLE:
+            return f"norms in {lean.norm.dtype}"
+        widths = ([attended, lean.kv_heads * lean.head_dim, lean.kv_heads * lean.head_dim], [hidden],
+                  [intermediate, intermediate], [hidden])
+        inputs = (hidden, attended, hidden, intermediate)
+        kinds = [_kind(linear) for linear in first.linears]  # decoder.c runs every layer's by the first's kernels
+        for index, layer in enumerate(lean.layers):
+            for name, norm, size in _norms(layer, hidden, lean.head_dim):
+                if norm is not None and (norm.dtype != lean.norm.dtype or tuple(norm.shape) != (size,)
+                                         or not norm.is_contiguous() or norm.device.type != "cpu"):
+                    return (f"layer {index}'s {name} norm: {tuple(norm.shape)} {norm.dtype}, strides {norm.stride()}"
+                            f" (({size},) {lean.norm.dtype}, contiguous expected)")
+            for name, linear, width, in_features, kind in zip(LINEARS, layer.linears, widths, inputs, kinds,
+                                                             strict=True):
+                reason = _unreadable_linear(linear, width, in_features, kind)
+                if reason is not None:
+                    return f"layer {index}'s {name} linear: {reason}"
+        return None
+
     @classmethod
     def build(cls, lean) -> NativeStack | None:
-        return None if cls.unsupported(lean) else cls(lean)
+        return None if cls.unsupported(lean) or cls.unreadable(lean) else cls(lean)
 
     def __init__(self, lean) -> None:
         self._lean = lean
@@ -120,16 +146,37 @@ class NativeStack:
 
     def __call__(self, h: Tensor, ropes: dict, slots: PassSlots, kv: StaticKV) -> Tensor:
         """h (rows, width, hidden), the embeddings -> the last layer's output (rows, width, hidden); `ropes`: the
-        rotary tables by kind of layer (`LeanLlama._rope`)."""
+        rotary tables by kind of layer (`LeanLlama._rope`). Every tensor decoder.c reads or writes is checked first
+        (a ValueError naming it): its shape, dtype and layout, each slot and position in range."""
         lean = self._lean
+        native._shape(native._tensor(h, "h"), "h", (None, None, lean.layers[0].mlp_norm.shape[0]))
+        native._dtype(h, "h", (lean.dtype,))
         rows, width, hidden = h.shape
+        native._c_int(rows * width, "the tokens")
+        if not 1 <= rows * width <= native.MAX_ROWS:
+            raise ValueError(f"the stack runs 1 to {native.MAX_ROWS} tokens a pass, got {rows} x {width}")
         h = h.contiguous()
         like = h.new_empty(rows, lean.kv_heads, 0, lean.head_dim)
-        buffers = [pointer for index in range(len(lean.layers))
-                   for pointer in (tensor.data_ptr() for tensor in kv.layer(index, like))]
+        layers = [kv.layer(index, like) for index in range(len(lean.layers))]
+        for keys, values in layers:
+            for name, tensor in (("keys", keys), ("values", values)):
+                native._shape(tensor, name, (rows, lean.kv_heads, kv.slots, lean.head_dim))
+                native._written(tensor, name)
+        buffers = [tensor.data_ptr() for pair in layers for tensor in pair]
         mask = native.readable_mask(slots.mask, h.dtype)
         sliding = mask if slots.sliding_mask is None else native.readable_mask(slots.sliding_mask, h.dtype)
+        native._shape(mask, "mask", (rows, 1, width, None))
+        native._shape(sliding, "sliding_mask", tuple(mask.shape))
+        if mask.shape[-1] > kv.slots:
+            raise ValueError(f"mask covers {mask.shape[-1]} slots, the buffer holds {kv.slots}")
         tables = [ropes[kind] for kind in lean._rope_kinds]
+        for table in (table for pair in tables for table in pair):
+            native._shape(table, "a rotary table", (None, lean.head_dim))
+            native._dtype(table, "a rotary table", (h.dtype,))
+            if not table.is_contiguous():
+                raise ValueError(f"a rotary table must be contiguous, got strides {table.stride()}")
+        native.check_slots(slots.positions, slots.write_index, kv.slots,
+                           min(table.shape[0] for pair in tables for table in pair), (rows, width))
         second = tables[1] if len(tables) > 1 else (None, None)
         positions = slots.positions.to(torch.int64).contiguous()
         write_index = slots.write_index.to(torch.int64).contiguous()
@@ -148,8 +195,40 @@ class NativeStack:
                                 positions.data_ptr(), write_index.data_ptr(), mask.data_ptr(), sliding.data_ptr(),
                                 ctypes.byref(shape))
         if status != 0:
-            step = ("norm", "q/k/v product", "rotary step", "attention", "output product", "MLP norm",
-                    "gate/up product", "activation", "down product", "q/k norms", "output's norm",
-                    "MLP output's norm")[status % 100 - 1]
-            raise ValueError(f"decoder.c's {step} failed (status {status // 100}) over {rows} x {width} tokens")
+            steps = ("norm", "q/k/v product", "rotary step", "attention", "output product", "MLP norm",
+                     "gate/up product", "activation", "down product", "q/k norms", "output's norm",
+                     "MLP output's norm")
+            step = steps[status % 100 - 1] if 1 <= status % 100 <= len(steps) else f"step {status % 100}"
+            raise ValueError(f"decoder.c's {step} failed (status {status // 100}) over {rows} x {width} tokens, "
+                             f"{kv.slots} slots, write_index {slots.write_index.tolist()}")
         return h
+
+
+def _norms(layer, hidden: int, head_dim: int) -> list[tuple[str, Tensor | None, int]]:
+    """A layer's norm weights in decoder.c's order, each with its name and its length."""
+    q_norm, k_norm = layer.qk_norms or (None, None)
+    return [("attention", layer.attention_norm, hidden), ("MLP", layer.mlp_norm, hidden), ("q", q_norm, head_dim),
+            ("k", k_norm, head_dim), ("post-attention", getattr(layer, "post_attention_norm", None), hidden),
+            ("post-MLP", getattr(layer, "post_mlp_norm", None), hidden)]
+
+
+def _unreadable_linear(linear, widths: list[int], in_features: int, kind: int | None) -> str | None:
+    """Why decoder.c could not read `linear` (a `linear.Linear`) as a linear of `widths` outputs over `in_features`
+    inputs run by our kernel `kind` (the first layer's, every layer's), None when it can."""
+    out = sum(widths)
+    if list(linear.widths) != widths or _kind(linear) != kind:
+        return f"outputs {linear.widths}, not {widths} by the first layer's kernel"
+    if linear.bias is not None and tuple(linear.bias.shape) != (out,):
+        return f"a bias of {tuple(linear.bias.shape)}, not ({out},)"
+    if kind == BFLOAT16:
+        weight = linear.weight
+        if weight.dtype != torch.bfloat16 or tuple(weight.shape) != (out, in_features) or not weight.is_contiguous():
+            return f"{tuple(weight.shape)} {weight.dtype}, strides {weight.stride()} (a contiguous bfloat16 weight)"
+        return None
+    packed, scales = linear.q4  # one quantization group per linear in every layer: `unsupported`
+    try:
+        if native._check_q4_weight(packed, scales, out) != in_features:
+            return f"a packed weight of {packed.shape[1] * native.Q4_BLOCK} inputs, not {in_features}"
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from utils.lean.llama import ACTIVATIONS, STATIC_ROPE, Layer, LeanLlama, activation, rope_type
+from utils.lean.llama import ACTIVATIONS, STATIC_ROPE, Layer, LeanLlama, activation, contiguous, rope_type
 
 FAMILIES = ("gemma", "gemma2", "gemma3_text")  # config.model_type this file serves
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -65,10 +65,10 @@ class GemmaLayer(Layer):
         super().__init__(layer)
         config = layer.self_attn.config
         before_mlp = getattr(layer, "pre_feedforward_layernorm", None)
-        self.post_attention_norm = None if before_mlp is None else layer.post_attention_layernorm.weight
-        self.post_mlp_norm = None if before_mlp is None else layer.post_feedforward_layernorm.weight
+        self.post_attention_norm = None if before_mlp is None else contiguous(layer.post_attention_layernorm.weight)
+        self.post_mlp_norm = None if before_mlp is None else contiguous(layer.post_feedforward_layernorm.weight)
         if before_mlp is not None:
-            self.mlp_norm = before_mlp.weight
+            self.mlp_norm = contiguous(before_mlp.weight)
         kind = getattr(layer.self_attn, "layer_type", None) or getattr(layer, "attention_type", None)  # 5.x, 4.x
         self.sliding = kind == "sliding_attention"
         self.rope = kind if config.model_type == "gemma3_text" else None

@@ -69,24 +69,41 @@ class Linear:
         if self.q4 is not None:
             out = native.gemm_q4(x.reshape(rows, -1), *self.q4, sum(self.widths), self.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
-        if x.dtype != self.weight.dtype:  # float32 activations over bfloat16 weights (`numerics`)
-            if rows > native.MAX_ROWS:
-                bias = None if self.bias is None else self.bias.to(x.dtype)
-                return F.linear(x, self.weight.to(x.dtype), bias)
-            out = native.gemm(x.reshape(rows, -1), self.weight, self.bias)
-            return out.reshape(*x.shape[:-1], self.weight.shape[0])
+        if x.dtype != self.weight.dtype:
+            return self._mixed(x, rows)
         kernel = self._table()(rows)
         if kernel == LINEAR:
             return F.linear(x, self.weight, self.bias)
         out = apply(kernel, x.reshape(rows, -1), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
+    def _mixed(self, x: Tensor, rows: int) -> Tensor:
+        """x W^T + b for rows in another dtype than the weight's, in x's dtype: float32 rows over bfloat16 weights
+        (`numerics`: a CPU without bfloat16 arithmetic) by our kernel, which reads the weights in bfloat16 and sums in
+        float32; any other pair (a prompt's more rows, a float32 head over bfloat16 rows) by torch's product in the
+        wider of the two dtypes, the weight never read as another dtype."""
+        if self._ours_for(rows, x.dtype):
+            out = native.gemm(x.reshape(rows, -1), self.weight, self.bias)
+            return out.reshape(*x.shape[:-1], self.weight.shape[0])
+        wide = torch.promote_types(x.dtype, self.weight.dtype)
+        bias = None if self.bias is None else self.bias.to(wide)
+        return F.linear(x.to(wide), self.weight.to(wide), bias).to(x.dtype)
+
+    def _ours_for(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `_mixed` takes our bfloat16 kernel for `rows` rows of `dtype`."""
+        return (dtype == torch.float32 and self.weight.dtype == torch.bfloat16 and rows <= native.MAX_ROWS
+                and native.supports(tuple(self.weight.shape), self.weight.dtype))
+
     def ours_at(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether `__call__` multiplies `rows` rows of `dtype` by one of our own kernels (`native.gemm`,
         `native.gemm_q4`): what `decoder.py` needs of every linear to run a pass's layers in one call."""
         if self.modules is not None or rows > native.MAX_ROWS:
             return False
-        return self.q4 is not None or dtype != self.weight.dtype or self._table()(rows) == NATIVE
+        if self.q4 is not None:
+            return True
+        if dtype != self.weight.dtype:
+            return self._ours_for(rows, dtype)
+        return self._table()(rows) == NATIVE
 
     def _table(self) -> KernelTable:
         """This weight shape's kernel table (`kernels.py`), looked up at the first pass (`numerics` measured it)."""
@@ -119,10 +136,13 @@ def fused(tensors: list[Tensor], modules: list[nn.Module], name: str) -> Tensor:
     """`tensors` (each module's parameter `name`) concatenated on dim 0 into one tensor in memory advised for huge
     pages (`huge_pages.py`), each module's parameter then a view into it: one copy in memory, the model's own modules
     unchanged in value (a buffer stays a buffer). One tensor is moved there alone where huge pages can back it (its
-    parameter's data swapped, so that a tied head and embedding stay one parameter), else kept as it is."""
+    parameter's data swapped, so that a tied head and embedding stay one parameter), else kept as it is, made
+    contiguous the same way where it is not (the kernels take data pointers)."""
     if len(tensors) == 1:
         tensor, old = tensors[0], tensors[0].detach()
         moved = huge_pages.on_huge_pages(old)  # the file's pages it was read from given back
+        if not moved.is_contiguous():  # our kernels read a weight row by row (a column-major one: the same values)
+            moved = moved.contiguous()
         if moved is not old:
             tensor.data = moved
         return tensor.detach()

@@ -65,6 +65,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
+def contiguous(parameter: Tensor) -> Tensor:
+    """`parameter` (a model's norm weight), its data made contiguous in place where it is not (the same values; the
+    model keeps using it): our kernels read it by its data pointer."""
+    if not parameter.is_contiguous():
+        parameter.data = parameter.data.contiguous()
+    return parameter
+
+
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding, the model's `apply_rotary_pos_emb` for one tensor: x (rows, heads, width, d)."""
     half = x.shape[-1] // 2
@@ -88,10 +96,10 @@ class Layer:
         self.gate_up = Linear([mlp.gate_proj, mlp.up_proj])
         self.down = Linear([mlp.down_proj])
         self.linears = [self.qkv, self.o, self.gate_up, self.down]
-        self.attention_norm = layer.input_layernorm.weight
-        self.mlp_norm = layer.post_attention_layernorm.weight
+        self.attention_norm = contiguous(layer.input_layernorm.weight)
+        self.mlp_norm = contiguous(layer.post_attention_layernorm.weight)
         norm = getattr(attention, "q_norm", None)  # Qwen3: RMSNorm of each head's q and k
-        self.qk_norms = None if norm is None else (norm.weight, attention.k_norm.weight)
+        self.qk_norms = None if norm is None else (contiguous(norm.weight), contiguous(attention.k_norm.weight))
 
 
 class LeanLlama(nn.Module):
@@ -120,8 +128,10 @@ class LeanLlama(nn.Module):
         self.embed = decoder.embed_tokens
         self.layers = [self.layer_class(layer) for layer in decoder.layers]
         self._rope_kinds = tuple(dict.fromkeys(layer.rope for layer in self.layers))
-        self.norm = decoder.norm.weight
+        self.norm = contiguous(decoder.norm.weight)
         self.head = Linear([model.lm_head])
+        # The head's rows in the wider of the pass's dtype and its weight's (a float32 head over a bfloat16 model:
+        # float32 logits, the head never read as another dtype).
         # What a pass computes in (the buffer, the masks and the logits too) and whether its rows' bits are the same
         # whatever its width (up to 32 tokens, our GEMMs' and attention's limit).
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype,
@@ -131,6 +141,8 @@ class LeanLlama(nn.Module):
         # ours too, before our rotary step). Where ours do not run, invariance pads
         # torch's attention's queries (`_sdpa`) and reads the keys in whole blocks of its CPU kernel (512), so that
         # a row's bits do not depend on how far the others reach.
+        self._head_dtype = self.dtype if self.head.weight is None else torch.promote_types(self.dtype,
+                                                                                             self.head.weight.dtype)
         self.native = native.layer_ops(self.dtype, config.hidden_size, self.head_dim)
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
@@ -176,6 +188,9 @@ class LeanLlama(nn.Module):
     def forward(self, ids: Tensor, slots: PassSlots, kv: StaticKV, num_logits: int) -> Tensor:
         """The logits of each row's last `num_logits` new tokens, (rows, num_logits, vocab); `kv`: the
         runner's buffer, written and read where `slots` says."""
+        # Every slot and position within the buffer, once a pass (our rotary step writes the buffer where they say;
+        # the rotary tables hold the buffer's positions).
+        native.check_slots(slots.positions, slots.write_index, kv.slots, kv.slots, tuple(ids.shape))
         ropes = {kind: self._rope(slots.positions, kv.slots, kind) for kind in self._rope_kinds}
         h = self._embed(ids).to(self.dtype)
         if self.stack is not None and self.stack.runs(ids.numel()):
@@ -185,7 +200,7 @@ class LeanLlama(nn.Module):
                 mask = slots.sliding_mask if layer.sliding and slots.sliding_mask is not None else slots.mask
                 h = self._block(layer, h, ropes[layer.rope], mask, slots, kv, index)
         h = self._norm(h[:, h.shape[1] - num_logits :], self.norm)
-        return self.head(h)
+        return self.head(h.to(self._head_dtype))
 
     def _block(self, layer: Layer, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, slots: PassSlots,
                kv: StaticKV, index: int) -> Tensor:
@@ -209,7 +224,8 @@ class LeanLlama(nn.Module):
                         for part, norm in zip((q, k), layer.qk_norms, strict=True))
                 qkv = torch.cat([q, k, v], dim=-1)
             keys, values = kv.layer(index, qkv.new_empty(rows, self.kv_heads, 0, self.head_dim))
-            q = native.rope_write(qkv, *rope, slots.positions, slots.write_index, keys, values, self.heads)
+            q = native.rope_write(qkv, *rope, slots.positions, slots.write_index, keys, values, self.heads,
+                                  indices_checked=True)  # by `forward`
             return layer.o(self._attend(layer, q.transpose(1, 2), keys, values, mask))
         q, k, v = layer.qkv.split(layer.qkv(x))
         q = q.view(rows, width, self.heads, self.head_dim)
