@@ -14,15 +14,17 @@ the target's tokens only, not on the machine's speed, so a busy machine measures
 draft sizes follow a cost table: `--costs bf16-1.5b` (default) is the one measured for
 Qwen2.5-Coder-1.5B in bfloat16 on a Zen 5 CPU (issue 34: a pass over 1 + k tokens costs a
 one-token pass up to k = 8), `machine` the table measured here for the model in use.
+`--sample` (temperature 0.7, top-p 0.9 unless `--temperature`, `--top-p`): ours only, each method from seed 0
+(transformers' prompt lookup is left out).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
+from benchmarks import cli
 from benchmarks.prompts import encode, load_humaneval
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import DraftTree, SpeculativeStats, speculative_generate
@@ -87,18 +89,17 @@ def hf_prompt_lookup_tau(model, ids: list[int], new_tokens: int, end: list[int])
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--prompts", type=int, default=20)
-    parser.add_argument("--offset", type=int, default=0)
+    parser = cli.benchmark_parser(__doc__)
+    cli.add_models(parser, device=False)
+    parser.add_argument("--prompts", type=int, default=20, help="HumanEval development prompts (even task ids)")
+    parser.add_argument("--offset", type=int, default=0, help="skip the first prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=None, help="NASD's gamma (default: the function's)")
     parser.add_argument("--branching", type=int, default=None, help="NASD's branching (default: the function's)")
     parser.add_argument("--costs", choices=["bf16-1.5b", "machine"], default="bf16-1.5b")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' own prompt lookup")
-    parser.add_argument("--sample", action="store_true", help="temperature 0.7, top-p 0.9 (ours only, seed 0)")
-    args = parser.parse_args(argv)
+    cli.add_sampling(parser)
+    args = cli.parse(parser, argv)
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     end = end_token_ids(model, tokenizer)
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         ids = encode(tokenizer, text)
         common = dict(max_gen_len=args.max_new_tokens, end_tokens_id=end)
         if args.sample:  # both exact: the same tokens for one seed (the coupled rule, `sampling.loop.randomness`)
-            common.update(logits_processor=NucleusProcessor(temperature=0.7, top_p=0.9),
+            common.update(logits_processor=NucleusProcessor(**cli.sampling_settings(args)),
                           generator=torch.Generator().manual_seed(0))
         stats = {name: SpeculativeStats() for name in ("nasd", "pld")}
         nasd, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(8), model, draft_cost=cost,

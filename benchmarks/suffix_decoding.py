@@ -238,7 +238,7 @@ def run_suffix(ids, model, cache, *, max_new_tokens, end_tokens, stats, on_step,
 def main(argv: list[str] | None = None) -> None:
     parser = cli.benchmark_parser(__doc__)
     parser.add_argument("--build", action="store_true", help="build the peer into the cache folder")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     if args.build:
         print(f"built into {build()}")
     peer, why = load_peer()
