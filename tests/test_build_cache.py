@@ -258,6 +258,24 @@ def test_a_refused_or_unwritable_cache_builds_in_a_private_folder(fake_cc, fault
         assert (private / "costs" / "x.json").exists()
 
 
+def test_the_default_cache_made_under_a_group_umask_is_made_private_not_refused(tmp_path, monkeypatch):
+    """~/.cache/speculative-decoding made 0775 (a umask of 002, Debian's and Ubuntu's for users) is this user's own:
+    set to 0700 and used; the same mode on a folder named in $SPECDEC_CACHE is left alone and refused."""
+    monkeypatch.delenv(paths.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    default = tmp_path / "speculative-decoding"
+    default.mkdir()
+    default.chmod(0o775)
+    assert paths.cache_dir() == default and stat.S_IMODE(default.stat().st_mode) == 0o700
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    chosen.chmod(0o775)
+    monkeypatch.setenv(paths.CACHE_ENV, str(chosen))
+    with pytest.warns(paths.CacheWarning, match="writable by its group"):
+        assert paths.cache_dir() != chosen
+    assert stat.S_IMODE(chosen.stat().st_mode) == 0o775
+
+
 def test_a_cache_that_cannot_be_written_at_build_time_builds_in_a_private_folder(fake_cc, monkeypatch):
     """A folder that passes its check yet refuses the write (a read-only mount as root, a full disk)."""
     real = build._build

@@ -55,12 +55,27 @@ def cache_dir() -> Path:
     every call (a few system calls): a folder opened to others later is refused from then on."""
     configured = configured_cache_dir()
     reason = private_folder(configured)
+    if reason is not None and not os.environ.get(CACHE_ENV) and _tightened(configured):
+        reason = private_folder(configured)
     if reason is None:
         return configured
     folder = private_temp()
     _warn_once(f"the cache folder {configured} is refused ({reason}): this process keeps what it builds in "
                f"{folder}, built again at every start (fix: chmod 700 it, or set {CACHE_ENV})")
     return folder
+
+
+def _tightened(folder: Path) -> bool:
+    """Whether the default cache folder, this user's own but writable by its group (made under a umask of 002, as
+    Debian and Ubuntu give users), was set to 0700: a folder someone chose in $SPECDEC_CACHE is left as it is."""
+    try:
+        status = os.lstat(folder)
+        if stat.S_ISLNK(status.st_mode) or not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid():
+            return False
+        os.chmod(folder, 0o700)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def cache_refused() -> str | None:
