@@ -60,7 +60,7 @@ class NativeStack:
 
     @staticmethod
     def unsupported(lean) -> str | None:
-        """Why `NativeStack` cannot run `lean`'s layers, None when it can."""
+        """Why `NativeStack` cannot run `lean`'s layers (`unreadable` included), None when it can."""
         if not lean.native:
             dtype = str(lean.dtype).removeprefix("torch.")
             return native.unavailable() or (f"our norms, rotary step and attention do not run a {dtype} pass over "
@@ -76,7 +76,7 @@ class NativeStack:
             return "a linear our kernels do not run (int8, torch's int4, hooked or another dtype)"
         if lean.layers[0].gate_up.widths[0] % native.LANES:
             return f"an MLP width not a multiple of {native.LANES}"
-        return None
+        return NativeStack.unreadable(lean)
 
     @staticmethod
     def unreadable(lean) -> str | None:
@@ -106,7 +106,7 @@ class NativeStack:
 
     @classmethod
     def build(cls, lean) -> NativeStack | None:
-        return None if cls.unsupported(lean) or cls.unreadable(lean) else cls(lean)
+        return None if cls.unsupported(lean) else cls(lean)
 
     def __init__(self, lean) -> None:
         self._lean = lean
