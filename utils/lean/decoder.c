@@ -18,25 +18,13 @@
 #include "bf16.h"
 #include "specdec.h"
 
-enum { QKV, O, GATE_UP, DOWN, LINEARS };
-/* A layer's pointers: its norms' weights (the last four NULL where the model has none), then per linear (in the
-   order above) its weight, its scales (4 bits; else NULL) and its bias (in the pass's dtype; NULL without one). */
-enum { ATTENTION_NORM, MLP_NORM, Q_NORM, K_NORM, POST_ATTENTION_NORM, POST_MLP_NORM, FIRST_LINEAR,
-       LAYER_POINTERS = FIRST_LINEAR + 3 * LINEARS };
-enum { SLIDING = 1, SECOND_ROPE = 2 }; /* a layer's kind bits */
-
-/* A pass's shape and numbers (`decoder.py`'s `Shape` mirrors it field for field). */
-typedef struct {
-  int64_t rows, width, used, slots; /* rows of `width` new tokens; the buffer's slots a pass reads and holds */
-  int64_t hidden, intermediate, heads, kv_heads, head_dim;
-  int64_t mask_row, mask_token;          /* the mask's strides (its last one 1) */
-  int64_t kinds[LINEARS], outs[LINEARS]; /* each linear's kernel (0 bfloat16, 1 4-bit) and output width */
-  int64_t groups[LINEARS];               /* a 4-bit linear's quantization group (32 or 64 inputs a scale) */
-  int64_t bf16, norm_bf16, threads;      /* the pass in bfloat16 (else float32); the norms' weights in bfloat16 */
-  int64_t plus_one, activation;          /* norms times (1 + weight) (Gemma's); `specdec_gated`'s kind */
-  int64_t sliding_row, sliding_token;    /* the sliding window mask's strides (its last one 1) */
-  float eps, scale, cap;                 /* the norms' epsilon; attention's scale and logits' cap (0: none) */
-} shape_t;
+enum { QKV = SPECDEC_QKV, O = SPECDEC_O, GATE_UP = SPECDEC_GATE_UP, DOWN = SPECDEC_DOWN, LINEARS = SPECDEC_LINEARS };
+enum { ATTENTION_NORM = SPECDEC_ATTENTION_NORM, MLP_NORM = SPECDEC_MLP_NORM, Q_NORM = SPECDEC_Q_NORM,
+       K_NORM = SPECDEC_K_NORM, POST_ATTENTION_NORM = SPECDEC_POST_ATTENTION_NORM,
+       POST_MLP_NORM = SPECDEC_POST_MLP_NORM, FIRST_LINEAR = SPECDEC_FIRST_LINEAR,
+       LAYER_POINTERS = SPECDEC_LAYER_POINTERS };
+enum { SLIDING = SPECDEC_SLIDING, SECOND_ROPE = SPECDEC_SECOND_ROPE };
+typedef specdec_shape_t shape_t;
 
 static int linear(const void* const* p, int which, const void* x, void* y, int tokens, int out, int in,
                   const shape_t* s) {

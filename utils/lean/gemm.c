@@ -300,6 +300,7 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
                  int x_bf16, int y_bf16, int threads) {
   if (rows < 1 || rows > MAX_ROWS || in < 1 || in % KB || out < 0) return SPECDEC_BAD_SHAPE;
   if (out == 0) return SPECDEC_OK;
+  (void)threads; /* read by the OpenMP pragmas only: unused without -fopenmp */
 #ifdef AMX
   if (x_bf16 && specdec_amx() == 1 && in % AMX_K == 0)
     return gemm_amx(W, (const uint16_t*)x, (const uint16_t*)bias, y, rows, out, in, y_bf16, threads);
@@ -564,6 +565,7 @@ int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int ou
   if (group != Q4_BLOCK && group != 2 * Q4_BLOCK) return SPECDEC_UNSUPPORTED;
   if (out < 0 || in < 1 || in % group) return SPECDEC_BAD_SHAPE;
   int blocks = in / Q4_BLOCK, per = group / Q4_BLOCK;
+  (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int j = 0; j < out; j++) {
     int g = j / Q4_ROWS, l = j % Q4_ROWS;
@@ -602,6 +604,7 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
   if (group != Q4_BLOCK && group != 2 * Q4_BLOCK) return SPECDEC_UNSUPPORTED;
   if (rows < 1 || rows > MAX_ROWS || out < 0 || in < 1 || in % group) return SPECDEC_BAD_SHAPE;
   int blocks = in / Q4_BLOCK, groups = (out + Q4_ROWS - 1) / Q4_ROWS, per = group / Q4_BLOCK;
+  (void)threads;
   int8_t* qx = (int8_t*)aligned_alloc(64, ((size_t)rows * in + 63) / 64 * 64);
   float* dx = (float*)malloc((size_t)rows * blocks * sizeof(float));
   float* sx = (float*)malloc((size_t)rows * blocks * sizeof(float));

@@ -243,9 +243,12 @@ int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const 
 #define CHUNK 32 /* (query, head) pairs a walk over the keys serves, at least one query's heads */
 #define KEYS 32 /* keys (then values) converted to float32 at once */
 /* Products and sums fused where they can be, from here to the end of the file: a fixed choice of the build (which
-   pairs the compiler fuses is its own, so the bits here are a build's, not torch's). */
+   pairs the compiler fuses is its own, so the bits here are a build's, not torch's). clang: within an expression
+   (`on`), decided as it parses, so every inlined copy of a sum fuses alike; its `fast` is left to the back end's
+   blocks, and at -O1/-O2 fused a query's products differently as a pair's first and second member (a query's bits
+   then depended on its neighbours: tests/native/test_kernels.c). gcc fuses across statements, the same everywhere. */
 #if defined(__clang__)
-#pragma clang fp contract(fast)
+#pragma clang fp contract(on)
 #elif defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")

@@ -47,5 +47,29 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
                       int threads);
 int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads);
 
-/* decoder.c: its shape_t is there (decoder.py's Shape mirrors it field for field) */
+/* decoder.c: a decoder-only model's whole stack of layers in one call. */
+enum { SPECDEC_QKV, SPECDEC_O, SPECDEC_GATE_UP, SPECDEC_DOWN, SPECDEC_LINEARS }; /* a layer's linears, in order */
+/* A layer's pointers: its norms' weights (the last four NULL where the model has none), then per linear (in the
+   order above) its weight, its scales (4 bits; else NULL) and its bias (in the pass's dtype; NULL without one). */
+enum { SPECDEC_ATTENTION_NORM, SPECDEC_MLP_NORM, SPECDEC_Q_NORM, SPECDEC_K_NORM, SPECDEC_POST_ATTENTION_NORM,
+       SPECDEC_POST_MLP_NORM, SPECDEC_FIRST_LINEAR, SPECDEC_LAYER_POINTERS = SPECDEC_FIRST_LINEAR + 3 * SPECDEC_LINEARS };
+enum { SPECDEC_SLIDING = 1, SPECDEC_SECOND_ROPE = 2 }; /* a layer's kind bits */
+
+/* A pass's shape and numbers (`decoder.py`'s `Shape` mirrors it field for field). */
+typedef struct {
+  int64_t rows, width, used, slots; /* rows of `width` new tokens; the buffer's slots a pass reads and holds */
+  int64_t hidden, intermediate, heads, kv_heads, head_dim;
+  int64_t mask_row, mask_token;                          /* the mask's strides (its last one 1) */
+  int64_t kinds[SPECDEC_LINEARS], outs[SPECDEC_LINEARS]; /* each linear's kernel (0 bfloat16, 1 4-bit), output width */
+  int64_t groups[SPECDEC_LINEARS];       /* a 4-bit linear's quantization group (32 or 64 inputs a scale) */
+  int64_t bf16, norm_bf16, threads;      /* the pass in bfloat16 (else float32); the norms' weights in bfloat16 */
+  int64_t plus_one, activation;          /* norms times (1 + weight) (Gemma's); `specdec_gated`'s kind */
+  int64_t sliding_row, sliding_token;    /* the sliding window mask's strides (its last one 1) */
+  float eps, scale, cap;                 /* the norms' epsilon; attention's scale and logits' cap (0: none) */
+} specdec_shape_t;
+
+int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, const int64_t* layer_kinds,
+                    int n_layers, const void* cos, const void* sin, const void* cos2, const void* sin2,
+                    const int64_t* positions, const int64_t* write_index, const void* mask, const void* sliding,
+                    const specdec_shape_t* s);
 #endif
