@@ -61,3 +61,32 @@ def test_fit_threads_only_lowers_torchs_threads():
         assert torch.get_num_threads() == 1 and "instead of 2" in line
     assert threads.fit_threads(Fit(cores=2, busy=1.0, threads=1)) is None  # one already
     assert threads.fit_threads(Fit(cores=2, busy=0.0, threads=2)) is None and torch.get_num_threads() == 1
+
+
+def test_the_fair_share_follows_the_other_processes_between_passes_and_gives_the_users_count_back(monkeypatch):
+    """Readings of (busy ticks, all ticks, our ticks) a window apart: another process on one of 2 cores takes torch to 1
+    thread, then its end gives the user's 2 back; a count the user sets meanwhile becomes the one to give back."""
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    readings = iter([(0, 0, 0), (200, 200, 100), (300, 400, 100), (400, 600, 200)])  # others: 1 core, 1, 0
+    clock = iter(range(0, 100, 1))
+    monkeypatch.setattr(threads.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(threads.FairShare, "_reading", staticmethod(lambda now: (now, *next(readings))))
+    watch = threads.FairShare(seconds=0.5)
+    with torch_threads(2):
+        watch()  # the first reading: nothing to compare with yet
+        assert torch.get_num_threads() == 2
+        watch()
+        assert torch.get_num_threads() == 1
+        watch()  # (300 - 200 - 0) / 200 of 2 cores: one core's worth still busy
+        assert torch.get_num_threads() == 1
+        watch()  # (100 - 100) / 200: free again
+        assert torch.get_num_threads() == 2
+
+
+def test_the_fair_share_reads_the_machine_at_most_once_a_window(monkeypatch):
+    calls = []
+    monkeypatch.setattr(threads.FairShare, "_reading", staticmethod(lambda now: calls.append(now)))
+    watch = threads.FairShare(seconds=60.0)
+    for _ in range(100):
+        watch()
+    assert len(calls) == 1

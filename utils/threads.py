@@ -17,10 +17,12 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["Fit", "advice", "available_cores", "fit_threads", "measure", "other_load", "settle_openmp"]
+__all__ = ["FairShare", "Fit", "advice", "available_cores", "fair_share", "fit_threads", "measure", "other_load",
+           "settle_openmp"]
 
 SAMPLE_SECONDS = 0.2  # the window `other_load` watches: long enough for a few scheduler ticks
 BUSY_CORE = 0.5  # cores' worth of other work from which a core counts as taken
+WATCH_SECONDS = 0.5  # `FairShare`'s window: 100 ticks of 2 cores at Linux's 100 a second, read between passes
 
 
 def available_cores() -> int:
@@ -142,3 +144,54 @@ def advice(threads: int, fit: Fit | None) -> str | None:
         return None
     return (f"other processes keep {fit.busy:.1f} of {fit.cores} cores busy: torch.set_num_threads({fit.threads}) "
             "and OMP_WAIT_POLICY=PASSIVE (set before torch starts) run faster beside them")
+
+
+class FairShare:
+    """torch's thread count (our kernels take the same, `utils.lean.native`) kept to the cores other processes leave
+    free, watched as passes run: called before each pass, it reads `/proc/stat` at most once every `WATCH_SECONDS`
+    (a few microseconds a pass otherwise) and compares with its last reading, so it never sleeps. Beside a busy
+    process each parallel region otherwise waits for the thread that shares its core: plain decoding of a 1.5B on 2
+    cores took 3.67x its quiet time a token (docs/results.md, nineteenth round). Never above the count it found set
+    (the user's, `torch.set_num_threads`); a count set by someone else since its last change becomes that count."""
+
+    def __init__(self, seconds: float = WATCH_SECONDS) -> None:
+        self.seconds = seconds
+        self._wanted: int | None = None  # the thread count to give back when the cores are free again
+        self._set: int | None = None  # the count this watcher last set
+        self._checked: float | None = None  # when the machine was last read
+        self._last: tuple[float, int, int, int] | None = None  # (time, busy ticks, all ticks, our ticks)
+
+    def __call__(self) -> None:
+        import torch  # here: this module is imported before torch by `infer.py`
+
+        now = time.monotonic()
+        if self._checked is not None and now - self._checked < self.seconds:
+            return
+        self._checked = now
+        current = torch.get_num_threads()
+        if current != self._set:  # the user's (first sight, or changed since)
+            self._wanted = current
+        reading = self._reading(now)
+        if reading is None:
+            return
+        last, self._last = self._last, reading
+        if last is None or reading[2] == last[2]:
+            return
+        cores = available_cores()
+        busy = max(0.0, (reading[1] - last[1] - (reading[3] - last[3])) / (reading[2] - last[2]) * cores)
+        threads = max(1, min(self._wanted, round(cores - busy) if busy >= BUSY_CORE else cores))
+        if threads != current:
+            torch.set_num_threads(threads)
+        self._set = threads
+
+    @staticmethod
+    def _reading(now: float) -> tuple[float, int, int, int] | None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:
+            return None
+        ticks, own = _cpu_ticks(cpus), _own_ticks()
+        return None if ticks is None or own is None else (now, *ticks, own)
+
+
+fair_share = FairShare()  # the process's watcher (`utils.runners.passes.ModelPasses.run` calls it before each pass)

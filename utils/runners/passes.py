@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from utils import cpu_passes
+from utils import cpu_passes, threads
 from utils.cost_model import PassCosts
 from utils.cpu_passes import Shortcuts
 from utils.runners import compat
@@ -69,6 +69,7 @@ class ModelPasses:
             shortcuts = self._costs.shortcuts_for(num_drafts)
         if timed and few:
             synchronize(*self.devices)  # the clock starts when the queued work is done, not before
+        threads.fair_share()  # the free cores' threads, beside other processes
         start = time.perf_counter()
         with self._few_token_pass.using(shortcuts or Shortcuts()):
             outputs = self._call(ids, kwargs)
