@@ -498,6 +498,7 @@ static void model_make(model* m, int kind, int bf16, int qk_norms, int threads) 
   s.hidden = HIDDEN, s.intermediate = INTERMEDIATE, s.heads = HEADS, s.kv_heads = KV_HEADS, s.head_dim = HEAD_DIM;
   for (int i = 0; i < SPECDEC_LINEARS; i++) s.kinds[i] = kind, s.outs[i] = outs[i], s.groups[i] = 32;
   s.bf16 = bf16, s.norm_bf16 = bf16, s.threads = threads, s.activation = 0, s.eps = 1e-6f, s.scale = 0.25f;
+  s.table_rows = TABLE;
   m->shape = s;
   m->cos = tensor((size_t)TABLE * HEAD_DIM, bf16, 1.0f), m->sin = tensor((size_t)TABLE * HEAD_DIM, bf16, 1.0f);
 }
@@ -552,6 +553,9 @@ static void check_decoder(int kind, int bf16, int qk_norms, int width, int threa
   for (int i = 0; i < 2 * LAYERS; i++) CHECK(same_bytes(wide_kv[i], one_kv[i], buffer), "decoder: buffers differ");
   int status = model_pass(&m, wide, wide_kv, 0, width, slots, slots);
   CHECK(status == SPECDEC_BAD_INDEX * 100 + 3, "decoder: a slot past the buffer gave %d", status);
+  m.shape.table_rows = width - 1; /* the last token's position past the rotary tables */
+  status = model_pass(&m, wide, wide_kv, 0, width, slots, -1);
+  CHECK(status == SPECDEC_BAD_INDEX * 100 + 3, "decoder: a position past the tables gave %d", status);
   for (int i = 0; i < 2 * LAYERS; i++) free(wide_kv[i]), free(one_kv[i]);
   free(h), free(wide);
   model_free(&m);

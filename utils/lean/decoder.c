@@ -96,7 +96,7 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
       STEP(head_norms((char*)qkv + (size_t)attended * size, p[K_NORM], tokens, s->outs[QKV], (int)s->kv_heads, d, s),
            10);
     }
-    STEP(specdec_rope_write_checked(qkv, second ? cos2 : cos, second ? sin2 : sin, INT64_MAX, positions, write_index,
+    STEP(specdec_rope_write_checked(qkv, second ? cos2 : cos, second ? sin2 : sin, s->table_rows, positions, write_index,
                                     q, keys, values, (int)s->rows, (int)s->width, (int)s->heads, (int)s->kv_heads,
                                     (int)s->slots, d, bf16, threads), 3);
     STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, window ? sliding : mask,
@@ -120,4 +120,21 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
       ((float*)h)[i] += ((const float*)delta)[i];
   }
   return SPECDEC_OK;
+}
+
+int specdec_shape_layout(int64_t* out, int n) {
+  const int64_t layout[] = {
+      sizeof(specdec_shape_t),
+      offsetof(specdec_shape_t, rows), offsetof(specdec_shape_t, width), offsetof(specdec_shape_t, used),
+      offsetof(specdec_shape_t, slots), offsetof(specdec_shape_t, hidden), offsetof(specdec_shape_t, intermediate),
+      offsetof(specdec_shape_t, heads), offsetof(specdec_shape_t, kv_heads), offsetof(specdec_shape_t, head_dim),
+      offsetof(specdec_shape_t, mask_row), offsetof(specdec_shape_t, mask_token), offsetof(specdec_shape_t, kinds),
+      offsetof(specdec_shape_t, outs), offsetof(specdec_shape_t, groups), offsetof(specdec_shape_t, bf16),
+      offsetof(specdec_shape_t, norm_bf16), offsetof(specdec_shape_t, threads), offsetof(specdec_shape_t, plus_one),
+      offsetof(specdec_shape_t, activation), offsetof(specdec_shape_t, sliding_row),
+      offsetof(specdec_shape_t, sliding_token), offsetof(specdec_shape_t, table_rows), offsetof(specdec_shape_t, eps),
+      offsetof(specdec_shape_t, scale), offsetof(specdec_shape_t, cap)};
+  int count = (int)(sizeof layout / sizeof layout[0]);
+  for (int i = 0; i < count && i < n; i++) out[i] = layout[i];
+  return count < n ? count : n;
 }

@@ -38,7 +38,7 @@ class Shape(ctypes.Structure):
                                                        "heads", "kv_heads", "head_dim", "mask_row", "mask_token")),
                 ("kinds", ctypes.c_int64 * 4), ("outs", ctypes.c_int64 * 4), ("groups", ctypes.c_int64 * 4),
                 *((name, ctypes.c_int64) for name in ("bf16", "norm_bf16", "threads", "plus_one", "activation",
-                                                       "sliding_row", "sliding_token")),
+                                                       "sliding_row", "sliding_token", "table_rows")),
                 *((name, ctypes.c_float) for name in ("eps", "scale", "cap"))]
 
 
@@ -186,8 +186,8 @@ class NativeStack:
         shape = Shape(rows, width, mask.shape[-1], kv.slots, hidden, self._intermediate, lean.heads, lean.kv_heads,
                       lean.head_dim, mask.stride(0), mask.stride(2), *per_linear, bf16,
                       int(lean.norm.dtype == torch.bfloat16), torch.get_num_threads(), int(lean.norm_plus_one),
-                      native.ACTIVATION_KINDS[lean.activation_name], sliding.stride(0), sliding.stride(2), lean.eps,
-                      lean.scaling, self._cap)
+                      native.ACTIVATION_KINDS[lean.activation_name], sliding.stride(0), sliding.stride(2),
+                      min(table.shape[0] for pair in tables for table in pair), lean.eps, lean.scaling, self._cap)
         status = native.decoder(h.data_ptr(), work.data_ptr(), self._pointers,
                                 (ctypes.c_void_p * len(buffers))(*buffers), self._layer_kinds, len(lean.layers),
                                 tables[0][0].data_ptr(), tables[0][1].data_ptr(),

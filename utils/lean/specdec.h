@@ -65,8 +65,13 @@ typedef struct {
   int64_t bf16, norm_bf16, threads;      /* the pass in bfloat16 (else float32); the norms' weights in bfloat16 */
   int64_t plus_one, activation;          /* norms times (1 + weight) (Gemma's); `specdec_gated`'s kind */
   int64_t sliding_row, sliding_token;    /* the sliding window mask's strides (its last one 1) */
+  int64_t table_rows;                    /* the rotary tables' positions (a position past them is refused) */
   float eps, scale, cap;                 /* the norms' epsilon; attention's scale and logits' cap (0: none) */
 } specdec_shape_t;
+
+/* specdec_shape_t's layout: its size, then each field's offset in declaration order (`decoder.py` checks its
+   ctypes mirror against it before the first pass). Returns the number of values written (at most n). */
+int specdec_shape_layout(int64_t* out, int n);
 
 int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, const int64_t* layer_kinds,
                     int n_layers, const void* cos, const void* sin, const void* cos2, const void* sin2,
