@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from utils import cpu_passes, threads
+from utils import cpu_passes, settings, threads
 from utils.cost_model import DRAFT_SIZES, PassCosts, prior_costs
 from utils.cpu_passes import Shortcuts
 from utils.lean import lean_decoder
@@ -64,9 +64,9 @@ __all__ = ["CoreWatch", "MachineBusy", "calibrate", "is_measured", "pass_costs",
 CONTEXT = 256  # tokens already in the cache when a calibration pass runs
 REPEATS = 3
 MAX_SPREAD = 0.25  # (max - min) / median of the one-token pass's repeats above this: a busy machine
-CALIBRATE_ENV = "SPECDEC_CALIBRATE"  # "0": use PRIOR, measure nothing up front; "1": measure even when backed off
+CALIBRATE_ENV = settings.CALIBRATE_ENV  # "0": use PRIOR, measure nothing up front; "1": measure even when backed off
 BACK_OFF = 3600.0  # seconds after a busy machine stopped a calibration in which later starts do not try again
-PROGRESS_ENV = "SPECDEC_PROGRESS"  # "0": no progress bar while calibrating
+PROGRESS_ENV = settings.PROGRESS_ENV  # "0": no progress bar while calibrating
 # Share of the time our threads were ready to run that they spent waiting for a core, above which
 # the cores were not ours. A 2-core CPU with light background work measured 0.05-0.13; one thread
 # against two busy loops, 0.67; 16 threads against one other job on 16 cores would wait ~1/17.
@@ -158,7 +158,7 @@ def time_passes(
     # The one wait a user sees (seconds, once per machine and model): say so on stderr, as
     # transformers does while it loads weights.
     progress = tqdm(total=(repeats + 1) * len(plan), desc="Measuring pass costs here (once)",
-                    unit="pass", leave=False, file=sys.stderr, disable=os.environ.get(PROGRESS_ENV) == "0")
+                    unit="pass", leave=False, file=sys.stderr, disable=not settings.current().progress)
     next_check = BUSY_AFTER
     full_rounds, warm_start = repeats, time.perf_counter()
     try:
@@ -253,7 +253,7 @@ def pass_costs(model: PreTrainedModel) -> PassCosts:
     costs = _COSTS.get(model)
     if costs is not None:
         return costs
-    if os.environ.get(CALIBRATE_ENV) == "0":
+    if settings.current().calibrate is False:
         costs = prior_costs()
     else:
         costs = _cached_or_calibrated(model)
@@ -277,7 +277,7 @@ def is_measured(model: PreTrainedModel) -> bool:
     """Whether `pass_costs(model)` answers without measuring anything (known in memory, cached on
     disk, calibration switched off, or given up in this process): a console can say what it is
     about to wait for."""
-    if model in _COSTS or os.environ.get(CALIBRATE_ENV) == "0" or _busy_seen:
+    if model in _COSTS or settings.current().calibrate is False or _busy_seen:
         return True
     path = _cache_path(model)[1]
     return path in _DROPPED or _load(path) is not None or _busy_before(path) is not None
@@ -300,7 +300,7 @@ def _busy_note(path: Path) -> Path:
 
 def _busy_before(path: Path) -> float | None:
     """Seconds since a busy machine stopped this table's calibration, if under `BACK_OFF` (and not forced)."""
-    if os.environ.get(CALIBRATE_ENV) == "1":
+    if settings.current().calibrate:
         return None
     try:
         ago = time.time() - float(json.loads(_busy_note(path).read_text())["busy_at"])

@@ -31,9 +31,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from utils import settings
 from utils.paths import cache_dir
 
-PROGRESS_ENV = "SPECDEC_PROGRESS"  # "0": no progress bars on stderr
+PROGRESS_ENV = settings.PROGRESS_ENV  # "0": no progress bars on stderr
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ _FORMATS = {
 
 def _progress(desc: str, total: float | None = None, unit: str | None = None, iterable=None):
     return tqdm(iterable, total=total, desc=desc, bar_format=_FORMATS[unit], leave=False, file=sys.stderr,
-                disable=os.environ.get(PROGRESS_ENV) == "0")
+                disable=not settings.current().progress)
 
 
 class _Step:

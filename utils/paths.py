@@ -28,10 +28,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from utils import settings
+
 __all__ = ["CACHE_ENV", "CacheWarning", "cache_dir", "cache_refused", "configured_cache_dir", "private_folder",
            "private_temp", "settle", "unique_partial", "untrusted", "write_cached"]
 
-CACHE_ENV = "SPECDEC_CACHE"
+CACHE_ENV = settings.CACHE_ENV
 _LOCK = threading.Lock()
 _TEMP: list[Path] = []  # this process's private folder, once made
 _WARNED: set[str] = set()
@@ -43,8 +45,9 @@ class CacheWarning(UserWarning):
 
 def configured_cache_dir() -> Path:
     """$SPECDEC_CACHE, else $XDG_CACHE_HOME/speculative-decoding, else ~/.cache/speculative-decoding."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+    chosen = settings.current().cache
+    if chosen is not None:
+        return chosen
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "speculative-decoding"
 
@@ -55,7 +58,7 @@ def cache_dir() -> Path:
     every call (a few system calls): a folder opened to others later is refused from then on."""
     configured = configured_cache_dir()
     reason = private_folder(configured)
-    if reason is not None and not os.environ.get(CACHE_ENV) and _tightened(configured):
+    if reason is not None and settings.current().cache is None and _tightened(configured):
         reason = private_folder(configured)
     if reason is None:
         return configured

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from utils import settings
 from utils.lean import forget, native
 from utils.paths import cache_dir, write_cached
 from utils.quantize import BITS, QuantizedLinear, linear_weight, quantized_linear
@@ -27,7 +27,7 @@ from utils.quantize import BITS, QuantizedLinear, linear_weight, quantized_linea
 __all__ = ["QUANTIZE_KINDS", "check_quantization", "install", "linear_names", "quantize_linears", "quantize_model",
            "quantized_state_key"]
 
-PROGRESS_ENV = "SPECDEC_PROGRESS"  # "0": no progress bar while quantizing
+PROGRESS_ENV = settings.PROGRESS_ENV  # "0": no progress bar while quantizing
 CACHE_MIN_PARAMETERS = 10_000_000  # cache="auto": smaller models quantize faster than they load
 SAMPLE = 4096  # elements of each tensor in the fingerprint
 GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel is used with (gpt-fast's choices)
@@ -113,7 +113,7 @@ def quantized_state_key(model: nn.Module, bits: int, group_size: int) -> str:
 def _build(model: nn.Module, names: list[str], bits: int, group_size: int) -> dict[str, QuantizedLinear | None]:
     modules = dict(model.named_modules())
     bar = tqdm(names, desc=f"Quantizing to {bits} bits (once)", unit="linear", leave=False, file=sys.stderr,
-               disable=os.environ.get(PROGRESS_ENV) == "0" or len(names) < 8)
+               disable=not settings.current().progress or len(names) < 8)
     return {name: quantized_linear(modules[name], bits, group_size) for name in bar}
 
 

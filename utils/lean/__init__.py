@@ -15,17 +15,17 @@ keeps the Hugging Face path: its hooks move weights per layer.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 from torch import nn
 
+from utils import settings
 from utils.lean import gemma, llama
 from utils.lean.decoder import NativeStack
 
 __all__ = ["LEAN_ENV", "forget", "forward_path", "lean_decoder", "unsupported"]
 
-LEAN_ENV = "SPECDEC_LEAN"
+LEAN_ENV = settings.LEAN_ENV
 _FAMILIES = (llama, gemma)  # each: unsupported(model) -> reason or None, and its forward class
 _CLASSES = {llama: llama.LeanLlama, gemma: gemma.LeanGemma}
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its lean forward or None, `_Watched`)
@@ -34,7 +34,7 @@ _HOOKED: weakref.WeakSet = weakref.WeakSet()  # models whose load_state_dict for
 
 def unsupported(model: nn.Module) -> str | None:
     """Why `model` takes the Hugging Face path, None when a lean forward runs it."""
-    if os.environ.get(LEAN_ENV) == "0":
+    if not settings.current().lean:
         return f"{LEAN_ENV}=0"
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from utils import paths
+from utils import paths, settings
 
 try:
     import fcntl
@@ -45,8 +45,8 @@ except ImportError:  # not a POSIX system: one process at a time is assumed
 __all__ = ["COST", "MARCH_ENV", "NATIVE_ENV", "NativeKernelsOff", "announced", "compiler", "flags", "key_files",
            "load", "sources"]
 
-NATIVE_ENV = "SPECDEC_NATIVE"  # "0": none of our kernels, torch's operations everywhere (a choice: not warned)
-MARCH_ENV = "SPECDEC_NATIVE_MARCH"  # the target CPU of -march (x86-64) or -mcpu (Arm) instead of "native"
+NATIVE_ENV = settings.NATIVE_ENV  # "0": none of our kernels, torch's operations everywhere (a choice: not warned)
+MARCH_ENV = settings.MARCH_ENV  # the target CPU of -march (x86-64) or -mcpu (Arm) instead of "native"
 HERE = Path(__file__).parent
 # -ffp-contract=off: a product and a sum written apart stay apart (rounded as torch's eager steps round them)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
@@ -90,7 +90,7 @@ def compiler() -> tuple[list[str] | None, str | None]:
 
 def flags(openmp: bool = True) -> tuple[str, ...]:
     """The compile flags here: `BASE_FLAGS`, this CPU's instructions (`SPECDEC_NATIVE_MARCH` or native), OpenMP."""
-    machine, target = platform.machine().lower(), os.environ.get(MARCH_ENV) or "native"
+    machine, target = platform.machine().lower(), settings.current().native_march
     if machine in ("x86_64", "amd64", "i386", "i686"):
         cpu = (f"-march={target}",)
     elif machine in ("aarch64", "arm64") or machine.startswith(("ppc", "powerpc")):
@@ -107,7 +107,7 @@ def announced(loader: Callable[[], tuple[object, str | None]]) -> Callable[[], t
     @functools.wraps(loader)
     def load_announced():
         library, reason = loader()
-        if reason is not None and os.environ.get(NATIVE_ENV) != "0" and not _ANNOUNCED:
+        if reason is not None and settings.current().native and not _ANNOUNCED:
             _ANNOUNCED.append(reason)
             warnings.warn(f"our native kernels are off here ({reason}): {COST} ({NATIVE_ENV}=0 chooses that without "
                           f"this warning)", NativeKernelsOff, stacklevel=3)

@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from utils import settings
+
 __all__ = ["HUGE_PAGE", "HUGE_PAGES_ENV", "advised_empty", "on_huge_pages", "release_file_pages", "thp_mode"]
 
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KB base pages) transparent huge page
-HUGE_PAGES_ENV = "SPECDEC_HUGE_PAGES"  # "0": weights stay where they were loaded (no copy at the first pass)
+HUGE_PAGES_ENV = settings.HUGE_PAGES_ENV  # "0": weights stay where they were loaded (no copy at the first pass)
 _MADV_HUGEPAGE = 14  # Linux
 _MADV_DONTNEED = 4
 
@@ -50,7 +52,7 @@ def _libc() -> ctypes.CDLL:
 
 
 def _helps(nbytes: int, device: torch.device) -> bool:
-    return (sys.platform.startswith("linux") and os.environ.get(HUGE_PAGES_ENV) != "0"
+    return (sys.platform.startswith("linux") and settings.current().huge_pages
             and thp_mode() in ("always", "madvise") and device.type == "cpu" and nbytes >= HUGE_PAGE)
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from functools import cache
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from utils import settings
 from utils.lean import native
 from utils.paths import cache_dir, write_cached
 
@@ -57,7 +57,7 @@ LINEAR: Kernel = ("linear", 0)
 REFERENCE: Kernel = ("weight_major", 32)  # the product every width-invariant torch kernel agrees with, bit for bit
 NATIVE: Kernel = ("native", 0)
 _CODE = hashlib.sha256(Path(__file__).read_bytes() + native.GEMM_SOURCE.read_bytes()).hexdigest()[:12]  # a table's version
-INVARIANT_ENV = "SPECDEC_WIDTH_INVARIANT"  # "0": the fastest kernel per width; "1": the invariant ones at any price
+INVARIANT_ENV = settings.INVARIANT_ENV  # "0": the fastest kernel per width; "1": the invariant ones at any price
 AGREEMENT_OUTPUTS = 1 << 18  # outputs compared per kernel and row count before it counts as width-invariant
 INVARIANCE_PAYS = 1.05  # the invariant family's mean price over the row counts that it may cost by default
 
@@ -177,9 +177,9 @@ def invariance_pays(tables: list[KernelTable], counts: list[int]) -> bool:
     """Whether a pass running the linears of `tables`, each `counts` times, takes the invariant families: their
     seconds over the fastest kernels' for the whole pass, averaged over the row buckets, at most `INVARIANCE_PAYS`
     (one table alone: its own mean price). `SPECDEC_WIDTH_INVARIANT=1`: at any price; `=0`: never."""
-    mode = os.environ.get(INVARIANT_ENV)
-    if mode in ("0", "1"):
-        return mode == "1"
+    chosen = settings.current().width_invariant
+    if chosen is not None:
+        return chosen
     buckets = sorted(set.intersection(*(set(table.seconds) for table in tables))) if tables else []
     prices = [sum(c * t.seconds[b][0] for c, t in zip(counts, tables, strict=True))
               / sum(c * t.seconds[b][1] for c, t in zip(counts, tables, strict=True)) for b in buckets]
@@ -216,7 +216,7 @@ def prepare(weights: list[Tensor]) -> None:
     wanted = sorted({(tuple(w.shape), w.dtype, w.device.type) for w in weights}, key=str)
     new = [w for w in wanted if w[1] != torch.float64 and w[2] == "cpu" and not _path(w[0], w[1]).exists()]
     bar = tqdm(wanted, desc="Choosing GEMM kernels here (once)", unit="shape", leave=False, file=sys.stderr,
-               disable=os.environ.get("SPECDEC_PROGRESS") == "0" or not new)
+               disable=not settings.current().progress or not new)
     for shape, dtype, device in bar:
         kernel_table(shape, dtype, device)
 

@@ -17,14 +17,13 @@ converted to float32.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from utils import settings
 from utils.lean import huge_pages, native
-from utils.lean.kernels import INVARIANT_ENV, LINEAR, NATIVE, KernelTable, apply, invariance_pays, kernel_table, prepare
+from utils.lean.kernels import LINEAR, NATIVE, KernelTable, apply, invariance_pays, kernel_table, prepare
 
 __all__ = ["Linear", "fused", "numerics"]
 
@@ -192,7 +191,7 @@ def numerics(linears: list[Linear], dtype: torch.dtype, counts: list[int] | None
     Never in float64 (it rounds far below any tie), nor with `SPECDEC_WIDTH_INVARIANT=0`; with `=1` at any price."""
     weights = [linear.weight for linear in linears if linear.weight is not None]
     computed = _computed_dtype(linears, weights[0].dtype if weights else dtype)
-    if os.environ.get(INVARIANT_ENV) == "0" or computed == torch.float64:
+    if settings.current().width_invariant is False or computed == torch.float64:
         return computed, False
     if computed != (weights[0].dtype if weights else dtype):
         return computed, True

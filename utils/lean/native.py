@@ -31,7 +31,6 @@ whatever the number of rows (width-invariant by construction).
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from utils import settings
 from utils.lean import build
 
 __all__ = ["ACTIVATION_KINDS", "LANES", "MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "add_rms_norm",
@@ -89,7 +89,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
 def unavailable() -> str | None:
     """Why the kernels cannot run here (no compiler, no vector unit they are written for, `SPECDEC_NATIVE=0`), None
     when they can."""
-    if os.environ.get(NATIVE_ENV) == "0":
+    if not settings.current().native:
         return f"{NATIVE_ENV}=0"
     return _library()[1]
 
