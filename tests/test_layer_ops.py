@@ -23,7 +23,7 @@ from transformers import (
 
 from tests.conftest import require_native
 from tests.models import VOCAB, prompt
-from utils.lean import forget, lean_decoder, native
+from utils.lean import forget, layer_ops, lean_decoder, native
 from utils.lean.gemma import gemma_norm
 from utils.lean.llama import rms_norm, rotate
 from utils.runners.static import StaticRunner
@@ -35,7 +35,7 @@ def _ours_run_here() -> bool:
     """Whether `layer.c` builds here (where it cannot, `unavailable()` says why and no lean forward takes it)."""
     if native.unavailable() is None:
         return True
-    assert not native.layer_ops(torch.float32, 64, 16)
+    assert not layer_ops.runs(torch.float32, 64, 16)
     require_native()  # skipped with the reason (failed under SPECDEC_REQUIRE_NATIVE=1), not passed silently
     return False
 
@@ -48,13 +48,13 @@ def test_the_norms_and_the_rotary_step_give_torchs_bits(dtype):
     x, delta, weight = torch.randn(3, 5, 96).to(dtype), torch.randn(3, 5, 96).to(dtype), torch.randn(96).to(dtype)
     # the normalisation's sum is taken in an order of its own: float32 rounding of it, then torch's last steps
     tolerance = 2e-6 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(native.rms_norm(x, weight, 1e-6).double(), rms_norm(x, weight, 1e-6).double(), atol=tolerance)
-    gemma = native.rms_norm(x, weight, 1e-6, plus_one=True)
+    assert torch.allclose(layer_ops.rms_norm(x, weight, 1e-6).double(), rms_norm(x, weight, 1e-6).double(), atol=tolerance)
+    gemma = layer_ops.rms_norm(x, weight, 1e-6, plus_one=True)
     assert torch.allclose(gemma.double(), gemma_norm(x, weight, 1e-6).double(), atol=tolerance)
-    h, normed = native.add_rms_norm(x.clone(), delta, weight, 1e-6)
-    assert torch.equal(h, x + delta) and torch.equal(normed, native.rms_norm(x + delta, weight, 1e-6))
+    h, normed = layer_ops.add_rms_norm(x.clone(), delta, weight, 1e-6)
+    assert torch.equal(h, x + delta) and torch.equal(normed, layer_ops.rms_norm(x + delta, weight, 1e-6))
     # a float32 pass over a bfloat16 model: the norm's weight stays bfloat16
-    as_float = native.rms_norm(x.float(), weight.to(torch.bfloat16), 1e-6)
+    as_float = layer_ops.rms_norm(x.float(), weight.to(torch.bfloat16), 1e-6)
     assert torch.allclose(as_float, rms_norm(x.float(), weight.to(torch.bfloat16), 1e-6), atol=2e-6)
 
     rows, width, heads, kv_heads, head_dim, slots = 2, 3, 6, 2, 32, 40
@@ -62,7 +62,7 @@ def test_the_norms_and_the_rotary_step_give_torchs_bits(dtype):
     cos, sin = torch.randn(slots, head_dim).to(dtype), torch.randn(slots, head_dim).to(dtype)
     positions, write_index = torch.tensor([[3, 4, 5], [9, 7, 8]]), torch.tensor([[5, 6, 7], [10, 11, 12]])
     keys, values = torch.zeros(rows, kv_heads, slots, head_dim, dtype=dtype), torch.zeros(rows, kv_heads, slots, head_dim, dtype=dtype)
-    q = native.rope_write(qkv, cos, sin, positions, write_index, keys, values, heads)
+    q = layer_ops.rope_write(qkv, cos, sin, positions, write_index, keys, values, heads)
     q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     c, s = cos[positions][:, None], sin[positions][:, None]
     assert torch.equal(q.transpose(1, 2), rotate(q_ref.view(rows, width, heads, head_dim).transpose(1, 2), c, s))
@@ -103,23 +103,23 @@ def test_attention_gives_the_reference_values_and_each_query_the_same_bits_at_ev
     mask[0, :, :, 30:] = hidden
     mask[1, :, 2, 33] = hidden
     scale = head_dim**-0.5
-    out = native.attention(q, keys, values, mask, scale, softcap)
+    out = layer_ops.attention(q, keys, values, mask, scale, softcap)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the output rounded once
     assert out.dtype == dtype and torch.allclose(out.double(), _reference(q, keys, values, mask, scale, softcap), atol=tolerance)
     more = torch.cat([mask, torch.full((rows, 1, width, 20), hidden, dtype=dtype)], dim=-1)  # slots past `used`
     threads = torch.get_num_threads()
     for t in range(width):
-        one = native.attention(q[:, :, t : t + 1], keys, values, mask[:, :, t : t + 1], scale, softcap)
+        one = layer_ops.attention(q[:, :, t : t + 1], keys, values, mask[:, :, t : t + 1], scale, softcap)
         assert torch.equal(one, out[:, t : t + 1])
-        assert torch.equal(native.attention(q[:, :, t : t + 1], keys, values, more[:, :, t : t + 1], scale, softcap), one)
+        assert torch.equal(layer_ops.attention(q[:, :, t : t + 1], keys, values, more[:, :, t : t + 1], scale, softcap), one)
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
-        assert torch.equal(native.attention(q, keys, values, mask, scale, softcap), out)
+        assert torch.equal(layer_ops.attention(q, keys, values, mask, scale, softcap), out)
     finally:
         torch.set_num_threads(threads)
     # a query that sees no key gets zeros, not NaN
     blind = torch.full((rows, 1, 1, used), hidden, dtype=dtype)
-    assert native.attention(q[:, :, :1], keys, values, blind, scale, softcap).abs().sum() == 0
+    assert layer_ops.attention(q[:, :, :1], keys, values, blind, scale, softcap).abs().sum() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -143,8 +143,8 @@ def test_a_tree_nodes_attention_is_the_bits_it_gets_once_moved_next_to_its_ances
         moved_keys[:, :, moved], moved_values[:, :, moved] = keys[:, :, seen_slots], values[:, :, seen_slots]
         chain_mask = torch.full((1, 1, 1, 64), hidden, dtype=dtype)
         chain_mask[..., : context + len(seen_slots)] = 0
-        tree = native.attention(q, keys, values, tree_mask, head_dim**-0.5, None)
-        assert torch.equal(tree, native.attention(q, moved_keys, moved_values, chain_mask, head_dim**-0.5, None)), seen_slots
+        tree = layer_ops.attention(q, keys, values, tree_mask, head_dim**-0.5, None)
+        assert torch.equal(tree, layer_ops.attention(q, moved_keys, moved_values, chain_mask, head_dim**-0.5, None)), seen_slots
 
 
 def _model(family: str):

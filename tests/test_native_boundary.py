@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.models import VOCAB, prompt
-from utils.lean import forget, lean_decoder, native
+from utils.lean import forget, layer_ops, lean_decoder, native
+from utils.lean.boundary import READABLE
 from utils.lean.gemma import gemma_norm
 from utils.lean.llama import rms_norm, rotate
 from utils.lean.static_kv import PassSlots, StaticKV
@@ -65,7 +66,7 @@ def _randn(*shape: int, dtype: torch.dtype, generator: torch.Generator) -> torch
 
 
 def _gemm_case(rng: random.Random, g: torch.Generator) -> bool:
-    block = native._loaded().specdec_block()
+    block = native.library().specdec_block()
     rows = rng.randint(0, 40)
     in_features = rng.choice([block, 2 * block, rng.randint(1, 64)])
     out_features = rng.randint(1, 64)
@@ -82,7 +83,7 @@ def _gemm_case(rng: random.Random, g: torch.Generator) -> bool:
         assert not valid
         return False
     assert valid and y.dtype == x_dtype and y.shape == (rows, out_features)
-    used_bias = None if bias is None else bias.to(x_dtype if x_dtype in native.READABLE else torch.float32)
+    used_bias = None if bias is None else bias.to(x_dtype if x_dtype in READABLE else torch.float32)
     exact = x.double() @ weight.double().T + (0 if used_bias is None else used_bias.double())
     scale = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs()) + 1e-30
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}[x_dtype]
@@ -138,7 +139,7 @@ def _dequantize_q4_case(rng: random.Random, g: torch.Generator) -> bool:
     dtype = rng.choice(DTYPES)
     if rng.random() < 0.1:
         packed = _laid_out(packed, rng)
-    valid = 0 < asked <= packed.shape[0] * native.Q4_ROWS and dtype in native.READABLE and packed.is_contiguous()
+    valid = 0 < asked <= packed.shape[0] * native.Q4_ROWS and dtype in READABLE and packed.is_contiguous()
     try:
         weight = native.dequantize_q4(packed, scales_minimums, asked, dtype)
     except REFUSED:
@@ -184,14 +185,14 @@ def _norm_case(rng: random.Random, g: torch.Generator) -> bool:
     weight = _laid_out(_randn(weight_length, dtype=weight_dtype, generator=g), rng)
     plus_one, residual = rng.random() < 0.5, rng.random() < 0.5
     delta = _randn(1, tokens, n if rng.random() < 0.9 else rng.randint(1, 64), dtype=dtype, generator=g)
-    valid = (n % native.LANES == 0 and dtype in native.READABLE and weight_dtype in native.READABLE
+    valid = (n % layer_ops.LANES == 0 and dtype in READABLE and weight_dtype in READABLE
              and weight_length == n and (not residual or delta.shape == x.shape))
     before = x.clone()
     try:
         if residual:
-            h, out = native.add_rms_norm(x, delta, weight, 1e-6, plus_one=plus_one)
+            h, out = layer_ops.add_rms_norm(x, delta, weight, 1e-6, plus_one=plus_one)
         else:
-            h, out = before, native.rms_norm(x, weight, 1e-6, plus_one=plus_one)
+            h, out = before, layer_ops.rms_norm(x, weight, 1e-6, plus_one=plus_one)
     except REFUSED:
         assert not valid and torch.equal(x, before)
         return False
@@ -228,12 +229,12 @@ def _rope_case(rng: random.Random, g: torch.Generator) -> bool:
     if rng.random() < 0.05:
         keys = _laid_out(keys, rng)
     keys_before, values_before = keys.clone(), values.clone()
-    valid = (dtype in native.READABLE and buffer_dtype == dtype and head_dim % 2 == 0
+    valid = (dtype in READABLE and buffer_dtype == dtype and head_dim % 2 == 0
              and qkv_width == (heads + 2 * kv_heads) * head_dim and keys.is_contiguous()
              and int(write_index.min()) >= 0 and int(write_index.max()) < slots
              and int(positions.min()) >= 0 and int(positions.max()) < table)
     try:
-        q = native.rope_write(qkv, cos, sin, positions, write_index, keys, values, heads)
+        q = layer_ops.rope_write(qkv, cos, sin, positions, write_index, keys, values, heads)
     except REFUSED:
         assert not valid and torch.equal(keys, keys_before) and torch.equal(values, values_before)  # nothing written
         return False
@@ -279,15 +280,15 @@ def _attention_case(rng: random.Random, g: torch.Generator) -> bool:
     q = _laid_out(q, rng) if rng.random() < 0.3 else q
     keys = _randn(rows, kv_heads, slots, head_dim, dtype=dtype, generator=g)
     values = _randn(rows, kv_heads, slots, head_dim, dtype=dtype, generator=g)
-    mask_dtype = dtype if dtype in native.READABLE else torch.float32
+    mask_dtype = dtype if dtype in READABLE else torch.float32
     hide = torch.rand(rows, 1, width, used, generator=g) < 0.3
     hide[..., 0] = rng.random() < 0.05  # now and then a query that sees no key
     mask = torch.zeros(rows, 1, width, used, dtype=mask_dtype).masked_fill(hide, torch.finfo(mask_dtype).min)
     mask = _laid_out(mask, rng)
     softcap = rng.choice([None, 5.0])
-    valid = (dtype in native.READABLE and head_dim % native.LANES == 0 and heads % kv_heads == 0 and used <= slots)
+    valid = (dtype in READABLE and head_dim % layer_ops.LANES == 0 and heads % kv_heads == 0 and used <= slots)
     try:
-        out = native.attention(q, keys, values, mask, head_dim**-0.5, softcap)
+        out = layer_ops.attention(q, keys, values, mask, head_dim**-0.5, softcap)
     except REFUSED:
         assert not valid
         return False
@@ -304,9 +305,9 @@ def _gated_case(rng: random.Random, g: torch.Generator) -> bool:
     gate_up = _laid_out(4 * _randn(tokens, 2 * n if rng.random() < 0.9 else rng.randint(1, 64), dtype=dtype, generator=g), rng)
     activation = rng.choice(["silu", "gelu_pytorch_tanh", "silu", "relu"])
     width = gate_up.shape[-1]
-    valid = dtype in native.READABLE and width > 0 and width % (2 * native.LANES) == 0 and activation != "relu"
+    valid = dtype in READABLE and width > 0 and width % (2 * layer_ops.LANES) == 0 and activation != "relu"
     try:
-        out = native.gated_mul(gate_up, activation)
+        out = layer_ops.gated_mul(gate_up, activation)
     except REFUSED:
         assert not valid
         return False

@@ -7,6 +7,8 @@ our kernels cannot be built, no lean forward takes the stack."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from sampling import quantized_drafter
 from tests.conftest import require_native
 from tests.models import VOCAB, gemma_config, prompt
-from utils.lean import forget, forward_path, lean_decoder, linear, native
+from utils.lean import forget, forward_path, layer_ops, lean_decoder, linear, native
 from utils.lean.decoder import NativeStack
 from utils.runners.static import StaticRunner
 
@@ -57,7 +59,7 @@ def test_our_activation_times_up_is_torchs_to_a_rounding(dtype, activation):
     gate_up = (4 * torch.randn(5, 2 * 4864)).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    ours, theirs = native.gated_mul(gate_up, activation), act * up
+    ours, theirs = layer_ops.gated_mul(gate_up, activation), act * up
     # Within a float32 ulp or two of the inputs' scale |gate up|: gelu's 1 + tanh(y) cancels where tanh nears -1, in
     # torch's steps and ours alike, so there a small value can be far from torch's relatively, never absolutely.
     scale = (gate.float() * up.float()).abs()
@@ -105,8 +107,8 @@ def test_the_stack_gives_the_python_layers_logits_and_the_same_bits_at_every_wid
     assert all(lean.stack.runs(tokens) for tokens in range(1, native.MAX_ROWS + 1))
     assert not lean.stack.runs(native.MAX_ROWS + 1)  # a wider prompt: the Python layers
     calls = []
-    called = native.decoder
-    monkeypatch.setattr(native, "decoder", lambda *arguments: calls.append(1) or called(*arguments))
+    called = layer_ops.decoder
+    monkeypatch.setattr(layer_ops, "decoder", lambda *arguments: calls.append(1) or called(*arguments))
     ids, new = prompt(1, 30), [5, 6, 7, 8, 9, 10, 11]
 
     def passes() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -159,3 +161,17 @@ def test_a_model_the_stack_cannot_run_says_why_and_keeps_the_python_layers(monke
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert lean_decoder(model).stack is None
     forget(model)
+
+
+def test_the_shape_mirror_is_checked_against_the_compiled_layout(monkeypatch):
+    """decoder.py's ctypes `Shape` and decoder.c's `specdec_shape_t` as compiled: the same size and offsets, and a
+    layout that differs keeps every model off the stack with the reason."""
+    from utils.lean import decoder
+
+    require_native()
+    assert decoder._shape_mismatch() is None
+    assert layer_ops.shape_layout()[0] == ctypes.sizeof(decoder.Shape)
+    monkeypatch.setattr(layer_ops, "shape_layout", lambda: [0])
+    model = _model("llama", torch.bfloat16)
+    forget(model)
+    assert lean_decoder(model).stack is None and "is not decoder.c's specdec_shape_t" in forward_path(model)

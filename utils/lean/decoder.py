@@ -22,7 +22,8 @@ import ctypes
 import torch
 from torch import Tensor
 
-from utils.lean import native
+from utils.lean import boundary as check
+from utils.lean import layer_ops, native
 from utils.lean.static_kv import PassSlots, StaticKV
 
 __all__ = ["NativeStack"]
@@ -32,7 +33,8 @@ BFLOAT16, FOUR_BITS = 0, 1  # decoder.c's kernel kinds
 
 
 class Shape(ctypes.Structure):
-    """decoder.c's `shape_t`, field for field."""
+    """decoder.c's `specdec_shape_t` (`specdec.h`), field for field: checked against its compiled layout before a
+    stack is built (`_shape_mismatch`)."""
 
     _fields_ = [*((name, ctypes.c_int64) for name in ("rows", "width", "used", "slots", "hidden", "intermediate",
                                                        "heads", "kv_heads", "head_dim", "mask_row", "mask_token")),
@@ -43,6 +45,16 @@ class Shape(ctypes.Structure):
 
 
 SLIDING, SECOND_ROPE = 1, 2  # decoder.c's layer kind bits
+
+
+def _shape_mismatch() -> str | None:
+    """Why `Shape` is not decoder.c's `specdec_shape_t` as its compiler laid it out (the size, then each field's
+    offset), None when it is: a field added on one side only would have every pass read the wrong numbers."""
+    ours = [ctypes.sizeof(Shape), *(getattr(Shape, name).offset for name, _ in Shape._fields_)]
+    theirs = layer_ops.shape_layout()
+    if ours != theirs:
+        return f"decoder.py's Shape (size and offsets {ours}) is not decoder.c's specdec_shape_t ({theirs})"
+    return None
 
 
 def _kind(linear) -> int | None:
@@ -65,8 +77,11 @@ class NativeStack:
             dtype = str(lean.dtype).removeprefix("torch.")
             return native.unavailable() or (f"our norms, rotary step and attention do not run a {dtype} pass over "
                                              f"{lean.layers[0].attention_norm.shape[-1]} features, heads of "
-                                             f"{lean.head_dim} (float32 or bfloat16, multiples of {native.LANES})")
-        if lean.activation_name not in native.ACTIVATION_KINDS:
+                                             f"{lean.head_dim} (float32 or bfloat16, multiples of {layer_ops.LANES})")
+        mismatch = _shape_mismatch()
+        if mismatch is not None:
+            return mismatch
+        if lean.activation_name not in layer_ops.ACTIVATION_KINDS:
             return f"activation {lean.activation_name!r}"
         if len(lean._rope_kinds) > 2 or len({layer.softcap for layer in lean.layers}) > 1:
             return "layers of more than two kinds, or attention caps that differ"
@@ -74,8 +89,8 @@ class NativeStack:
                  for layer in lean.layers}
         if len(kinds) != 1 or None in (kind for kind, _ in next(iter(kinds))):
             return "a linear our kernels do not run (int8, torch's int4, hooked or another dtype)"
-        if lean.layers[0].gate_up.widths[0] % native.LANES:
-            return f"an MLP width not a multiple of {native.LANES}"
+        if lean.layers[0].gate_up.widths[0] % layer_ops.LANES:
+            return f"an MLP width not a multiple of {layer_ops.LANES}"
         return NativeStack.unreadable(lean)
 
     @staticmethod
@@ -85,7 +100,7 @@ class NativeStack:
         first = lean.layers[0]
         hidden, attended = first.mlp_norm.shape[0], lean.heads * lean.head_dim
         intermediate = first.gate_up.widths[0]
-        if lean.norm.dtype not in native.READABLE:
+        if lean.norm.dtype not in check.READABLE:
             return f"norms in {lean.norm.dtype}"
         widths = ([attended, lean.kv_heads * lean.head_dim, lean.kv_heads * lean.head_dim], [hidden],
                   [intermediate, intermediate], [hidden])
@@ -149,10 +164,10 @@ class NativeStack:
         rotary tables by kind of layer (`LeanLlama._rope`). Every tensor decoder.c reads or writes is checked first
         (a ValueError naming it): its shape, dtype and layout, each slot and position in range."""
         lean = self._lean
-        native._shape(native._tensor(h, "h"), "h", (None, None, lean.layers[0].mlp_norm.shape[0]))
-        native._dtype(h, "h", (lean.dtype,))
+        check.shape(check.tensor(h, "h"), "h", (None, None, lean.layers[0].mlp_norm.shape[0]))
+        check.dtype(h, "h", (lean.dtype,))
         rows, width, hidden = h.shape
-        native._c_int(rows * width, "the tokens")
+        check.c_int(rows * width, "the tokens")
         if not 1 <= rows * width <= native.MAX_ROWS:
             raise ValueError(f"the stack runs 1 to {native.MAX_ROWS} tokens a pass, got {rows} x {width}")
         h = h.contiguous()
@@ -160,22 +175,22 @@ class NativeStack:
         layers = [kv.layer(index, like) for index in range(len(lean.layers))]
         for keys, values in layers:
             for name, tensor in (("keys", keys), ("values", values)):
-                native._shape(tensor, name, (rows, lean.kv_heads, kv.slots, lean.head_dim))
-                native._written(tensor, name)
+                check.shape(tensor, name, (rows, lean.kv_heads, kv.slots, lean.head_dim))
+                check.written(tensor, name)
         buffers = [tensor.data_ptr() for pair in layers for tensor in pair]
-        mask = native.readable_mask(slots.mask, h.dtype)
-        sliding = mask if slots.sliding_mask is None else native.readable_mask(slots.sliding_mask, h.dtype)
-        native._shape(mask, "mask", (rows, 1, width, None))
-        native._shape(sliding, "sliding_mask", tuple(mask.shape))
+        mask = layer_ops.readable_mask(slots.mask, h.dtype)
+        sliding = mask if slots.sliding_mask is None else layer_ops.readable_mask(slots.sliding_mask, h.dtype)
+        check.shape(mask, "mask", (rows, 1, width, None))
+        check.shape(sliding, "sliding_mask", tuple(mask.shape))
         if mask.shape[-1] > kv.slots:
             raise ValueError(f"mask covers {mask.shape[-1]} slots, the buffer holds {kv.slots}")
         tables = [ropes[kind] for kind in lean._rope_kinds]
         for table in (table for pair in tables for table in pair):
-            native._shape(table, "a rotary table", (None, lean.head_dim))
-            native._dtype(table, "a rotary table", (h.dtype,))
+            check.shape(table, "a rotary table", (None, lean.head_dim))
+            check.dtype(table, "a rotary table", (h.dtype,))
             if not table.is_contiguous():
                 raise ValueError(f"a rotary table must be contiguous, got strides {table.stride()}")
-        native.check_slots(slots.positions, slots.write_index, kv.slots,
+        layer_ops.check_slots(slots.positions, slots.write_index, kv.slots,
                            min(table.shape[0] for pair in tables for table in pair), (rows, width))
         second = tables[1] if len(tables) > 1 else (None, None)
         positions = slots.positions.to(torch.int64).contiguous()
@@ -186,9 +201,9 @@ class NativeStack:
         shape = Shape(rows, width, mask.shape[-1], kv.slots, hidden, self._intermediate, lean.heads, lean.kv_heads,
                       lean.head_dim, mask.stride(0), mask.stride(2), *per_linear, bf16,
                       int(lean.norm.dtype == torch.bfloat16), torch.get_num_threads(), int(lean.norm_plus_one),
-                      native.ACTIVATION_KINDS[lean.activation_name], sliding.stride(0), sliding.stride(2),
+                      layer_ops.ACTIVATION_KINDS[lean.activation_name], sliding.stride(0), sliding.stride(2),
                       min(table.shape[0] for pair in tables for table in pair), lean.eps, lean.scaling, self._cap)
-        status = native.decoder(h.data_ptr(), work.data_ptr(), self._pointers,
+        status = layer_ops.decoder(h.data_ptr(), work.data_ptr(), self._pointers,
                                 (ctypes.c_void_p * len(buffers))(*buffers), self._layer_kinds, len(lean.layers),
                                 tables[0][0].data_ptr(), tables[0][1].data_ptr(),
                                 *(None if table is None else table.data_ptr() for table in second),
@@ -227,7 +242,7 @@ def _unreadable_linear(linear, widths: list[int], in_features: int, kind: int | 
         return None
     packed, scales = linear.q4  # one quantization group per linear in every layer: `unsupported`
     try:
-        if native._check_q4_weight(packed, scales, out) != in_features:
+        if native.check_q4_weight(packed, scales, out) != in_features:
             return f"a packed weight of {packed.shape[1] * native.Q4_BLOCK} inputs, not {in_features}"
     except (TypeError, ValueError) as error:
         return str(error)

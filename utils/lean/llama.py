@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.lean import native
+from utils.lean import layer_ops, native
 from utils.lean.decoder import NativeStack
 from utils.lean.linear import Linear, numerics
 from utils.lean.static_kv import PassSlots, StaticKV
@@ -143,7 +143,7 @@ class LeanLlama(nn.Module):
         # a row's bits do not depend on how far the others reach.
         self._head_dtype = self.dtype if self.head.weight is None else torch.promote_types(self.dtype,
                                                                                              self.head.weight.dtype)
-        self.native = native.layer_ops(self.dtype, config.hidden_size, self.head_dim)
+        self.native = layer_ops.runs(self.dtype, config.hidden_size, self.head_dim)
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
@@ -174,13 +174,13 @@ class LeanLlama(nn.Module):
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         if self.native:
-            return native.rms_norm(x, weight, self.eps, plus_one=self.norm_plus_one)
+            return layer_ops.rms_norm(x, weight, self.eps, plus_one=self.norm_plus_one)
         return self.reference_norm(x, weight, self.eps)
 
     def _add_norm(self, h: Tensor, delta: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """(h + delta, its norm): the residual addition and the next norm, one call where ours run."""
         if self.native:
-            return native.add_rms_norm(h, delta, weight, self.eps, plus_one=self.norm_plus_one)
+            return layer_ops.add_rms_norm(h, delta, weight, self.eps, plus_one=self.norm_plus_one)
         h = h + delta
         return h, self._norm(h, weight)
 
@@ -190,7 +190,7 @@ class LeanLlama(nn.Module):
         runner's buffer, written and read where `slots` says."""
         # Every slot and position within the buffer, once a pass (our rotary step writes the buffer where they say;
         # the rotary tables hold the buffer's positions).
-        native.check_slots(slots.positions, slots.write_index, kv.slots, kv.slots, tuple(ids.shape))
+        layer_ops.check_slots(slots.positions, slots.write_index, kv.slots, kv.slots, tuple(ids.shape))
         ropes = {kind: self._rope(slots.positions, kv.slots, kind) for kind in self._rope_kinds}
         h = self._embed(ids).to(self.dtype)
         if self.stack is not None and self.stack.runs(ids.numel()):
@@ -224,7 +224,7 @@ class LeanLlama(nn.Module):
                         for part, norm in zip((q, k), layer.qk_norms, strict=True))
                 qkv = torch.cat([q, k, v], dim=-1)
             keys, values = kv.layer(index, qkv.new_empty(rows, self.kv_heads, 0, self.head_dim))
-            q = native.rope_write(qkv, *rope, slots.positions, slots.write_index, keys, values, self.heads,
+            q = layer_ops.rope_write(qkv, *rope, slots.positions, slots.write_index, keys, values, self.heads,
                                   indices_checked=True)  # by `forward`
             return layer.o(self._attend(layer, q.transpose(1, 2), keys, values, mask))
         q, k, v = layer.qkv.split(layer.qkv(x))
@@ -244,7 +244,7 @@ class LeanLlama(nn.Module):
         float32, capped where the layer caps them); else the model's eager one mirrored when it runs "eager" or caps
         the layer's logits (torch's kernel cannot), else torch's."""
         if self.native and q.shape[2] <= native.MAX_ROWS:  # a prompt's wider pass: torch's blocked kernel is faster
-            return native.attention(q, keys, values, mask, self.scaling, layer.softcap)
+            return layer_ops.attention(q, keys, values, mask, self.scaling, layer.softcap)
         used = mask.shape[-1]
         keys, values = keys[:, :, :used], values[:, :, :used]
         if self.eager or layer.softcap is not None:
