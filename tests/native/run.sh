@@ -1,5 +1,6 @@
 #!/bin/sh
-# Build tests/native/test_kernels.c with the kernels (utils/lean/*.c) and run it.
+# Build tests/native/test_kernels.c with the kernels (every utils/lean/*.c, as utils/lean/build.py compiles them)
+# and run it.
 #
 #   tests/native/run.sh CC OUT_DIR [CFLAGS...] [-- MODE [ARGS...]]
 #
@@ -13,7 +14,7 @@
 #       -fno-omit-frame-pointer -fno-sanitize-recover=all -- fuzz 10000
 #   RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" tests/native/run.sh aarch64-linux-gnu-gcc /tmp/arm -fopenmp
 set -eu
-[ $# -ge 2 ] || { sed -n '4,15p' "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n '5,16p' "$0"; exit 2; }
 cc=$1 out=$2
 shift 2
 flags=""
@@ -26,7 +27,7 @@ mkdir -p "$out"
 # build without OpenMP (its pragmas) or AVX-512 (64-byte vectors between static functions) gives are expected.
 # shellcheck disable=SC2086
 "$cc" -O3 -ffp-contract=off -Wall -Wextra -Wno-unknown-pragmas -Wno-psabi $flags -I"$lean" \
-  "$root/tests/native/test_kernels.c" "$lean/gemm.c" "$lean/layer.c" "$lean/decoder.c" -o "$out/test_kernels" -lm
+  "$root/tests/native/test_kernels.c" "$lean"/*.c -o "$out/test_kernels" -lm
 # OpenMP's threads sleep when idle: spinning ones starve each other on a small shared machine (seconds a call).
 export OMP_WAIT_POLICY=passive
 [ $# -gt 0 ] || set -- check

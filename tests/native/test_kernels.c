@@ -621,9 +621,59 @@ static void fuzz(long n) {
 
 /* A hash per entry point of its outputs over fixed inputs (the same in every build where the kernel's steps are):
    the 4-bit GEMM, dequantization, RMSNorm and the rotary step in every build; the bfloat16 GEMM in builds of the same
-   block (the plain C one and AVX2's alike); attention and gated where the compiler fuses the same products. */
+   block (the plain C one and AVX2's alike); attention, gated and the whole stack (decoder) where the compiler fuses
+   the same products. Within one build and compiler they prove a refactor left every kernel's bits unchanged. */
 static uint64_t fnv(uint64_t h, const void* p, size_t n) {
   for (size_t i = 0; i < n; i++) h = (h ^ ((const unsigned char*)p)[i]) * 1099511628211ull;
+  return h;
+}
+
+/* Attention over shapes that take each of its paths: head sizes of 1, 4 and 8 vectors and between, key counts
+   past KEYS and not a multiple of LANES, one to four query heads a key head, capped and not, a hidden query. */
+static uint64_t digest_attention(void) {
+  uint64_t h = 1469598103934665603ull;
+  state = 54321;
+  for (int it = 0; it < 16; it++) {
+    static const int dims[] = {16, 48, 64, 128, 144};
+    int bf16 = it % 2, size = bf16 ? 2 : 4, kv_heads = 1 + below(2), heads = kv_heads << below(3);
+    int rows = 1 + below(2), width = 1 + below(5), d = dims[below(5)], slots = width + below(50);
+    int used = slots - below(3);
+    used = used < 0 ? 0 : used;
+    float cap = it % 3 == 0 ? 5.0f : 0.0f;
+    size_t nq = (size_t)rows * heads * width * d, nkv = (size_t)rows * kv_heads * slots * d;
+    size_t nm = (size_t)rows * width * used, no = (size_t)rows * width * heads * d;
+    void *q = tensor(nq, bf16, 1.0f), *keys = tensor(nkv, bf16, 1.0f), *values = tensor(nkv, bf16, 1.0f);
+    void *mask = malloc(nm * 4 + 4), *out = calloc(no, 4);
+    for (size_t i = 0; i < nm; i++) set(mask, i, below(4) == 0 ? -3.0e38f : below(3) == 0 ? -0.5f * (float)below(4) : 0.0f, bf16);
+    if (width > 2)
+      for (int j = 0; j < used; j++) set(mask, (size_t)used + j, -3.0e38f, bf16);
+    specdec_attention(q, (int64_t)heads * width * d, (int64_t)width * d, d, keys, values, mask, (int64_t)width * used,
+                      used, out, rows, heads, kv_heads, width, used, slots, d, 0.3f, cap, bf16, 2);
+    h = fnv(h, out, no * size);
+    free(q), free(keys), free(values), free(mask), free(out);
+  }
+  return h;
+}
+
+/* The whole stack: both linear kinds, both dtypes, with and without q/k norms, silu and gelu. */
+static uint64_t digest_decoder(void) {
+  uint64_t h = 1469598103934665603ull;
+  state = 777;
+  for (int it = 0; it < 8; it++) {
+    int kind = it % 2, bf16 = it / 2 % 2, qk_norms = it / 4, width = 1 + it % 5, size = bf16 ? 2 : 4, slots = width + 3;
+    model m;
+    model_make(&m, kind, bf16, qk_norms, 2);
+    m.shape.activation = it % 3 == 0, m.shape.plus_one = it % 3 == 1, m.shape.cap = it % 4 == 3 ? 20.0f : 0.0f;
+    size_t buffer = (size_t)KV_HEADS * slots * HEAD_DIM * size;
+    void* kv[2 * LAYERS];
+    for (int i = 0; i < 2 * LAYERS; i++) kv[i] = calloc(buffer, 1);
+    void* x = tensor((size_t)width * HIDDEN, bf16, 1.0f);
+    model_pass(&m, x, kv, 0, width, slots, -1);
+    h = fnv(h, x, (size_t)width * HIDDEN * size);
+    for (int i = 0; i < 2 * LAYERS; i++) h = fnv(h, kv[i], buffer), free(kv[i]);
+    free(x);
+    model_free(&m);
+  }
   return h;
 }
 
@@ -663,6 +713,8 @@ static void digest(void) {
   static const char* names[] = {"gemm", "gemm_q4", "dequantize_q4", "rms_norm", "rope_write", "gated"};
   printf("block %d q4_block %d amx %d\n", specdec_block(), specdec_q4_block(), specdec_amx());
   for (int i = 0; i < 6; i++) printf("digest %s %016llx\n", names[i], (unsigned long long)h[i]);
+  printf("digest attention %016llx\n", (unsigned long long)digest_attention());
+  printf("digest decoder %016llx\n", (unsigned long long)digest_decoder());
 }
 
 int main(int argc, char** argv) {

@@ -1,5 +1,5 @@
-/* A decoder-only model's whole stack of layers in one call, built with `gemm.c` and `layer.c` into one library by
-   `utils/lean/native.py` and driven by `utils/lean/decoder.py`. Each layer is the lean forward's (`llama.py`'s and
+/* A decoder-only model's whole stack of layers in one call, built with the other kernels' files into one library by
+   `utils/lean/build.py` and driven by `utils/lean/decoder.py`. Each layer is the lean forward's (`llama.py`'s and
    `gemma.py`'s `_block`), step for step and with the same kernels: the norm, the q/k/v product, q's and k's norms
    (Qwen3, Gemma 3), the rotary step and the buffer's write, attention, the output product and its norm (Gemma 2 and
    3), the residual addition with the MLP's norm, the gate/up product, act(gate) * up, the down product and its norm

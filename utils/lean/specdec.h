@@ -1,5 +1,6 @@
-/* The kernels' entry points (gemm.c, layer.c, decoder.c), as `utils/lean/native.py` calls them through ctypes and
-   as tests/native/test_kernels.c calls them. Every operation returns a `specdec_status`: SPECDEC_OK, or why it
+/* The kernels' entry points (one source file per kernel family: gemm.c, gemm_amx.c, gemm_q4.c, norm.c, rope.c,
+   attention.c, gated.c, decoder.c), as `utils/lean/native.py` calls them through ctypes and as
+   tests/native/test_kernels.c calls them. Every operation returns a `specdec_status`: SPECDEC_OK, or why it
    did nothing (checked before anything is written). The three queries (specdec_block, specdec_q4_block,
    specdec_amx) return what they say instead.
 
@@ -9,7 +10,8 @@
 #define SPECDEC_H
 #include <stdint.h>
 
-/* 1 and 2 keep the values layer.c returned before these names (decoder.py prints status // 100). */
+/* 1 and 2 keep the values layer.c (now norm.c, rope.c, attention.c, gated.c) returned before these names
+   (decoder.py prints status // 100). */
 enum specdec_status {
   SPECDEC_OK = 0,
   SPECDEC_BAD_SHAPE = 1,   /* a size negative (or zero where one is needed) or not a multiple of the kernel's block */
@@ -20,7 +22,14 @@ enum specdec_status {
 
 #define SPECDEC_MAX_ROWS 32 /* the most activation rows the GEMMs take in one call */
 
-/* gemm.c */
+/* A function shared between our source files but not part of this interface: kept out of the library's symbols. */
+#if defined(__GNUC__) || defined(__clang__)
+#define SPECDEC_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define SPECDEC_INTERNAL
+#endif
+
+/* gemm.c (specdec_block, specdec_gemm), gemm_amx.c (specdec_amx), gemm_q4.c (the rest) */
 int specdec_block(void);    /* the bfloat16 GEMM's input multiple (nonzero in every build) */
 int specdec_q4_block(void); /* the 4-bit GEMM's input multiple (nonzero in every build) */
 int specdec_amx(void);      /* 1 where bfloat16 activations take the tile unit, else 0 */
@@ -31,9 +40,10 @@ int specdec_gemm_q4(const uint8_t* Wq, const uint16_t* dm, const void* x, const 
 int specdec_dequantize_q4(const uint8_t* Wq, const uint16_t* dm, void* w, int out, int in, int group, int y_bf16,
                           int threads);
 
-/* layer.c */
+/* norm.c */
 int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, int tokens, int n, float eps,
                      int plus_one, int bf16, int weight_bf16, int threads);
+/* rope.c */
 int specdec_rope_write_checked(const void* qkv, const void* cos, const void* sin, int64_t table_rows,
                                const int64_t* positions, const int64_t* write_index, void* q_out, void* keys,
                                void* values, int rows, int width, int heads, int kv_heads, int slots, int d, int bf16,
@@ -41,10 +51,12 @@ int specdec_rope_write_checked(const void* qkv, const void* cos, const void* sin
 int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
                        const int64_t* write_index, void* q_out, void* keys, void* values, int rows, int width,
                        int heads, int kv_heads, int slots, int d, int bf16, int threads);
+/* attention.c */
 int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_token, const void* keys,
                       const void* values, const void* mask, int64_t m_row, int64_t m_token, void* out, int rows,
                       int heads, int kv_heads, int width, int used, int slots, int d, float scale, float cap, int bf16,
                       int threads);
+/* gated.c */
 int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads);
 
 /* decoder.c: a decoder-only model's whole stack of layers in one call. */
