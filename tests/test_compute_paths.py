@@ -99,3 +99,22 @@ def test_every_method_gives_plain_greedy_tokens_on_every_compute_path(family, le
     for name, generate in _methods(target, drafter).items():
         assert _tokens(generate(one)) == plain, name
         assert _tokens(generate(batch)) == plain_batch, name
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_rows_prompt_in_a_batch_gets_the_bits_it_gets_alone(family, path):
+    """A batch's prompt pass past our kernels' width runs each row alone (`StaticRunner._prompts_alone`): torch's
+    products of a padded batch's wider pass round otherwise, so a row's tokens would depend on its batch-mates at
+    near-ties in bfloat16. Each row's logits are its logits alone, to the bit, and so are its greedy tokens."""
+    from utils.runners.static import StaticRunner
+
+    target = _model(family, path)
+    prompts = [prompt(6, 40, VOCAB), prompt(7, 25, VOCAB), prompt(8, 57, VOCAB)]
+    batch = StaticRunner(target, rows=len(prompts), slots=128)
+    together = batch.forward_rows([(ids, None) for ids in prompts], [3] * len(prompts))
+    assert batch.forward_passes == 1  # one prompt pass, in pieces
+    for ids, logits in zip(prompts, together, strict=True):
+        alone = StaticRunner(target, rows=1, slots=128).forward_rows([(ids, None)], [3])[0]
+        assert torch.equal(logits, alone)
+    rows = [autoregressive_generate(ids, target, **_greedy()) for ids in prompts]
+    assert autoregressive_generate(prompts, target, **_greedy()) == rows

@@ -1,4 +1,4 @@
-"""Our own layer operations (`utils/lean/layer.c`): RMSNorm (Llama's and Gemma's, with the residual addition), the
+"""Our own layer operations (`utils/lean/layer_ops.py`): RMSNorm (Llama's and Gemma's, with the residual addition), the
 rotary step with the buffer's write, and attention over the static buffer. The norms' last step and the rotary step
 give torch's eager bits; attention gives a float64 reference's values to float32 (bfloat16) rounding and the same
 bits whatever the pass's width, the keys it reads past a row's length and the thread count. Through the lean
@@ -32,7 +32,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _ours_run_here() -> bool:
-    """Whether `layer.c` builds here (where it cannot, `unavailable()` says why and no lean forward takes it)."""
+    """Whether our C operations build here (where it cannot, `unavailable()` says why and no lean forward takes it)."""
     if native.unavailable() is None:
         return True
     assert not layer_ops.runs(torch.float32, 64, 16)

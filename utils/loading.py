@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -100,7 +99,7 @@ def fastest_dtype() -> torch.dtype:
     if not ours and not arithmetic:
         return torch.float32
     key = "bfloat16 arithmetic" if arithmetic else "float32 over bfloat16"
-    key += f", our kernel {hashlib.sha256(native.GEMM_SOURCE.read_bytes()).hexdigest()[:12]}" if ours else ", torch's"
+    key += f", our kernel {native.GEMM_VERSION}" if ours else ", torch's"
     path = cache_dir() / "kernels" / f"dtype-{machine_key(key)}.json"
     try:
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[json.loads(path.read_text())["dtype"]]

@@ -95,7 +95,8 @@ def _fingerprint(model: nn.Module) -> str:
 
 def quantized_state_key(model: nn.Module, bits: int, group_size: int) -> str:
     """The name of `model`'s quantized weights in the cache (module docstring)."""
-    sources = b"".join(Path(f).read_bytes() for f in (__file__, Path(__file__).with_name("quantize.py"), native.GEMM_SOURCE))
+    sources = b"".join(Path(f).read_bytes() for f in (__file__, Path(__file__).with_name("quantize.py")))
+    sources += native.GEMM_VERSION.encode()
     key = {
         "model": type(model).__name__,
         "config": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]

@@ -66,6 +66,6 @@ def within(index: Tensor, name: str, end: int, what: str) -> None:
 
 def status(code: int, what: str, values: str) -> None:
     """A kernel's nonzero status as a ValueError naming the call's values (the C side checks its arguments too;
-    status 2 in layer.c: no memory)."""
+    `specdec.h`'s statuses: 2, no memory)."""
     if code != 0:
         raise ValueError(f"{what} failed (status {code}: arguments it refuses, or no memory): {values}")

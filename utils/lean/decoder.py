@@ -10,7 +10,7 @@ It runs a pass where our kernels run every step of every layer at that width: a 
 tokens whose linears are our bfloat16 kernel (float32 activations over bfloat16 weights, or bfloat16 ones where the
 kernel table takes ours: `kernels.py`) or our 4-bit one (a quantized target, the self-drafter), with our norms (q's
 and k's too: Qwen3, Gemma 3), rotary step and attention, and silu or gelu's tanh approximation. Elsewhere (a
-prompt's wider pass) the layers run in Python. Its one step of its own is act(gate) * up (`layer.c`'s
+prompt's wider pass) the layers run in Python. Its one step of its own is act(gate) * up (`gated.c`'s
 `specdec_gated`: its e^x is ours, so a value can sit a bfloat16 step from torch's at a rounding's edge), taken at
 every width it runs: a row's bits stay the same whatever the pass's width.
 """

@@ -1,5 +1,6 @@
-"""A decoder layer's small operations in our kernels (`layer.c`, `decoder.c`): one call each where torch takes several
-eager operations, each checked at the boundary (`boundary.py`) before a pointer crosses.
+"""A decoder layer's small operations in our kernels (`norm.c`, `rope.c`, `attention.c`, `gated.c`, `decoder.c`): one
+call each where torch takes several eager operations, each checked at the boundary (`boundary.py`) before a pointer
+crosses.
 
     runs(dtype, hidden, head_dim) whether they run a lean forward's pass here (float32 or bfloat16, widths and head
                                   sizes multiples of `LANES`)
@@ -27,8 +28,8 @@ from utils.lean.boundary import READABLE
 __all__ = ["ACTIVATION_KINDS", "LANES", "add_rms_norm", "attention", "check_slots", "decoder", "gated_mul",
            "readable_mask", "rms_norm", "rope_write", "runs", "shape_layout"]
 
-ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # layer.c's `specdec_gated` kinds, by transformers' names
-LANES = 16  # layer.c's LANES: a norm's width and a head's size must be multiples of it
+ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # gated.c's `specdec_gated` kinds, by transformers' names
+LANES = 16  # simd.h's LANES: a norm's width and a head's size must be multiples of it
 
 
 
@@ -39,13 +40,13 @@ def _ops() -> ctypes.CDLL:
 
 
 def runs(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
-    """Whether `layer.c` runs a lean forward's norms, rotary step and attention here, for a pass computing in `dtype`
+    """Whether our C operations run a lean forward's norms, rotary step and attention here, for a pass computing in `dtype`
     with `hidden` features and heads of `head_dim` (float32 or bfloat16; float64 keeps torch's operations)."""
     return native.unavailable() is None and dtype in READABLE and hidden % LANES == 0 and head_dim % LANES == 0
 
 
 def _rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, plus_one: bool) -> Tensor:
-    """layer.c's RMSNorm of the contiguous `x`, `delta` (x's shape and dtype, contiguous) added into it first where
+    """norm.c's RMSNorm of the contiguous `x`, `delta` (x's shape and dtype, contiguous) added into it first where
     given."""
     n = x.shape[-1] if x.dim() else 0
     if n == 0 or n % LANES:
@@ -60,7 +61,7 @@ def _rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, plus_
     status = _ops().specdec_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
                                      out.data_ptr(), tokens, n, eps, int(plus_one), native.bf16(x), native.bf16(weight),
                                      torch.get_num_threads())
-    check.status(status, "layer.c's RMSNorm", f"x {tuple(x.shape)} {x.dtype}, weight {weight.dtype}")
+    check.status(status, "norm.c's RMSNorm", f"x {tuple(x.shape)} {x.dtype}, weight {weight.dtype}")
     return out
 
 
@@ -125,13 +126,13 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
                                                positions.data_ptr(), write_index.data_ptr(), q.data_ptr(),
                                                keys.data_ptr(), values.data_ptr(), rows, width, heads, kv_heads, slots,
                                                head_dim, native.bf16(qkv), torch.get_num_threads())
-    check.status(status, "layer.c's rotary step", f"qkv {tuple(qkv.shape)}, keys {tuple(keys.shape)}, write_index "
+    check.status(status, "rope.c's rotary step", f"qkv {tuple(qkv.shape)}, keys {tuple(keys.shape)}, write_index "
                                              f"{write_index.tolist()}, positions {positions.tolist()}")
     return q
 
 
 def readable_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """`mask` as layer.c reads it: in the pass's `dtype`, its last stride 1 (no copy where it already is)."""
+    """`mask` as attention.c reads it: in the pass's `dtype`, its last stride 1 (no copy where it already is)."""
     return mask if mask.stride(-1) == 1 and mask.dtype == dtype else mask.to(dtype).contiguous()
 
 
@@ -168,7 +169,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
                                       values.data_ptr(), mask.data_ptr(), mask.stride(0), mask.stride(2),
                                       out.data_ptr(), rows, heads, kv_heads, width, mask.shape[-1], slots,
                                       head_dim, scale, softcap or 0.0, native.bf16(q), torch.get_num_threads())
-    check.status(status, "layer.c's attention", f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, mask {tuple(mask.shape)}")
+    check.status(status, "attention.c", f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, mask {tuple(mask.shape)}")
     return out
 
 
@@ -176,7 +177,7 @@ def gated_mul(gate_up: Tensor, activation: str) -> Tensor:
     """act(gate) * up for gate_up (..., 2 n) = [gate | up] -> (..., n), n a multiple of `LANES`, `activation` one of
     `ACTIVATION_KINDS` (transformers' names), each step rounded to the dtype as torch's (float32 or bfloat16; silu
     x sigmoid(x), gelu torch's 0.5 x (1 + tanh(y)), both from our e^x: within a float32 ulp or a few of torch's,
-    `layer.c`)."""
+    `gated.c`)."""
     gate_up = check.tensor(gate_up, "gate_up")
     if activation not in ACTIVATION_KINDS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATION_KINDS)}, got {activation!r}")
@@ -191,7 +192,7 @@ def gated_mul(gate_up: Tensor, activation: str) -> Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
     status = _ops().specdec_gated(gate_up.data_ptr(), out.data_ptr(), tokens, n, ACTIVATION_KINDS[activation],
                                   native.bf16(gate_up), torch.get_num_threads())
-    check.status(status, f"layer.c's {activation}", f"gate_up {tuple(gate_up.shape)} {gate_up.dtype}")
+    check.status(status, f"gated.c's {activation}", f"gate_up {tuple(gate_up.shape)} {gate_up.dtype}")
     return out
 
 

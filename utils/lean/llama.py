@@ -136,7 +136,7 @@ class LeanLlama(nn.Module):
         # whatever its width (up to 32 tokens, our GEMMs' and attention's limit).
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype,
                                               [len(self.layers)] * len(self.layers[0].linears) + [1])
-        # Our own norms, rotary step and attention (`layer.c`) where they run: one call each for several eager
+        # Our own norms, rotary step and attention (`norm.c`, `rope.c`, `attention.c`) where they run: one call each for several eager
         # operations, the attention width-invariant by construction (q's and k's norms, Qwen3's and Gemma 3's, are
         # ours too, before our rotary step). Where ours do not run, invariance pads
         # torch's attention's queries (`_sdpa`) and reads the keys in whole blocks of its CPU kernel (512), so that

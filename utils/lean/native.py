@@ -28,6 +28,7 @@ the C's plain version runs, with AVX2's bits.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from functools import cache
 from pathlib import Path
 
@@ -44,7 +45,11 @@ __all__ = ["MAX_ROWS", "NATIVE_ENV", "Q4_BLOCK", "Q4_GROUPS", "Q4_ROWS", "bf16",
            "dequantize_q4", "gemm", "gemm_q4", "library", "pack_q4", "q4_group", "supports", "supports_q4", "tile_unit",
            "unavailable"]
 
-GEMM_SOURCE = Path(__file__).with_name("gemm.c")  # the products (a kernel table's and a quantized model's version)
+# The products' sources (every gemm*.c and gemm*.h, and the bfloat16 helpers): their hash is a kernel table's, a
+# quantized model's and a measured dtype's version (`GEMM_VERSION`), so a change to any of them measures again.
+GEMM_FILES = tuple(sorted(path for path in Path(__file__).parent.iterdir()
+                          if path.suffix in (".c", ".h") and path.name.startswith(("gemm", "bf16"))))
+GEMM_VERSION = hashlib.sha256(b"".join(path.name.encode() + path.read_bytes() for path in GEMM_FILES)).hexdigest()[:12]
 NATIVE_ENV = build.NATIVE_ENV  # "0": none of our kernels, torch's operations everywhere
 MAX_ROWS = 32  # gemm.c's MAX_ROWS
 Q4_BLOCK = 32  # gemm.c's 4-bit block: input columns quantized together (an int8 scale of the activations; a weight's

@@ -71,16 +71,7 @@ class StaticKV:
               start: int | None = None) -> tuple[Tensor, Tensor]:
         """`update` with the slots given: `write_index` (rows, width), or for one row `start`, its first slot
         (a plain copy into consecutive slots)."""
-        keys, values = self.layer(layer_idx, key)
-        if start is not None:
-            width = key.shape[2]
-            keys[:, :, start : start + width] = key
-            values[:, :, start : start + width] = value
-            return keys, values
-        index = write_index.to(keys.device)[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        keys.scatter_(2, index, key.to(keys.dtype))
-        values.scatter_(2, index, value.to(values.dtype))
-        return keys, values
+        return _written(*self.layer(layer_idx, key), key, value, write_index, start)
 
     def layer(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """Layer `layer_idx`'s keys and values, allocated at its first pass (layers come in order) with `like`'s
@@ -117,3 +108,44 @@ class StaticKV:
         self._shape = (len(keep), self.slots)
         self.keys = [keys.index_select(0, index.to(keys.device)) for keys in self.keys]
         self.values = [values.index_select(0, index.to(values.device)) for values in self.values]
+
+
+class RowKV:
+    """Row `row` of a `StaticKV`, as a buffer of one row: a pass over that row alone writes into the whole buffer's
+    memory (a batch's prompts computed one by one, `StaticRunner._prompts_alone`)."""
+
+    def __init__(self, whole: StaticKV, row: int) -> None:
+        self.whole, self.row = whole, row
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+    @property
+    def slots(self) -> int:
+        return self.whole.slots
+
+    def layer(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """The row's keys and values of layer `layer_idx` (views: contiguous, the buffer's own memory)."""
+        keys, values = self.whole.layer(layer_idx, like)
+        return keys[self.row : self.row + 1], values[self.row : self.row + 1]
+
+    def write(self, layer_idx: int, key: Tensor, value: Tensor, write_index: Tensor,
+              start: int | None = None) -> tuple[Tensor, Tensor]:
+        """`StaticKV.write` into the row's views."""
+        return _written(*self.layer(layer_idx, key), key, value, write_index, start)
+
+
+def _written(keys: Tensor, values: Tensor, key: Tensor, value: Tensor, write_index: Tensor,
+             start: int | None) -> tuple[Tensor, Tensor]:
+    """`key` and `value` (rows, kv_heads, width, head_dim) written into the buffers `keys` and `values` at
+    `write_index` (rows, width), or from slot `start` on (one row: a plain copy) -> the buffers."""
+    if start is not None:
+        width = key.shape[2]
+        keys[:, :, start : start + width] = key
+        values[:, :, start : start + width] = value
+        return keys, values
+    index = write_index.to(keys.device)[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+    keys.scatter_(2, index, key.to(keys.dtype))
+    values.scatter_(2, index, value.to(values.dtype))
+    return keys, values

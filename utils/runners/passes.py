@@ -59,10 +59,11 @@ class ModelPasses:
         fastest here, and every cached pass after the prefill is timed to refine them."""
         return self._costs
 
-    def run(self, ids: Tensor, kwargs: dict, *, timed: bool, shortcuts: Shortcuts | None = None):
+    def run(self, ids: Tensor, kwargs: dict, *, timed: bool, shortcuts: Shortcuts | None = None, counted: bool = True):
         """One pass over `ids` with the CPU shortcuts measured fastest for this many new tokens
         (unless given), timed into `costs` when `timed` (a pass after the prefill: what a step
-        costs) -> the model's outputs."""
+        costs) -> the model's outputs. `counted`: one more in `forward_passes` (not for the second and later
+        pieces of one pass run in pieces: `StaticRunner._prompts_alone`)."""
         num_drafts = ids.numel() - 1  # rows through the linears: new tokens (of every beam) less one
         few = self._costs is not None and num_drafts < cpu_passes.MAX_ROWS
         if shortcuts is None and few:
@@ -76,7 +77,7 @@ class ModelPasses:
         if timed and few:
             synchronize(*self.devices)
             self._costs.observe(num_drafts, time.perf_counter() - start)
-        self.forward_passes += 1
+        self.forward_passes += counted
         return outputs
 
     def run_batch(self, ids: Tensor, kwargs: dict):

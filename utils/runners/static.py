@@ -31,7 +31,8 @@ from transformers import PreTrainedModel
 from utils.cost_model import PassCosts
 from utils.cpu_passes import Shortcuts
 from utils.lean import lean_decoder
-from utils.lean.static_kv import PassSlots, StaticKV
+from utils.lean.native import MAX_ROWS
+from utils.lean.static_kv import PassSlots, RowKV, StaticKV
 from utils.runners.model_info import context_length, mixes_windows, sliding_window
 from utils.runners.passes import ModelPasses, as_float
 from utils.runners.protocol import Blocks
@@ -136,14 +137,11 @@ class StaticRunner(ModelPasses):
         write_index = (length[:, None] + torch.arange(width)).to(self.device)
         first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if len(tokens))
         lean = lean_decoder(self.model)
+        if lean is not None and len(blocks) > 1 and not any(self.rows) and len(blocks) * width > MAX_ROWS:
+            return self._prompts_alone(blocks, num_logits)
         if lean is not None:
-            # Our own forward reads the buffer up to the longest row, in steps of its own (few mask shapes).
-            used = min(self.slots, -(-(max(lengths) + width) // lean.kv_step) * lean.kv_step)
-            masks = [static_mask(length, depths, ancestry, used, window, self._dtype).to(self.device)
-                     for window in ((None, self._window) if self._mixed else (self._window,))]
-            kwargs = {"slots": PassSlots(positions, masks[0], write_index, lengths[0] if len(lengths) == 1 else None,
-                                         masks[1] if self._mixed else None),
-                      "kv": self._cache, "num_logits": width - first}
+            kwargs = self._lean_kwargs(lean, length, depths, ancestry, positions, write_index, width - first,
+                                       self._cache)
         else:
             self._cache.set_write_index(write_index)
             mask = static_mask(length, depths, ancestry, self.slots, self._window, self._dtype)
@@ -158,6 +156,40 @@ class StaticRunner(ModelPasses):
             row += list(tokens)  # a tensor block's tokens stay 0-d tensors on the device: no host read
         return [logits[b, len(tokens) - num - first : len(tokens) - first] if len(tokens) and num else self._no_logits()
                 for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True))]
+
+    def _lean_kwargs(self, lean, length: Tensor, depths: Tensor, ancestry: Tensor, positions: Tensor,
+                     write_index: Tensor, num_logits: int, kv) -> dict:
+        """Our own forward's arguments for a pass: it reads the buffer up to the longest row, in steps of its own
+        (few mask shapes)."""
+        width = depths.shape[1]
+        used = min(self.slots, -(-(int(length.max()) + width) // lean.kv_step) * lean.kv_step)
+        masks = [static_mask(length, depths, ancestry, used, window, self._dtype).to(self.device)
+                 for window in ((None, self._window) if self._mixed else (self._window,))]
+        slots = PassSlots(positions, masks[0], write_index, int(length[0]) if len(length) == 1 else None,
+                          masks[1] if self._mixed else None)
+        return {"slots": slots, "kv": kv, "num_logits": num_logits}
+
+    def _prompts_alone(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
+        """A batch's prompt pass over more tokens than our kernels take at once, each row alone into its own rows of
+        the buffer: a wide pass's products are torch's, whose bits depend on the pass's shape (a padded batch's
+        rows parted from the same rows alone at near-ties in bfloat16), so each row's prompt is computed as it would
+        be alone, at its own width. Past the kernels' width the passes are compute-bound: the split costs little."""
+        lean, out = lean_decoder(self.model), []
+        for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True)):
+            if not len(tokens):
+                out.append(self._no_logits())
+                continue
+            width = len(tokens)
+            depths, ancestry = block_layout([(tokens, None)], width)
+            start = torch.zeros(1, dtype=torch.long)
+            positions = depths.clamp(max=self._max_position).to(self.device)
+            write_index = torch.arange(width)[None].to(self.device)
+            kwargs = self._lean_kwargs(lean, start, depths, ancestry, positions, write_index, num, RowKV(self._cache, b))
+            ids = block_ids([(tokens, None)], width, self.device)
+            logits = as_float(self.run(ids, kwargs, timed=False, counted=not out).logits)  # one prompt pass
+            self.rows[b] += list(tokens)
+            out.append(logits[0, logits.shape[1] - num :] if num else self._no_logits())
+        return out
 
     def _pass(self, ids: Tensor, kwargs: dict) -> Tensor:
         """The pass's logits (rows, width or fewer, vocab); timed after the prompt pass."""
