@@ -38,7 +38,7 @@ from benchmarks.exactness import Classifier, counts, describe, transformers_gree
 from benchmarks.prompts import encode, load_humaneval
 from sampling import autoregressive_generate, quantized_drafter
 from utils.calibration import pass_costs
-from utils.lean import forward_path, huge_pages, lean_decoder, native
+from utils.lean import forward_path, huge_pages, layer_ops, lean_decoder, native
 from utils.loading import end_token_ids, load_model
 from utils.machine import machine
 from utils.runners.model_info import pass_bytes, weight_pieces
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         emulate_avx2(sys.argv[1:] if argv is None else argv)
     native.gemm, native.gemm_q4 = profiled(native.gemm), profiled(native.gemm_q4)
     for op in ("rms_norm", "add_rms_norm", "rope_write", "attention"):  # in the pass's total, not in the GEMMs'
-        setattr(native, op, profiled(getattr(native, op), "specdec::layer"))
+        setattr(layer_ops, op, profiled(getattr(layer_ops, op), "specdec::layer"))
     console = Console(stderr=True)
     target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     models = {"target": target}

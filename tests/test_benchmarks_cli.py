@@ -143,10 +143,11 @@ def test_draft_cost_prints_the_cost_table_on_a_tiny_model(tiny_model, monkeypatc
 
 def test_passes_writes_every_model_s_passes_on_a_tiny_model(tiny_model, tmp_path, monkeypatch):
     from benchmarks import passes
-    from utils.lean import native
+    from utils.lean import layer_ops, native
 
-    for name in ("gemm", "gemm_q4", "rms_norm", "add_rms_norm", "rope_write", "attention"):
-        monkeypatch.setattr(native, name, getattr(native, name))  # main wraps them for the profiler: unwrapped after
+    for module, name in [*((native, name) for name in ("gemm", "gemm_q4")),
+                         *((layer_ops, name) for name in ("rms_norm", "add_rms_norm", "rope_write", "attention"))]:
+        monkeypatch.setattr(module, name, getattr(module, name))  # main wraps them for the profiler: unwrapped after
     monkeypatch.setattr(passes, "read_bandwidth", functools.partial(passes.read_bandwidth, gigabytes=0.03))
     out = tmp_path / "passes"
     command.main(["passes", "--model", tiny_model, "--drafter", tiny_model, "--prompts", "1", "--repeats", "1",

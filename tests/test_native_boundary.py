@@ -464,7 +464,8 @@ def test_a_slot_out_of_range_is_refused_before_anything_is_written(stacked, monk
 
 @pytest.mark.subprocess
 def test_past_the_buffer_under_python_O_the_runner_refuses_with_one_line():
-    """`python -O` drops the runner's assert that a pass fits its buffer: the lean forward's own check says so."""
+    """`python -O` drops asserts: the runner's check that a pass fits its buffer is not one (nor the lean forward's own,
+    `test_a_slot_out_of_range_is_refused_before_anything_is_written`), so the refusal stands there too."""
     script = ("import torch\n"
               "from tests.test_native_boundary import _llama\n"
               "from utils.runners.static import StaticRunner\n"
@@ -478,7 +479,7 @@ def test_past_the_buffer_under_python_O_the_runner_refuses_with_one_line():
     done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, cwd=root, timeout=300,
                           env=dict(os.environ))  # this session's cache folder (conftest.py): its kernel tables
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "refused: write_index holds 8, outside 0..7" in done.stdout
+    assert "refused: the static buffer holds 8 slots a row: a pass of 4 tokens after 6 does not fit" in done.stdout
 
 
 @pytest.mark.parametrize("assign", [True, False], ids=["assigned", "in_place"])

@@ -191,7 +191,7 @@ class NativeStack:
             if not table.is_contiguous():
                 raise ValueError(f"a rotary table must be contiguous, got strides {table.stride()}")
         layer_ops.check_slots(slots.positions, slots.write_index, kv.slots,
-                           min(table.shape[0] for pair in tables for table in pair), (rows, width))
+                              min(table.shape[0] for pair in tables for table in pair), (rows, width), slots.bounds)
         second = tables[1] if len(tables) > 1 else (None, None)
         positions = slots.positions.to(torch.int64).contiguous()
         write_index = slots.write_index.to(torch.int64).contiguous()

@@ -81,16 +81,26 @@ def add_rms_norm(h: Tensor, delta: Tensor, weight: Tensor, eps: float, *, plus_o
     return h, _rms_norm(h, delta.to(h.dtype).contiguous(), weight, eps, plus_one)
 
 
-def check_slots(positions: Tensor, write_index: Tensor, slots: int, table: int, shape: tuple[int, int]) -> None:
+def check_slots(positions: Tensor, write_index: Tensor, slots: int, table: int, shape: tuple[int, int],
+                bounds: tuple[int, int] | None = None) -> None:
     """A pass's `positions` and `write_index` (`shape`: rows, width; integers): each slot within the buffer's
     `slots`, each position within the rotary table's `table` rows, else a ValueError naming the value. `rope_write`
-    checks them at each call; a lean forward once a pass (`indices_checked`)."""
-    for name, index in (("positions", check.tensor(positions, "positions")), ("write_index", check.tensor(write_index, "write_index"))):
+    checks them at each call; a lean forward once a pass (`indices_checked`). `bounds`: (the largest slot, the
+    largest position) where the caller made them from integers of its own (`PassSlots.bounds`): checked without
+    reading the tensors (a read from an accelerator waits for it)."""
+    for name, index in (("positions", check.tensor(positions, "positions")),
+                        ("write_index", check.tensor(write_index, "write_index"))):
         if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got {index.dtype}")
         check.shape(index, name, shape)
-    check.within(write_index, "write_index", slots, f"the buffer's {slots} slots")
-    check.within(positions, "positions", table, f"the rotary table's {table} positions")
+    if bounds is None:
+        check.within(write_index, "write_index", slots, f"the buffer's {slots} slots")
+        check.within(positions, "positions", table, f"the rotary table's {table} positions")
+        return
+    for name, bound, end, what in (("write_index", bounds[0], slots, "the buffer's slots"),
+                                   ("positions", bounds[1], table, "the rotary table's positions")):
+        if bound >= end:
+            raise ValueError(f"{name} reaches {bound}, past {what} (0..{end - 1})")
 
 
 def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_index: Tensor, keys: Tensor,

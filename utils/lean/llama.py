@@ -190,7 +190,7 @@ class LeanLlama(nn.Module):
         runner's buffer, written and read where `slots` says."""
         # Every slot and position within the buffer, once a pass (our rotary step writes the buffer where they say;
         # the rotary tables hold the buffer's positions).
-        layer_ops.check_slots(slots.positions, slots.write_index, kv.slots, kv.slots, tuple(ids.shape))
+        layer_ops.check_slots(slots.positions, slots.write_index, kv.slots, kv.slots, tuple(ids.shape), slots.bounds)
         ropes = {kind: self._rope(slots.positions, kv.slots, kind) for kind in self._rope_kinds}
         h = self._embed(ids).to(self.dtype)
         if self.stack is not None and self.stack.runs(ids.numel()):

@@ -27,13 +27,15 @@ class PassSlots(NamedTuple):
     the buffer's first `used` slots (0: seen, the dtype's minimum: hidden), the slots they are written to
     (rows, width), and for one row its first slot (`start`: a plain copy), else None. A model that mixes sliding
     and full attention layers (Gemma 2 and 3) also gets `sliding_mask`, the mask within its window for the sliding
-    layers (`mask` is then the full layers')."""
+    layers (`mask` is then the full layers'). `bounds`: where the runner knows the largest slot and position from
+    its own integers, so that the check before our kernels write reads no tensor (`layer_ops.check_slots`)."""
 
     positions: Tensor
     mask: Tensor
     write_index: Tensor
     start: int | None
     sliding_mask: Tensor | None = None
+    bounds: tuple[int, int] | None = None  # (the largest slot, the largest position), from the runner's own integers
 
 
 class StaticKV:

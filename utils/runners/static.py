@@ -130,7 +130,9 @@ class StaticRunner(ModelPasses):
             return [self._no_logits() for _ in blocks]
         lengths = [len(row) for row in self.rows]
         width = longest
-        assert max(lengths) + width <= self.slots, "the static buffer is full (its size is the caller's)"
+        if max(lengths) + width > self.slots:  # not an assert: our kernels write where the slots say
+            raise ValueError(f"the static buffer holds {self.slots} slots a row: a pass of {width} tokens after "
+                             f"{max(lengths)} does not fit")
         depths, ancestry = block_layout(blocks, width)
         length = torch.tensor(lengths)
         positions = (length[:, None] + depths).clamp(max=self._max_position).to(self.device)
@@ -141,7 +143,7 @@ class StaticRunner(ModelPasses):
             return self._prompts_alone(blocks, num_logits)
         if lean is not None:
             kwargs = self._lean_kwargs(lean, length, depths, ancestry, positions, write_index, width - first,
-                                       self._cache)
+                                       self._cache, lengths[0] if len(lengths) == 1 else None, max(lengths) + width - 1)
         else:
             self._cache.set_write_index(write_index)
             mask = static_mask(length, depths, ancestry, self.slots, self._window, self._dtype)
@@ -158,15 +160,16 @@ class StaticRunner(ModelPasses):
                 for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True))]
 
     def _lean_kwargs(self, lean, length: Tensor, depths: Tensor, ancestry: Tensor, positions: Tensor,
-                     write_index: Tensor, num_logits: int, kv) -> dict:
+                     write_index: Tensor, num_logits: int, kv, start: int | None, last_slot: int) -> dict:
         """Our own forward's arguments for a pass: it reads the buffer up to the longest row, in steps of its own
-        (few mask shapes)."""
-        width = depths.shape[1]
-        used = min(self.slots, -(-(int(length.max()) + width) // lean.kv_step) * lean.kv_step)
+        (few mask shapes). `start`: one row's first new slot (None for a batch); `last_slot`: the largest slot it
+        writes (a position is at most that, and the model's last), so that the slots are checked without reading
+        the tensors."""
+        used = min(self.slots, -(-(last_slot + 1) // lean.kv_step) * lean.kv_step)
         masks = [static_mask(length, depths, ancestry, used, window, self._dtype).to(self.device)
                  for window in ((None, self._window) if self._mixed else (self._window,))]
-        slots = PassSlots(positions, masks[0], write_index, int(length[0]) if len(length) == 1 else None,
-                          masks[1] if self._mixed else None)
+        slots = PassSlots(positions, masks[0], write_index, start, masks[1] if self._mixed else None,
+                          (last_slot, min(last_slot, self._max_position)))
         return {"slots": slots, "kv": kv, "num_logits": num_logits}
 
     def _prompts_alone(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
@@ -174,19 +177,20 @@ class StaticRunner(ModelPasses):
         the buffer: a wide pass's products are torch's, whose bits depend on the pass's shape (a padded batch's
         rows parted from the same rows alone at near-ties in bfloat16), so each row's prompt is computed as it would
         be alone, at its own width. Past the kernels' width the passes are compute-bound: the split costs little."""
-        lean, out = lean_decoder(self.model), []
+        lean, out, pieces = lean_decoder(self.model), [], 0
         for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True)):
             if not len(tokens):
                 out.append(self._no_logits())
                 continue
             width = len(tokens)
             depths, ancestry = block_layout([(tokens, None)], width)
-            start = torch.zeros(1, dtype=torch.long)
             positions = depths.clamp(max=self._max_position).to(self.device)
             write_index = torch.arange(width)[None].to(self.device)
-            kwargs = self._lean_kwargs(lean, start, depths, ancestry, positions, write_index, num, RowKV(self._cache, b))
+            kwargs = self._lean_kwargs(lean, torch.zeros(1, dtype=torch.long), depths, ancestry, positions,
+                                       write_index, num, RowKV(self._cache, b), 0, width - 1)
             ids = block_ids([(tokens, None)], width, self.device)
-            logits = as_float(self.run(ids, kwargs, timed=False, counted=not out).logits)  # one prompt pass
+            logits = as_float(self.run(ids, kwargs, timed=False, counted=pieces == 0).logits)  # one prompt pass
+            pieces += 1
             self.rows[b] += list(tokens)
             out.append(logits[0, logits.shape[1] - num :] if num else self._no_logits())
         return out
