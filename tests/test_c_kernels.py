@@ -48,7 +48,6 @@ VARIANTS = {v.name: v for v in (
     Variant("clang-sanitizers", "clang", (NATIVE, "-fopenmp", *SANITIZE)),
     Variant("aarch64-gcc-qemu", "aarch64-linux-gnu-gcc", ("-march=armv8-a", "-fopenmp"), runner=tuple(QEMU)),
 )}
-SLOW = {"clang-x86-64-no-openmp", "gcc-sanitizers", "clang-sanitizers", "aarch64-gcc-qemu"}  # ~10 s or more each here
 
 
 def _missing(reason: str):
@@ -121,7 +120,9 @@ def _run(name: str, binary: Path, *arguments: str) -> str:
 
 
 def _params(names):
-    return [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [], id=name) for name in names]
+    """The builds as test parameters: the machine's own with gcc in `make test`, every other one `portable` (`make
+    test-portable`, CI)."""
+    return [pytest.param(name, marks=[] if name == "gcc-native" else [pytest.mark.portable], id=name) for name in names]
 
 
 @pytest.mark.parametrize("name", _params(VARIANTS))
@@ -132,7 +133,7 @@ def test_each_build_matches_the_scalar_references_and_gives_each_row_its_bits_at
     assert ", 0 failures" in _run(name, binary, "fuzz", "300")
 
 
-@pytest.mark.slow
+@pytest.mark.portable
 @pytest.mark.parametrize("name", ["gcc-sanitizers", "clang-sanitizers"])
 def test_ten_thousand_random_calls_per_entry_point_are_clean_under_the_sanitizers(name, tmp_path_factory):
     binary = _binary(name, tmp_path_factory)

@@ -339,7 +339,7 @@ def test_random_calls_equal_torchs_reference_or_raise_a_clean_error(name):
     _fuzz(name, FAST_CALLS)
 
 
-@pytest.mark.slow
+@pytest.mark.portable
 @pytest.mark.parametrize("name", CASES)
 def test_ten_thousand_random_calls_equal_torchs_reference_or_raise_a_clean_error(name):
     _fuzz(name, SLOW_CALLS)

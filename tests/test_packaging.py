@@ -72,7 +72,7 @@ print(json.dumps({"path": forward_path(model), "tokens": tokens, "off": native.u
 """
 
 
-@pytest.mark.slow
+@pytest.mark.portable
 @pytest.mark.subprocess
 def test_an_installed_wheel_builds_its_kernels_and_generates_on_the_native_stack(tmp_path):
     """The wheel carries every C file our kernels build from (decoder.c was once left out: FileNotFoundError at the
