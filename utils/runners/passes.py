@@ -9,6 +9,8 @@ shortcuts, no timing) and never set afterwards.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -79,6 +81,18 @@ class ModelPasses:
             self._costs.observe(num_drafts, time.perf_counter() - start)
         self.forward_passes += counted
         return outputs
+
+    @contextmanager
+    def lent(self, model: PreTrainedModel, costs: PassCosts | None, few_token_pass) -> Iterator[Callable[[], int]]:
+        """This runner's passes run `model` inside the block, with its pass costs and CPU shortcuts (another model
+        over this runner's cache: a self-drafter, `utils.runners.shared_cache`) -> how many passes the block ran
+        so far; after it, the runner is its own again, those passes not counted as its own."""
+        saved = (self.model, self._costs, self._few_token_pass, self.forward_passes)
+        self.model, self._costs, self._few_token_pass = model, costs, few_token_pass
+        try:
+            yield lambda: self.forward_passes - saved[3]
+        finally:
+            self.model, self._costs, self._few_token_pass, self.forward_passes = saved
 
     def run_batch(self, ids: Tensor, kwargs: dict):
         """`run` for a pass feeding (rows, width) `ids` of a shared batch, timed apart from the

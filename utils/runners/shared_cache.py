@@ -16,8 +16,7 @@ inside one, its rows are the target's verified tokens followed by the drafter's 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -76,24 +75,17 @@ class SharedCacheRunner:
     def row_length(self, row: int) -> int:
         return self._target().row_length(row)
 
-    @contextmanager
-    def _lent(self, target: Runner) -> Iterator[None]:
-        """The target's runner with this drafter's model, costs and shortcuts, for one pass."""
-        saved = (target.model, target._costs, target._few_token_pass, target.forward_passes)
-        target.model, target._costs, target._few_token_pass = self.model, self._costs, self._few_token_pass
-        try:
-            yield
-        finally:
-            self.forward_passes += target.forward_passes - saved[3]
-            target.model, target._costs, target._few_token_pass, target.forward_passes = saved
-
     @torch.no_grad()
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
+        """One pass of this drafter's model through the target's runner (`ModelPasses.lent`)."""
         target = self._target()
         if self._base is None:
             self._base = [target.row_length(b) for b in range(len(blocks))]
-        with self._lent(target):
-            return target.forward_rows(blocks, num_logits)
+        with target.lent(self.model, self._costs, self._few_token_pass) as passes:
+            try:
+                return target.forward_rows(blocks, num_logits)
+            finally:
+                self.forward_passes += passes()
 
     def rollback_row(self, row: int, length: int) -> None:
         if self._base is not None:  # never below the target's verified tokens
