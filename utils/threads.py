@@ -150,9 +150,10 @@ class FairShare:
     """torch's thread count (our kernels take the same, `utils.lean.native`) kept to the cores other processes leave
     free, watched as passes run: called before each pass, it reads `/proc/stat` at most once every `WATCH_SECONDS`
     (a few microseconds a pass otherwise) and compares with its last reading, so it never sleeps. Beside a busy
-    process each parallel region otherwise waits for the thread that shares its core: plain decoding of a 1.5B on 2
-    cores took 3.67x its quiet time a token (docs/results.md, nineteenth round). Never above the count it found set
-    (the user's, `torch.set_num_threads`); a count set by someone else since its last change becomes that count."""
+    process each parallel region otherwise waits for the thread that shares its core: plain decoding of the built-in
+    135M on 2 cores took 4.06x its quiet time a token without it, 1.96x with it (an AMD EPYC, docs/results.md,
+    nineteenth round; a 1.5B on a Xeon, 3.67x without). Never above the count it found set (the user's,
+    `torch.set_num_threads`); a count set by someone else since its last change becomes that count."""
 
     def __init__(self, seconds: float = WATCH_SECONDS) -> None:
         self.seconds = seconds
