@@ -175,3 +175,21 @@ def test_the_shape_mirror_is_checked_against_the_compiled_layout(monkeypatch):
     model = _model("llama", torch.bfloat16)
     forget(model)
     assert lean_decoder(model).stack is None and "is not decoder.c's specdec_shape_t" in forward_path(model)
+
+
+def test_the_kernel_plan_says_what_runs_each_step_at_each_width(no_bfloat16_arithmetic):
+    """`kernel_plan`: float32 over bfloat16 weights (our kernels alone) runs every layer in one native call up to 32
+    tokens and in Python past it; a float64 model (the oracle) takes torch's operations everywhere."""
+    from utils.lean import kernel_plan
+
+    require_native()
+    model = _model("llama", torch.bfloat16)
+    forget(model)
+    text = kernel_plan(model)
+    assert text.startswith(forward_path(model)) and "computes in float32, width-invariant" in text
+    widths = text.split(" tokens:")
+    assert all("one native call" in part for part in widths[1:-1]) and "Python, a call a step" in widths[-1]
+    assert "ours, float32 rows over bfloat16" in widths[1] and "torch's F.linear in float32" in widths[-1]
+    oracle = _model("llama", torch.float64)
+    plan = kernel_plan(oracle)
+    assert "one native call" not in plan and "ours" not in plan.replace("torch's", "")

@@ -20,10 +20,10 @@ import weakref
 from torch import nn
 
 from utils import settings
-from utils.lean import gemma, llama
+from utils.lean import gemma, llama, plan
 from utils.lean.decoder import NativeStack
 
-__all__ = ["LEAN_ENV", "forget", "forward_path", "lean_decoder", "unsupported"]
+__all__ = ["LEAN_ENV", "forget", "forward_path", "kernel_plan", "lean_decoder", "unsupported"]
 
 LEAN_ENV = settings.LEAN_ENV
 _FAMILIES = (llama, gemma)  # each: unsupported(model) -> reason or None, and its forward class
@@ -111,3 +111,18 @@ def forward_path(model: nn.Module) -> str:
     if lean.stack is not None:
         return f"lean forward ({file}.py, its layers in one native call)"
     return f"lean forward ({file}.py, layers in Python: {NativeStack.unsupported(lean)})"
+
+
+def kernel_plan(model: nn.Module) -> str:
+    """`forward_path(model)`, then what runs each step of a pass by its width (`plan.py`), as a small table: one
+    place to read which kernel a pass of this model takes here."""
+    lean = lean_decoder(model)
+    if lean is None:
+        return forward_path(model)
+    dtype = str(lean.dtype).removeprefix("torch.")
+    invariant = "width-invariant" if lean.invariant else "the fastest kernel per width"
+    lines = [f"{forward_path(model)}: computes in {dtype}, {invariant}"]
+    for width, steps in plan.plan(lean):
+        lines.append(f"  {width} tokens:")
+        lines += [f"    {step:<20} {implementation}" for step, implementation in steps.items()]
+    return "\n".join(lines)

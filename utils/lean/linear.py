@@ -104,6 +104,19 @@ class Linear:
             return self._ours_for(rows, dtype)
         return self._table()(rows) == NATIVE
 
+    def describe(self, rows: int, dtype: torch.dtype) -> str:
+        """Which kernel `__call__` takes for `rows` rows of `dtype`, in a few words (`plan.py`)."""
+        if self.modules is not None:
+            return f"its own module ({type(self.modules[0]).__name__})"
+        if self.q4 is not None:
+            return "ours, 4-bit" if rows <= native.MAX_ROWS else "4-bit dequantized, torch's GEMM"
+        if dtype != self.weight.dtype:
+            wide = str(torch.promote_types(dtype, self.weight.dtype)).removeprefix("torch.")
+            return "ours, float32 rows over bfloat16" if self._ours_for(rows, dtype) else f"torch's F.linear in {wide}"
+        name, pad = self._table()(rows)
+        return {"native": "ours", "linear": "torch's F.linear", "mv": "torch.mv",
+                "weight_major": "torch's weight-major product" + (f", padded to {pad} rows" if pad else "")}[name]
+
     def _table(self) -> KernelTable:
         """This weight shape's kernel table (`kernels.py`), looked up at the first pass (`numerics` measured it)."""
         if self.kernels is None:
