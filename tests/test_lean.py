@@ -512,3 +512,22 @@ def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_ev
         prompt_rows = torch.randn(40, 128)  # in bfloat16 where this CPU computes in it, else float32
         tolerance = 2**-6 if native.bfloat16_arithmetic() else 1e-4
         assert torch.allclose(layer(prompt_rows), prompt_rows @ dequantized.T + linear.bias, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_a_prompt_past_our_kernels_width_takes_torchs_causal_attention_and_the_models_logits(family, monkeypatch):
+    """One row's prompt of more than 32 tokens from slot 0 (`PassSlots.causal`): torch's attention told it is causal
+    (it skips the hidden half) where no window narrows the mask; the logits stay the Hugging Face model's (float64),
+    and a window narrower than the prompt (Mistral's 8) keeps the mask."""
+    from utils.lean import llama
+
+    model = _model(family, "sdpa")
+    ids = prompt(2, 48)
+    seen = []
+    sdpa = llama.F.scaled_dot_product_attention
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: seen.append(kwargs.get("is_causal", False)) or sdpa(*args, **kwargs))
+    logits = StaticRunner(model, rows=1, slots=64).forward_rows([(ids, None)], [48])[0]
+    torch.testing.assert_close(logits, _reference(model, ids), rtol=TOLERANCE, atol=TOLERANCE)
+    windowed = family == "mistral"  # its window of 8 narrows the mask: not the causal one
+    assert seen and (not any(seen) if windowed else all(seen) if family == "llama" else any(seen))

@@ -36,6 +36,7 @@ class PassSlots(NamedTuple):
     start: int | None
     sliding_mask: Tensor | None = None
     bounds: tuple[int, int] | None = None  # (the largest slot, the largest position), from the runner's own integers
+    causal: bool = False  # `mask` is the causal mask over the pass's own tokens from slot 0 (one row's prompt)
 
 
 class StaticKV:

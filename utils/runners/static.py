@@ -168,8 +168,12 @@ class StaticRunner(ModelPasses):
         used = min(self.slots, -(-(last_slot + 1) // lean.kv_step) * lean.kv_step)
         masks = [static_mask(length, depths, ancestry, used, window, self._dtype).to(self.device)
                  for window in ((None, self._window) if self._mixed else (self._window,))]
+        width = depths.shape[1]
+        # One row's chain from slot 0 whose mask no window narrows: the causal mask over its own tokens (`_attend`).
+        causal = (start == 0 and torch.equal(ancestry[0], torch.ones(width, width, dtype=torch.bool).tril())
+                  and (self._mixed or self._window is None or self._window >= width))
         slots = PassSlots(positions, masks[0], write_index, start, masks[1] if self._mixed else None,
-                          (last_slot, min(last_slot, self._max_position)))
+                          (last_slot, min(last_slot, self._max_position)), causal)
         return {"slots": slots, "kv": kv, "num_logits": num_logits}
 
     def _prompts_alone(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
