@@ -108,8 +108,11 @@ def forward_path(model: nn.Module) -> str:
     if reason is not None:
         return f"Hugging Face forward ({reason})"
     lean, file = lean_decoder(model), _family(model).__name__.rpartition(".")[2]  # built here where not yet
-    if lean.stack is not None:
+    if lean.stack is not None and lean.stack.runs(1):
         return f"lean forward ({file}.py, its layers in one native call)"
+    if lean.stack is not None:  # the stack could run it, but the kernel tables take torch's products here
+        return (f"lean forward ({file}.py, layers in Python: the kernel tables measured torch's products faster "
+                f"for some of its linears here; kernel_plan(model) says which)")
     return f"lean forward ({file}.py, layers in Python: {NativeStack.unsupported(lean)})"
 
 
