@@ -182,10 +182,12 @@ def _takes_float32(linear: Linear) -> bool:
 
 
 def _computed_dtype(linears: list[Linear], own: torch.dtype) -> torch.dtype:
-    """float32 over bfloat16 weights (`own`) where this CPU has no bfloat16 arithmetic and every linear takes float32
-    rows, else `own`. Decided by the model's dtype and the CPU, not by its weights' format, so that a self-drafter
-    (4-bit linears) computes in its target's dtype: it writes into the target's buffer (`SharedCacheRunner`)."""
-    if own == torch.bfloat16 and not native.bfloat16_arithmetic() and all(map(_takes_float32, linears)):
+    """float32 over bfloat16 weights (`own`) where this CPU has no bfloat16 arithmetic, our kernels run and every
+    linear takes float32 rows, else `own`. Decided by the model's dtype, the CPU and our kernels, not by its
+    weights' format, so that a self-drafter (4-bit linears, ours or torch's) computes in its target's dtype: it
+    writes into the target's buffer (`SharedCacheRunner`)."""
+    if (own == torch.bfloat16 and not native.bfloat16_arithmetic() and native.unavailable() is None
+            and all(map(_takes_float32, linears))):
         return torch.float32
     return own
 
