@@ -43,18 +43,22 @@ os.environ["SPECDEC_CACHE"] = tempfile.mkdtemp(prefix="specdec-tests-")
 REQUIRE_NATIVE_ENV = "SPECDEC_REQUIRE_NATIVE"  # "1" (CI, .ci/run): a test of our native kernels fails where they cannot run
 
 
-def require_native() -> None:
-    """Skip the calling test where our native kernels cannot run here, with the reason `native.unavailable()` gives
-    (a visible skip, not a silent pass); under `SPECDEC_REQUIRE_NATIVE=1` fail it instead (a machine that must build
+def missing_native(reason: str) -> None:
+    """Skip the calling test, saying `reason` (what our native kernels or a toolchain they are tested with lack here: a
+    visible skip, not a silent pass); under `SPECDEC_REQUIRE_NATIVE=1` fail it instead (a machine that must have
     them: CI)."""
+    if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
+        pytest.fail(f"{reason}, and {REQUIRE_NATIVE_ENV}=1 requires it")
+    pytest.skip(reason)
+
+
+def require_native() -> None:
+    """`missing_native` with the reason `native.unavailable()` gives, where our native kernels cannot run here."""
     from utils.lean import native
 
     reason = native.unavailable()
-    if reason is None:
-        return
-    if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
-        pytest.fail(f"our native kernels cannot run here ({reason}), and {REQUIRE_NATIVE_ENV}=1 requires them")
-    pytest.skip(f"our native kernels cannot run here: {reason}")
+    if reason is not None:
+        missing_native(f"our native kernels cannot run here: {reason}")
 
 
 @pytest.fixture

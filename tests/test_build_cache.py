@@ -23,6 +23,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.conftest import missing_native, require_native
 from utils import paths
 from utils.lean import LEAN_ENV, build, forget, forward_path, kernels, native
 
@@ -357,8 +358,7 @@ def test_native_off_by_choice_gives_no_warning_and_says_so(monkeypatch):
 
 
 def test_a_model_whose_layers_run_in_python_says_why(monkeypatch):
-    if native.unavailable() is not None:
-        pytest.skip(f"our native kernels cannot run here: {native.unavailable()}")
+    require_native()
     model = _tiny_llama(torch.float32)  # float32 weights: torch's products, so no native stack
     forget(model)
     assert forward_path(model) == ("lean forward (llama.py, layers in Python: a linear our kernels do not run (int8, "
@@ -371,7 +371,7 @@ def test_a_model_whose_layers_run_in_python_says_why(monkeypatch):
 def test_a_compiler_given_with_arguments_builds(compiler, monkeypatch, tmp_path):
     """$CC as a shell would split it (as "ccache gcc" is given)."""
     if shutil.which("gcc") is None:
-        pytest.skip("no gcc here")
+        missing_native("no gcc here to build our kernels with")
     monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CC", compiler)
     assert build.compiler()[0] == ["env", "gcc", "-O2"]

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import missing_native
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "tests" / "native" / "run.sh"
-REQUIRE = os.environ.get("SPECDEC_REQUIRE_NATIVE") == "1"
 X86 = platform.machine() in ("x86_64", "AMD64")
 NATIVE = "-march=native" if X86 else "-mcpu=native"  # aarch64's gcc and clang name the host's CPU with -mcpu
 SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
@@ -50,12 +51,6 @@ VARIANTS = {v.name: v for v in (
 )}
 
 
-def _missing(reason: str):
-    if REQUIRE:
-        pytest.fail(f"SPECDEC_REQUIRE_NATIVE=1 and {reason}")
-    pytest.skip(reason)
-
-
 def _cpu_flags() -> set[str]:
     try:
         line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -74,11 +69,11 @@ def _toolchain(variant: Variant, scratch: Path) -> None:
     if variant.x86_only and not X86:
         pytest.skip(f"{variant.name} is an x86-64 build; this machine is {platform.machine()}")
     if shutil.which(variant.cc) is None:
-        _missing(f"no {variant.cc} on PATH (the {variant.name} build)")
+        missing_native(f"no {variant.cc} on PATH (the {variant.name} build)")
     if variant.runner and shutil.which(variant.runner[0]) is None:
-        _missing(f"no {variant.runner[0]} to run the {variant.name} build")
+        missing_native(f"no {variant.runner[0]} to run the {variant.name} build")
     if variant.runner and not Path(variant.runner[-1]).is_dir():
-        _missing(f"no {variant.runner[-1]} (the aarch64 C library: libc6-dev-arm64-cross) for {variant.name}")
+        missing_native(f"no {variant.runner[-1]} (the aarch64 C library: libc6-dev-arm64-cross) for {variant.name}")
     lacking = variant.cpu - _cpu_flags()
     if lacking:
         pytest.skip(f"this CPU lacks {', '.join(sorted(lacking))} for the {variant.name} build")
@@ -87,11 +82,11 @@ def _toolchain(variant: Variant, scratch: Path) -> None:
     built = subprocess.run([variant.cc, *variant.flags, str(probe), "-o", str(scratch / "probe"), "-lm"],
                            capture_output=True, text=True, timeout=120)
     if built.returncode != 0:
-        _missing(f"{variant.cc} {' '.join(variant.flags)} cannot build a trivial program (a runtime missing: "
+        missing_native(f"{variant.cc} {' '.join(variant.flags)} cannot build a trivial program (a runtime missing: "
                  f"libomp-dev for clang's OpenMP, the sanitizers' libraries): {built.stderr.strip()[-300:]}")
     ran = subprocess.run([*variant.runner, str(scratch / "probe")], capture_output=True, text=True, timeout=120)
     if ran.returncode != 0:
-        _missing(f"a trivial {variant.name} program does not run: {ran.stderr.strip()[-300:]}")
+        missing_native(f"a trivial {variant.name} program does not run: {ran.stderr.strip()[-300:]}")
 
 
 _BUILT: dict[str, Path] = {}

@@ -31,19 +31,17 @@ from utils.runners.static import StaticRunner
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _ours_run_here() -> bool:
-    """Whether our C operations build here (where it cannot, `unavailable()` says why and no lean forward takes it)."""
-    if native.unavailable() is None:
-        return True
-    assert not layer_ops.runs(torch.float32, 64, 16)
-    require_native()  # skipped with the reason (failed under SPECDEC_REQUIRE_NATIVE=1), not passed silently
-    return False
+def _require_ours() -> None:
+    """Our C operations run here; where they cannot, no lean forward takes them (`unavailable()` says why) and the
+    test is skipped with that reason (failed under SPECDEC_REQUIRE_NATIVE=1), not passed silently."""
+    if native.unavailable() is not None:
+        assert not layer_ops.runs(torch.float32, 64, 16)
+    require_native()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_norms_and_the_rotary_step_give_torchs_bits(dtype):
-    if not _ours_run_here():
-        return
+    _require_ours()
     torch.manual_seed(0)
     x, delta, weight = torch.randn(3, 5, 96).to(dtype), torch.randn(3, 5, 96).to(dtype), torch.randn(96).to(dtype)
     # the normalisation's sum is taken in an order of its own: float32 rounding of it, then torch's last steps
@@ -63,15 +61,25 @@ def test_the_norms_and_the_rotary_step_give_torchs_bits(dtype):
     positions, write_index = torch.tensor([[3, 4, 5], [9, 7, 8]]), torch.tensor([[5, 6, 7], [10, 11, 12]])
     keys, values = torch.zeros(rows, kv_heads, slots, head_dim, dtype=dtype), torch.zeros(rows, kv_heads, slots, head_dim, dtype=dtype)
     q = layer_ops.rope_write(qkv, cos, sin, positions, write_index, keys, values, heads)
-    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    c, s = cos[positions][:, None], sin[positions][:, None]
-    assert torch.equal(q.transpose(1, 2), rotate(q_ref.view(rows, width, heads, head_dim).transpose(1, 2), c, s))
-    k_ref = rotate(k_ref.view(rows, width, kv_heads, head_dim).transpose(1, 2), c, s)
-    v_ref = v_ref.view(rows, width, kv_heads, head_dim).transpose(1, 2)
+    q_ref, k_ref, v_ref = rotated_reference(qkv, cos, sin, positions, heads, kv_heads)
+    assert torch.equal(q.transpose(1, 2), q_ref)
     for row in range(rows):
         written = write_index[row]
         assert torch.equal(keys[row][:, written], k_ref[row]) and torch.equal(values[row][:, written], v_ref[row])
     assert keys[:, :, :5].abs().sum() == 0 and values[:, :, 13:].abs().sum() == 0  # nothing else written
+
+
+def rotated_reference(qkv, cos, sin, positions, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """The q/k/v product's output (rows, width, (heads + 2 kv_heads) head_dim) in torch's steps -> q and k rotated
+    at `positions`, and v, each (rows, heads of its kind, width, head_dim): what `layer_ops.rope_write` returns and
+    writes."""
+    rows, width = positions.shape
+    head_dim = cos.shape[-1]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    q = rotate(q.reshape(rows, width, heads, head_dim).transpose(1, 2), c, s)
+    k = rotate(k.reshape(rows, width, kv_heads, head_dim).transpose(1, 2), c, s)
+    return q, k, v.reshape(rows, width, kv_heads, head_dim).transpose(1, 2)
 
 
 def _reference(q, keys, values, mask, scale, softcap=None) -> torch.Tensor:
@@ -92,8 +100,7 @@ def _reference(q, keys, values, mask, scale, softcap=None) -> torch.Tensor:
 def test_attention_gives_the_reference_values_and_each_query_the_same_bits_at_every_width(dtype, softcap):
     """Two rows, grouped query heads, a mask hiding keys of row 0 past its length and one key of a query of row 1
     (a tree's sibling); then each query alone, over more slots than it sees, and on another thread count."""
-    if not _ours_run_here():
-        return
+    _require_ours()
     torch.manual_seed(0)
     rows, heads, kv_heads, head_dim, slots, used, width = 2, 6, 2, 32, 64, 37, 5
     q = torch.randn(rows, heads, width, head_dim).to(dtype)
@@ -127,8 +134,7 @@ def test_a_tree_nodes_attention_is_the_bits_it_gets_once_moved_next_to_its_ances
     """A tree's node sees its context, its ancestors and itself, with hidden siblings between them; once accepted its
     keys move next to each other (`keep_path_row`) and a later pass reads them there: the same keys in the same order,
     so the same bits (the softmax's sum is laid out by the keys a query sees, not by their slots)."""
-    if not _ours_run_here():
-        return
+    _require_ours()
     torch.manual_seed(1)
     heads, kv_heads, head_dim, context = 4, 2, 32, 45
     keys, values = torch.randn(1, kv_heads, 64, head_dim).to(dtype), torch.randn(1, kv_heads, 64, head_dim).to(dtype)

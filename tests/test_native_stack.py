@@ -26,13 +26,6 @@ FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwe
 GEMMAS = ("gemma", "gemma2", "gemma3")  # `gemma.py`'s, from `gemma_config`
 
 
-def _ours_run_here() -> bool:
-    """True where our kernels run; elsewhere the test is skipped with the reason (failed under
-    SPECDEC_REQUIRE_NATIVE=1: `require_native`), not passed silently."""
-    require_native()
-    return True
-
-
 def _model(family: str, dtype: torch.dtype):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,8 +46,7 @@ def _model(family: str, dtype: torch.dtype):
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_our_activation_times_up_is_torchs_to_a_rounding(dtype, activation):
-    if not _ours_run_here():
-        return
+    require_native()
     torch.manual_seed(0)
     gate_up = (4 * torch.randn(5, 2 * 4864)).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -96,8 +88,7 @@ def _four_bits_in_groups_of_64(family: str):
                          ids=["bfloat16_weights", "four_bits", "four_bits_groups_of_64"])
 def test_the_stack_gives_the_python_layers_logits_and_the_same_bits_at_every_width(family, make, no_bfloat16_arithmetic,
                                                                                    monkeypatch):
-    if not _ours_run_here():
-        return
+    require_native()
     model = make(family)
     forget(model)
     lean = lean_decoder(model)

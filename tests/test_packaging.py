@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_native
+
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = {"sampling", "ngram_assisted", "utils"}
 
@@ -82,10 +84,9 @@ def test_an_installed_wheel_builds_its_kernels_and_generates_on_the_native_stack
     first generation): installed away from the checkout, a tiny bfloat16 Llama generates with its layers in one
     native call, the tokens of transformers' own greedy decoding over the same values in float32."""
     pytest.importorskip("setuptools")
-    from utils.lean import build, native
+    from utils.lean import build
 
-    if native.unavailable() is not None:
-        pytest.skip(f"our native kernels cannot run here: {native.unavailable()}")
+    require_native()
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
          "-q", "-w", str(tmp_path / "wheel"), str(_source_copy(tmp_path))],
