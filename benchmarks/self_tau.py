@@ -54,16 +54,17 @@ def main(argv: list[str] | None = None) -> dict:
     for variant in variants:
         bits, share = VARIANTS[variant]
         start = time.perf_counter()
-        drafter = quantized_drafter(target, bits=bits, share_cache=share, cache=True)
+        drafter = quantized_drafter(target, bits=bits, cache=True)
         built = time.perf_counter() - start
         start = time.perf_counter()
-        drafter = quantized_drafter(target, bits=bits, share_cache=share, cache=True)
+        drafter = quantized_drafter(target, bits=bits, cache=True)
         loaded = time.perf_counter() - start
         taus, outputs = [], []
         for task, text in texts:
             stats = SpeculativeStats()
             out, _ = speculative_generate(encode(tokenizer, text), drafter, target, gamma=args.gamma,
-                                          max_gen_len=args.max_new_tokens, end_tokens_id=end, stats=stats)
+                                          max_gen_len=args.max_new_tokens, end_tokens_id=end, stats=stats,
+                                          share_cache=share)
             taus.append({"task": task, "tau": stats.tau, "alpha": stats.alpha, "tokens": len(out)})
             outputs.append(out)
         result["variants"][variant] = {

@@ -1,7 +1,7 @@
 """Speculative decoding (Leviathan et al. 2023) and speculative sampling (Chen et al. 2023): the
 public functions, and `run_speculative`, the one path of every speculative call: its arguments
 checked once, its drafter built by the kind its options ask for (`sampling/drafters/drafter_kinds.py`: a
-drafter model, your own `Drafter`, a model beside an n-gram pool), the one loop (`sampling/loop/speculative_loop.py`).
+drafter model, the target's own weights in fewer bits ("self"), your own `Drafter`, a model beside an n-gram pool), the one loop (`sampling/loop/speculative_loop.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from sampling.drafters.drafter_kinds import KINDS, drafter_kind
 from sampling.drafters.hybrid import HybridOptions
 from sampling.drafters.registry import kind_options
+from sampling.drafters.self_kind import SelfOptions
 from sampling.loop.common import OnStep, measured_costs, start_generation
 from sampling.loop.drafts import Drafter
 from sampling.loop.encoder_decoder import encoder_decoder_twin, of_kind
@@ -27,7 +28,7 @@ from utils.validation import Inputs, transformers_names
 __all__ = ["SpeculativeStats", "run_speculative", "speculative_generate", "speculative_generate_encoder_decoder",
            "speculative_loop"]
 
-SHARED, MODEL = DecodingOptions, HybridOptions  # the public signature's defaults: the options' own
+SHARED, MODEL, SELF = DecodingOptions, HybridOptions, SelfOptions  # the public signature's defaults: the options' own
 
 
 def run_speculative(inputs: Inputs, target: PreTrainedModel, drafter: object, shared: DecodingOptions,
@@ -62,7 +63,7 @@ def run_speculative(inputs: Inputs, target: PreTrainedModel, drafter: object, sh
 @of_kind(False, "target")
 def speculative_generate(
     inputs: Inputs,
-    drafter: PreTrainedModel | Drafter,
+    drafter: PreTrainedModel | Drafter | str,
     target: PreTrainedModel,
     *,
     tokenizer=Habits.tokenizer,
@@ -85,6 +86,9 @@ def speculative_generate(
     num_return_sequences: int = Habits.num_return_sequences,
     branching: int | None = MODEL.branching,
     draft_policy: DraftPolicy | None = SHARED.draft_policy,
+    bits: int | str | None = SELF.bits,
+    group_size: int | None = SELF.group_size,
+    share_cache: bool = SELF.share_cache,
     **kind_options,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding (Leviathan et al. 2023) of a decoder-only `target` with a smaller `drafter`
@@ -107,7 +111,10 @@ def speculative_generate(
     `adaptive_gamma`). `ngram` (a pool, or one per row): hybrid drafting (`sampling/drafters/hybrid.py`).
     `cascade`: prompt lookup checked in the drafter's own passes (None: on with `adaptive_gamma`).
     `branching`: token trees of up to this many children per node, verified in one pass (1: chains;
-    None: trees where the measured costs say so with `adaptive_gamma`, else chains). `**kind_options`:
+    None: trees where the measured costs say so with `adaptive_gamma`, else chains). `drafter="self"`: the
+    target drafts for itself, its own weights in `bits` (4, 8 or "auto"; None: 4) in groups of `group_size` (None:
+    the library's choice), built once per target (`sampling/drafters/self_kind.py`); `share_cache`: it drafts
+    over the target's cache, no prompt pass of its own (a `quantized_drafter(target)` model takes these too). `**kind_options`:
     the options of a drafter kind the signature does not list; one no kind takes is refused by name.
     """
     shared = DecodingOptions(gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
@@ -115,7 +122,8 @@ def speculative_generate(
                              generator=generator, stats=stats, on_step=on_step, draft_policy=draft_policy,
                              habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
     model = {"adaptive_gamma": adaptive_gamma, "drafter_tokenizer": drafter_tokenizer, "ngram": ngram,
-             "drafter_invariant": drafter_invariant, "cascade": cascade, "branching": branching}
+             "drafter_invariant": drafter_invariant, "cascade": cascade, "branching": branching, "bits": bits,
+             "group_size": group_size, "share_cache": share_cache}
     return run_speculative(inputs, target, drafter, shared, {**model, **kind_options})
 
 

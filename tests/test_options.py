@@ -17,6 +17,7 @@ from sampling import SpeculativeStats, autoregressive_generate, speculative_gene
 from sampling.drafters.custom_drafters import CustomOptions
 from sampling.drafters.hybrid import HybridOptions
 from sampling.drafters.model_kind import ModelOptions
+from sampling.drafters.self_kind import SelfOptions
 from sampling.loop.habits import Habits
 from sampling.loop.options import DecodingOptions, NasdDecodingOptions
 from sampling.policy.draft_policy import DraftLength
@@ -34,7 +35,7 @@ def field_defaults(*types):
 
 
 @pytest.mark.parametrize("function, types", [
-    (speculative_generate, (DecodingOptions, ModelOptions, HybridOptions, CustomOptions)),
+    (speculative_generate, (DecodingOptions, ModelOptions, HybridOptions, CustomOptions, SelfOptions)),
     (ngram_assisted_speculative_generate, (NasdDecodingOptions, NgramOptions)),
 ])
 def test_every_public_default_is_the_options_own(function, types):
@@ -47,7 +48,8 @@ def test_every_public_default_is_the_options_own(function, types):
 
 
 SPECULATIVE = [
-    (speculative_generate, sampling.speculative, DecodingOptions, (ModelOptions, HybridOptions, CustomOptions)),
+    (speculative_generate, sampling.speculative, DecodingOptions, (ModelOptions, HybridOptions, CustomOptions,
+                                                                 SelfOptions)),
     (ngram_assisted_speculative_generate, ngram_assisted.nasd, NasdDecodingOptions, (NgramOptions,)),
 ]
 

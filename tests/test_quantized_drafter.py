@@ -16,11 +16,13 @@ from torch import nn
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, quantized_drafter, speculative_generate
 from sampling.drafters.self_bits import expected_speedup
+from sampling.drafters.self_drafting import self_drafter, self_drafting
 from tests.cost_tables import BF16_15B, fix_costs
 from tests.models import prompt, tiny_model
 from tests.saved_model import save_tiny_chat_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from tests.test_drafter_invariant import seeded
+from tests.test_validation import no_forward  # noqa: F401  (a fixture)
 from utils.lean import native
 from utils.loading import load_model
 from utils.logits_processors import NucleusProcessor
@@ -103,7 +105,7 @@ def test_the_drafter_shares_the_targets_tensors_and_leaves_it_untouched(name):
     assert quantized and all(m.bits == 4 for m in quantized)
 
 
-def _greedy_cases(monkeypatch, target, drafter, rows):
+def _greedy_cases(monkeypatch, target, drafter, rows, **call):
     # Fixed costs (no timing moves them): a drafted token priced as a 4-bit 1.5B's, a quarter of a target
     # pass, or a tiny drafter costing what its tiny target costs would never draft with adaptive_gamma.
     fix_costs(monkeypatch, BF16_15B, 0.25)
@@ -111,9 +113,9 @@ def _greedy_cases(monkeypatch, target, drafter, rows):
     for kwargs in ({"gamma": 4}, {"gamma": 4, "adaptive_gamma": True}, {"gamma": 4, "branching": 2},
                    {"gamma": 3, "cascade": True}, {"gamma": 5, "adaptive_gamma": True, "cascade": True}):
         for row, reference in zip(rows, references, strict=True):
-            assert speculative_generate(row, drafter, target, max_gen_len=20, **kwargs)[0] == reference, kwargs
+            assert speculative_generate(row, drafter, target, max_gen_len=20, **kwargs, **call)[0] == reference, kwargs
         stats = SpeculativeStats()
-        batch = speculative_generate(rows, drafter, target, max_gen_len=20, stats=stats, **kwargs)
+        batch = speculative_generate(rows, drafter, target, max_gen_len=20, stats=stats, **kwargs, **call)
         assert [ids for ids, _ in batch] == references, kwargs
         assert stats.drafts_accepted > 0, kwargs
 
@@ -123,8 +125,8 @@ def _greedy_cases(monkeypatch, target, drafter, rows):
 def test_greedy_output_is_plain_greedy_output(monkeypatch, name, share_cache):
     """Chains, adaptive drafting, trees, the cascade; one row and a batch of 3 ragged rows."""
     target = tiny_model(name)
-    drafter = quantized_drafter(target, share_cache=share_cache)
-    _greedy_cases(monkeypatch, target, drafter, [prompt(0), prompt(1, length=5), prompt(2, length=17)])
+    _greedy_cases(monkeypatch, target, "self", [prompt(0), prompt(1, length=5), prompt(2, length=17)],
+                  share_cache=share_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -165,10 +167,11 @@ def _pass_widths(monkeypatch, drafter) -> list[int]:
 def test_over_the_targets_cache_the_drafter_makes_no_prompt_pass(monkeypatch, share_cache):
     fix_costs(monkeypatch, BF16_15B, 0.25)  # no calibration: every pass of the drafter counted is a drafting one
     target = tiny_model("llama")
-    drafter = quantized_drafter(target, share_cache=share_cache)
+    drafter = quantized_drafter(target)
     widths = _pass_widths(monkeypatch, drafter)
     stats = SpeculativeStats()
-    speculative_generate(prompt(0, length=20), drafter, target, gamma=4, max_gen_len=20, stats=stats)
+    speculative_generate(prompt(0, length=20), drafter, target, gamma=4, max_gen_len=20, stats=stats,
+                         share_cache=share_cache)
     assert stats.drafts_accepted > 0 and stats.drafter_forwards == len(widths)
     assert (max(widths) == 1) == share_cache  # its own cache: the first pass reads the prompt
 
@@ -193,14 +196,15 @@ def test_the_first_two_tokens_follow_the_target_law(name, share_cache, branching
     """Chi-square on the joint law of the first two tokens (standard rule: q is the quantized model's),
     p-value above P_VALUE_THRESHOLD, seeded; a batch of rows per call (the shared batch's cache)."""
     target = tiny_model(name, vocab=16)
-    drafter = quantized_drafter(target, bits=4, share_cache=share_cache)
+    drafter = quantized_drafter(target, bits=4)
     processor = NucleusProcessor(temperature=1.0, top_p=0.95)
     row = [3, 4, 5, 3, 4, 5, 3, 4]
     expected = exact_two_token_distribution(target, row, processor)
 
     def generate(rows, generator):
         return speculative_generate(rows, drafter, target, gamma=3, max_gen_len=2, logits_processor=processor,
-                                    generator=generator, drafter_invariant=False, branching=branching)
+                                    generator=generator, drafter_invariant=False, branching=branching,
+                                    share_cache=share_cache)
 
     assert chi_square_p_value(first_two_tokens(generate, row), expected) > P_VALUE_THRESHOLD
 
@@ -252,12 +256,41 @@ def test_auto_bits_is_measured_once_and_follows_the_rule(monkeypatch, tmp_path):
     ({"group_size": "32"}, ValueError, "group_size must be one of"),
     ({"group_size": 128}, ValueError, "group_size=128 divides no linear's input width"),
     ({"bits": "auto", "group_size": 256}, ValueError, "group_size=256 divides no"),
-    ({"share_cache": "yes"}, TypeError, "share_cache must be a bool"),
     ({"cache": "sometimes"}, ValueError, "cache must be True, False or 'auto'"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):
         quantized_drafter(tiny_model("llama"), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"bits": 3}, ValueError, "bits must be 4, 8 or 'auto'"),
+    ({"bits": True}, ValueError, "bits must be 4, 8 or 'auto'"),
+    ({"group_size": 48}, ValueError, "group_size must be one of"),
+    ({"group_size": 128}, ValueError, "group_size=128 divides no linear's input width"),
+    ({"share_cache": "yes"}, TypeError, "share_cache must be a bool"),
+    ({"drafter_tokenizer": "x"}, TypeError, "drafter_tokenizer must be a transformers tokenizer"),
+])
+def test_the_self_drafters_options_are_refused_by_name_before_any_model_runs(no_forward, kwargs, error, match):  # noqa: F811
+    with pytest.raises(error, match=match):
+        speculative_generate(prompt(0), "self", tiny_model("llama"), **kwargs)
+
+
+def test_a_quantized_drafter_passed_whole_keeps_its_bits_and_the_options_of_a_plain_drafter_are_refused(no_forward):  # noqa: F811
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="bits=8, but the drafter is a quantized_drafter built with bits=4"):
+        speculative_generate(prompt(0), quantized_drafter(target), target, bits=8)
+    with pytest.raises(ValueError, match="share_cache"):
+        speculative_generate(prompt(0), tiny_model("llama", seed=1), target, share_cache=False)
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        speculative_generate(prompt(0), "self", tiny_model("t5"))
+
+
+def test_self_is_built_once_per_target_and_bits_and_is_plain_greedy(monkeypatch):
+    target = tiny_model("qwen2")
+    assert self_drafter(target) is self_drafter(target) is not self_drafter(target, 8)
+    assert self_drafting(self_drafter(target, 8)).bits == 8
+    _greedy_cases(monkeypatch, target, "self", [prompt(3)], bits=8)
 
 
 def test_a_non_model_and_an_encoder_decoder_target_are_refused():

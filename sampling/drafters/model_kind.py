@@ -18,7 +18,7 @@ from sampling.drafters.cascade import Cascade
 from sampling.drafters.model_drafter import ModelDrafter
 from sampling.drafters.model_tree import ModelTreeDrafter
 from sampling.drafters.registry import register_kind
-from sampling.drafters.self_drafting import releasing, shared_runner
+from sampling.drafters.self_drafting import releasing, self_drafting, shared_runner
 from sampling.drafters.universal import UniversalDrafter, check_tokenizers
 from sampling.loop.common import Generation, Request, max_tokens
 from sampling.loop.options import DecodingOptions, Drafting
@@ -101,7 +101,8 @@ def prior_share(drafter: PreTrainedModel, target: PreTrainedModel) -> float:
 
 def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: Generation, shared: DecodingOptions,
                         options: ModelOptions, *,
-                        universal: bool, priced: bool = False) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
+                        universal: bool, priced: bool = False,
+                        share_cache: bool = True) -> tuple[ModelDrafter | UniversalDrafter, CostAwareDraftLength, DraftPolicy]:
     """A drafter model over the rows of `gen`, from a speculative call's options (checked;
     `universal`: it has another tokenizer, `check_model_drafter`) -> (its drafter, the cost-aware
     policy of its chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step).
@@ -109,7 +110,9 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     own (`sampling/drafters/cascade.py`), priced by its measured costs. `branching`
     (`sampling.drafters.model_tree`): token trees where both models' runners verify them, else chains.
     `priced`: the caller prices the drafter's chains with the cost-aware policy even with a fixed gamma
-    (its drafting is then timed, as with `adaptive_gamma`; otherwise it is not: no synchronization)."""
+    (its drafting is then timed, as with `adaptive_gamma`; otherwise it is not: no synchronization).
+    `share_cache`: a self-drafter of `target` drafts over the target's cache where its runner allows
+    (`sampling.drafters.self_drafting.shared_runner`)."""
     adaptive = options.adaptive_gamma
     # The cost of a step: the target's measured passes, and the drafter's timed drafting (the
     # closures read the drafter built below: one drafter and one policy, each built whole).
@@ -141,7 +144,8 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
         max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens), timed=adaptive or priced,
     )
     # A self-drafter drafts over the target's cache: no prompt pass of its own (`sampling.drafters.self_drafting`).
-    shared_cache = shared_runner(drafter, target, lambda: gen.runner, use_cache=shared.use_cache, costs=drafter_costs)
+    shared_cache = shared_runner(drafter, target, lambda: gen.runner, use_cache=shared.use_cache, costs=drafter_costs,
+                                 share_cache=share_cache)
     if shared_cache is not None:
         model_drafter.runner = shared_cache
     width = tree_branching(options.branching, adaptive)
@@ -156,13 +160,14 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
 
 
 class ModelDrafterKind:
-    """A drafter model alone (`speculative_generate(inputs, drafter_model, target)`)."""
+    """A drafter model alone (`speculative_generate(inputs, drafter_model, target)`); the target's own weights in
+    fewer bits are the self-drafter's kind (`sampling/drafters/self_kind.py`)."""
 
     Options = ModelOptions
     what = "a transformers PreTrainedModel"
 
     def takes(self, drafter: object, given: dict[str, object]) -> bool:
-        return isinstance(drafter, torch.nn.Module) and given.get("ngram") is None
+        return isinstance(drafter, torch.nn.Module) and given.get("ngram") is None and self_drafting(drafter) is None
 
     def check(self, request: Request, shared: DecodingOptions, drafter: object,
               options: ModelOptions) -> Callable[[Generation], Drafting]:

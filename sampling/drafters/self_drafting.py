@@ -4,10 +4,11 @@ the input embedding, the norms and the biases the target's very tensors (shared,
 tied to the embedding gets its own quantized copy). Being the same model it agrees with the target
 far more often than a smaller model does, at the cost of its weights' bytes (a quarter with 4 bits).
 
-By default it makes no prompt pass of its own: where the target's runner allows it
-(`utils.runners.shared_cache.can_share`), its passes run over the target's cache, reading the
-target's keys and values for the verified prefix and writing its own only for its drafts, which the
-target's verification overwrites (`SharedCacheRunner`). `share_cache=False`: the plain design, its
+It is a drafter kind of its own (`sampling/drafters/self_kind.py`): `speculative_generate(inputs, "self", target)`
+builds it once per target, bits and group (`self_drafter`). By default it makes no prompt pass of its own: where
+the target's runner allows it (`utils.runners.shared_cache.can_share`), its passes run over the target's cache,
+reading the target's keys and values for the verified prefix and writing its own only for its drafts, which the
+target's verification overwrites (`SharedCacheRunner`). The call's `share_cache=False`: the plain design, its
 own cache filled by a prompt pass through its own weights. Either way the full-precision target
 verifies: greedy output is plain greedy decoding's, token for token, and sampling follows the
 target's law with q the quantized model's processed distribution.
@@ -27,19 +28,19 @@ from utils.runners.model_info import is_encoder_decoder
 from utils.runners.shared_cache import SharedCacheRunner, can_share
 from utils.validation import check_model
 
-__all__ = ["SelfDrafting", "quantized_drafter", "self_drafting"]
+__all__ = ["SelfDrafting", "quantized_drafter", "self_drafter", "self_drafting"]
 
 _ATTRIBUTE = "_specdec_self_drafting"
+_BUILT = "_specdec_self_drafters"  # on a target: its self-drafters built by `self_drafter`, by (bits, group size)
 
 
 @dataclass(frozen=True)
 class SelfDrafting:
-    """What a self-drafter is: whose weights, in how many bits, and whether it reads the target's cache."""
+    """What a self-drafter is: whose weights, and in how many bits."""
 
     target: PreTrainedModel
     bits: int
     group_size: int
-    share_cache: bool
 
 
 def self_drafting(drafter) -> SelfDrafting | None:
@@ -49,22 +50,25 @@ def self_drafting(drafter) -> SelfDrafting | None:
 
 def _sharing_copy(target: PreTrainedModel) -> PreTrainedModel:
     """A new module tree over the target's very parameters and buffers (nothing copied but the
-    modules, the config and small plain attributes)."""
+    modules, the config and small plain attributes; not the self-drafters built from it)."""
     memo = {id(tensor): tensor for tensor in chain(target.parameters(), target.buffers())}
+    built = target.__dict__.get(_BUILT)
+    if built is not None:
+        memo[id(built)] = {}
     return copy.deepcopy(target, memo)
 
 
 def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: int | None = None, *,
-                      share_cache: bool = True, cache: bool | str = "auto") -> PreTrainedModel:
+                      cache: bool | str = "auto") -> PreTrainedModel:
     """A drafter model from `target`'s own weights (module docstring), for `speculative_generate(inputs,
-    quantized_drafter(target), target, ...)`.
+    quantized_drafter(target), target, ...)` (the same as passing "self" with these `bits` and `group_size`,
+    but built anew by each call of this function).
 
     `bits`: 4 (int4 in groups of `group_size` input columns: our kernel's in groups of 32 or 64, else torch's
     where the output width is a multiple of 16; a layer neither takes is int8) or 8 (int8, one
     scale per output channel), or "auto" (`sampling.drafters.self_bits.choose_bits`: measured once per model
     and machine). `group_size`: 32, 64, 128 or 256, and it must divide some linear's input width; None: 64 where
     our kernel takes every linear so (4.5 bits a weight), else 32 (`utils.quantized_models.drafter_group`).
-    `share_cache`: draft over the target's cache (no prompt pass of its own) where its runner allows.
     `cache`: keep the packed weights under `SPECDEC_CACHE` (True, False, "auto": models of 10M
     parameters and more), so that a later start loads them instead of quantizing again.
     """
@@ -72,8 +76,6 @@ def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: 
         raise ValueError(f"target is an encoder-decoder model ({type(target).__name__}): quantized_drafter "
                          "builds drafters for decoder-only targets")
     check_model(target, "target", False)
-    if not isinstance(share_cache, bool):
-        raise TypeError(f"share_cache must be a bool, got {share_cache!r}")
     group_size = drafter_group(target) if group_size is None else group_size
     check_quantization(target, 4 if bits == "auto" else bits, group_size)
     if bits == "auto":
@@ -84,17 +86,27 @@ def quantized_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: 
     drafter.config = copy.deepcopy(target.config)
     # Another config means another model to the pass-cost calibration's keys.
     drafter.config.specdec_self_drafter = {"bits": bits, "group_size": group_size}
-    drafter.__dict__[_ATTRIBUTE] = SelfDrafting(target, bits, group_size, share_cache)
+    drafter.__dict__[_ATTRIBUTE] = SelfDrafting(target, bits, group_size)
     return drafter.eval()
 
 
+def self_drafter(target: PreTrainedModel, bits: int | str = 4, group_size: int | None = None) -> PreTrainedModel:
+    """`quantized_drafter(target, bits, group_size)`, built once per target, bits and group size and kept on the
+    target (a notebook's or the console's every call drafts with the same one; `bits="auto"` measured once)."""
+    built = target.__dict__.setdefault(_BUILT, {})
+    key = (bits, group_size)
+    if key not in built:
+        built[key] = quantized_drafter(target, bits, group_size)
+    return built[key]
+
+
 def shared_runner(drafter: PreTrainedModel, target: PreTrainedModel, target_runner, *, use_cache: bool,
-                  costs) -> SharedCacheRunner | None:
+                  costs, share_cache: bool = True) -> SharedCacheRunner | None:
     """The runner of a self-drafter of `target` that drafts over `target_runner()`'s cache, None where
     it drafts with a cache of its own (not a self-drafter of this target, `share_cache=False`, no
     cache, or a runner whose passes cannot be lent: `can_share`)."""
     info = self_drafting(drafter)
-    if info is None or info.target is not target or not info.share_cache or not use_cache:
+    if info is None or info.target is not target or not share_cache or not use_cache:
         return None
     if not can_share(target_runner(), drafter):
         return None
