@@ -30,8 +30,7 @@ import torch
 from benchmarks import cli
 from benchmarks.prompts import DEFAULT_DATA, encode, load_prompts
 from benchmarks.summary import TASKS, geometric_mean
-from ngram_assisted import MultiDynaGram, SimpleDynaGram
-from ngram_assisted.drafter import NgramDrafter
+from ngram_assisted import MultiDynaGram, NgramDrafter, NgramOptions, SimpleDynaGram
 from utils.cost_model import PRIOR, _interpolate
 
 
@@ -165,12 +164,13 @@ def summarise(records: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def nasd_drafters(pool: str = "multi", n: int = 8, top_k_filler: int = 3, stop_if_unknown: bool = True,
-                  branching: int = 3, **settings) -> Callable[[dict, Callable[[int], float]], NgramDrafter]:
+                  branching: int = 3) -> Callable[[dict, Callable[[int], float]], NgramDrafter]:
     """A factory of NASD drafters (a fresh pool per trace, as each generation in suffix_compare)."""
     def make(trace: dict, cost: Callable[[int], float]) -> NgramDrafter:
         ngram = (MultiDynaGram if pool == "multi" else SimpleDynaGram)(n)
-        return NgramDrafter(ngram, vocab_size=trace["vocab"], top_k_filler=top_k_filler,
-                            stop_if_unknown=stop_if_unknown, branching=branching, draft_cost=cost, **settings)
+        options = NgramOptions(top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown, branching=branching,
+                               draft_cost=cost)
+        return NgramDrafter(ngram, options, vocab_size=trace["vocab"])
     return make
 
 

@@ -6,11 +6,13 @@ from ngram_assisted.nasd import (
     ngram_assisted_speculative_generate,
     ngram_assisted_speculative_generate_encoder_decoder,
 )
+from ngram_assisted.options import NgramOptions
 
 __all__ = [
     "DynaGram",
     "MultiDynaGram",
     "NgramDrafter",
+    "NgramOptions",
     "Prediction",
     "SimpleDynaGram",
     "ngram_assisted_speculative_generate",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,11 +11,13 @@ from torch import Tensor
 
 from ngram_assisted.dynagram import DynaGram, Prediction
 from ngram_assisted.matching import MAX_MATCH, CopyIndex
+from ngram_assisted.options import NgramOptions, check_vocabulary
 from sampling.loop.drafts import DraftTree, PerRow
 from sampling.policy.draft_policy import best_tree_size
+from sampling.policy.tree_choice import tree_branching
 from utils.cost_model import prior_cost
 from utils.logits_processors import supports_float64
-from utils.validation import check_int
+from utils.validation import check_bool, check_int
 
 # Prior P(accept) of a draft by the length of the context it matched (1, 2, 3, 4, 5-7, 8-15, 16+
 # tokens: in the pool or, longer, in the text itself), as measured on held-out Spec-Bench prompts
@@ -133,36 +135,22 @@ class AcceptanceModel:
         self.predicted += estimate
 
 
-def check_drafter_arguments(pool: object, *, vocab_size: object, top_k_filler: object, stop_if_unknown: object,
-                            draft_cost: object, branching: object, greedy: object) -> None:
-    """`NgramDrafter`'s constructor arguments, or a TypeError/ValueError naming the wrong one."""
-    if not isinstance(pool, DynaGram):
-        raise TypeError(f"pool must be a SimpleDynaGram or MultiDynaGram, got {type(pool).__name__}")
-    check_int(vocab_size, "vocab_size", 1)
-    check_int(top_k_filler, "top_k_filler", 1)
-    if top_k_filler > vocab_size:
-        raise ValueError(f"top_k_filler must be at most the vocabulary size {vocab_size}, got {top_k_filler}")
-    check_int(branching, "branching", 1)
-    for name, value in (("stop_if_unknown", stop_if_unknown), ("greedy", greedy)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-    if not callable(draft_cost):
-        raise TypeError(f"draft_cost must be a function of the number of drafts, got {draft_cost!r}")
-
-
 class NgramDrafter:
     """Drafts from a dynagram pool (deterministic drafts: q is one-hot, so `draft` returns q=None).
 
-    Up to `branching` candidates per node (most frequent first; 1 is a chain), grown best-first by
-    the estimated probability of reaching each node (the product of the acceptance estimates on
-    its path), up to `max_drafts` nodes. stop_if_unknown=True: the tree is then cut to the size
-    that maximises expected accepted tokens per unit of target cost (`draft_cost`); with
+    `options` (`NgramOptions`, as `ngram_assisted_speculative_generate` takes them): up to
+    `branching` candidates per node (most frequent first; 1 is a chain; None: up to
+    AUTO_BRANCHING where stop_if_unknown cuts trees to what pays, else 1), grown best-first by the
+    estimated probability of reaching each node (the product of the acceptance estimates on its
+    path), up to `max_drafts` nodes. stop_if_unknown=True: the tree is then cut to the size that
+    maximises expected accepted tokens per unit of target cost (`draft_cost`; None: the documented
+    prior `utils.cost_model.prior_cost`, NASD puts the target's measured costs there); with
     branching=1 that is a chain stopping at the first unknown n-gram. stop_if_unknown=False: every
     known continuation is drafted, up to gamma nodes (ANPD's behaviour, widened). A miss always
     ends a branch: the pool never invents a token. After each step the pool learns the accepted
-    tokens and the target's top-k (with probabilities) after every verified node, rejected ones
-    included (token recycling). `greedy`: the target decodes greedily (its argmax judges a draft)
-    or samples (p(x) does): each has its own priors.
+    tokens and the target's `top_k_filler` most likely tokens (with probabilities) after every
+    verified node, rejected ones included (token recycling). `greedy`: the target decodes greedily
+    (its argmax judges a draft) or samples (p(x) does): each has its own priors.
     """
 
     forward_passes = 0  # an n-gram pool runs no model
@@ -170,24 +158,26 @@ class NgramDrafter:
     def __init__(
         self,
         pool: DynaGram,
+        options: NgramOptions = NgramOptions(),  # frozen: one shared default is safe
         *,
         vocab_size: int,
-        top_k_filler: int = 3,
-        stop_if_unknown: bool = True,
         source_tokens: Sequence[int] = (),
-        draft_cost: Callable[[int], float] = prior_cost,
-        branching: int = 1,
         greedy: bool = True,
     ) -> None:
-        check_drafter_arguments(pool, vocab_size=vocab_size, top_k_filler=top_k_filler, stop_if_unknown=stop_if_unknown,
-                                draft_cost=draft_cost, branching=branching, greedy=greedy)
+        if not isinstance(pool, DynaGram):
+            raise TypeError(f"pool must be a SimpleDynaGram or MultiDynaGram, got {type(pool).__name__}")
+        if not isinstance(options, NgramOptions):
+            raise TypeError(f"options must be an NgramOptions (ngram_assisted.NgramOptions(top_k_filler=..., ...)), "
+                            f"got {type(options).__name__}")
+        check_int(vocab_size, "vocab_size", 1)
+        check_vocabulary(options, vocab_size)
+        check_bool(greedy, "greedy")
         self.pool = pool
+        self.options = options
         self.vocab_size = vocab_size
-        self.top_k_filler = top_k_filler
-        self.stop_if_unknown = stop_if_unknown
         self.source_tokens = list(source_tokens)
-        self.draft_cost = draft_cost
-        self.branching = branching
+        self.draft_cost = prior_cost if options.draft_cost is None else options.draft_cost
+        self.branching = tree_branching(options.branching, options.stop_if_unknown)
         self.acceptance = AcceptanceModel()
         self.acceptance.greedy = greedy  # greedy judges the argmax, sampling p(x): the priors differ
         self.copies = CopyIndex()  # the match length of proposals copied from the text
@@ -246,7 +236,7 @@ class NgramDrafter:
                     heapq.heappush(frontier, (-candidate[0], found, candidate))
                     found += 1
         self._tree, self._judged, self.reaches = DraftTree(tokens, parents), judged, reaches
-        if self.stop_if_unknown if cut is None else cut:
+        if self.options.stop_if_unknown if cut is None else cut:
             return self.keep(best_tree_size(reaches, self.draft_cost)), None
         return self._tree, None
 
@@ -295,7 +285,7 @@ class NgramDrafter:
         """-> (the target's top-k (ids, probabilities) at every row of its scores; sampling: p of each
         judged node's token there, else []), computed on the scores' device and read in one transfer
         (one host sync per step, whatever the tree's size)."""
-        k = self.top_k_filler
+        k = self.options.top_k_filler
         if p is not None:
             top = p.topk(k, dim=-1)
             probabilities = top.values

@@ -17,7 +17,8 @@ from transformers import PreTrainedModel
 
 from ngram_assisted.drafter import NgramRows
 from ngram_assisted.dynagram import DynaGram
-from ngram_assisted.rows import NgramOptions, ngram_rows
+from ngram_assisted.options import NgramOptions
+from ngram_assisted.rows import ngram_rows
 from sampling.drafters.registry import register_kind
 from sampling.loop.common import Generation, OnStep, Request
 from sampling.loop.encoder_decoder import encoder_decoder_twin, of_kind

@@ -156,8 +156,7 @@ def test_a_single_slow_repeat_moves_the_median_little_and_shows_in_the_spread():
 def test_nasd_replay_estimates_a_speedup_on_copied_text():
     from benchmarks.nasd_replay import replay_one, summarise
     from benchmarks.suffix_decoding import PythonSuffixCache, SuffixDrafter
-    from ngram_assisted import MultiDynaGram
-    from ngram_assisted.drafter import NgramDrafter
+    from ngram_assisted import MultiDynaGram, NgramDrafter, NgramOptions
     from utils.cost_model import prior_cost
 
     def speed(trace, drafter):
@@ -165,8 +164,8 @@ def test_nasd_replay_estimates_a_speedup_on_copied_text():
 
     text = [5, 6, 7, 8, 9] * 4  # the answer copies the prompt: drafts are accepted
     trace = {"task": "rag", "prompt": text, "generated": text, "top3": [[t, 3, 4] for t in text], "vocab": 96}
-    assert speed(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96)) > 1.5
-    assert speed(trace, NgramDrafter(MultiDynaGram(4), vocab_size=96, branching=2)) > 1.5  # trees
+    assert speed(trace, NgramDrafter(MultiDynaGram(4), NgramOptions(branching=1), vocab_size=96)) > 1.5  # chains
+    assert speed(trace, NgramDrafter(MultiDynaGram(4), NgramOptions(branching=2), vocab_size=96)) > 1.5  # trees
     assert speed(trace, SuffixDrafter(PythonSuffixCache(max_tree_depth=24))) > 1.5  # the peer's drafter too
     novel = list(range(10, 30))  # nothing to copy: no draft, exactly the cost of plain decoding
     trace = {"task": "qa", "prompt": list(range(40, 60)), "generated": novel, "top3": [[t, 3, 4] for t in novel], "vocab": 96}

@@ -4,6 +4,7 @@ import torch
 import sampling.loop.acceptance
 from ngram_assisted import (
     MultiDynaGram,
+    NgramOptions,
     SimpleDynaGram,
     ngram_assisted_speculative_generate,
     ngram_assisted_speculative_generate_encoder_decoder,
@@ -13,8 +14,10 @@ from ngram_assisted.dynagram import Prediction
 from ngram_assisted.matching import CopyIndex
 from sampling import SpeculativeStats, autoregressive_generate, autoregressive_generate_encoder_decoder
 from sampling.loop.randomness import ACCEPT, TARGET, inverse_cdf
+from sampling.policy.tree_choice import AUTO_BRANCHING
 from tests.models import DECODER_ONLY, ENCODER_DECODER, prompt, tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
+from utils.cost_model import prior_cost
 from utils.logits_processors import MultinomialProcessor, NucleusProcessor, TopKProcessor
 
 # The pools, on hand-written histories
@@ -86,7 +89,7 @@ def test_a_chat_prompt_repeating_earlier_turns_is_not_counted_again():
 
 def test_top_k_filler_adds_the_targets_alternatives():
     pool = SimpleDynaGram(2)
-    drafter = NgramDrafter(pool, vocab_size=10, top_k_filler=3)
+    drafter = NgramDrafter(pool, NgramOptions(top_k_filler=3), vocab_size=10)
     drafter.start([1, 2])
     drafter.draft([1, 2], 0)
     logits = torch.tensor([[0.0, 0, 0, 5, 4, 3, 0, 0, 0, 0]])  # target's top 3 after (.., 2): 3, 4, 5
@@ -135,7 +138,7 @@ def test_a_long_copy_is_drafted_past_prompt_lookups_ten_tokens_where_passes_cost
     def cost(k):  # Qwen2.5-Coder-1.5B in bfloat16 on a Zen 5 CPU (issue 34): flat to 8 drafts, 1.19 at 16
         return 1.0 + 0.024 * max(0, k - 8)
 
-    drafter = NgramDrafter(MultiDynaGram(8), vocab_size=50, draft_cost=cost, branching=1)
+    drafter = NgramDrafter(MultiDynaGram(8), NgramOptions(draft_cost=cost, branching=1), vocab_size=50)
     drafter.start(sequence)
     tree, _ = drafter.draft(sequence, 16)
     # The copy, at least as far as prompt lookup's, before anything was judged (the priors alone).
@@ -160,7 +163,7 @@ def test_the_copy_index_measures_how_far_back_a_proposal_matches():
 
 def test_rejected_branches_are_recycled_into_the_pool():
     pool = SimpleDynaGram(2)
-    drafter = NgramDrafter(pool, vocab_size=10, top_k_filler=1, branching=2, stop_if_unknown=False)
+    drafter = NgramDrafter(pool, NgramOptions(top_k_filler=1, branching=2, stop_if_unknown=False), vocab_size=10)
     drafter.start([1, 2, 3, 2, 4])  # after 2: 3 or 4
     tree, _ = drafter.draft([1, 2, 3, 2, 4, 2], 2)
     assert sorted(tree.tokens) == [3, 4] and tree.parents == [-1, -1]
@@ -318,16 +321,20 @@ def test_sampling_stays_exact_when_the_policy_stops_and_resumes_drafting():
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
 
 
-@pytest.mark.parametrize("arguments,needle,error", [
-    ({"pool": {}}, "pool", TypeError),
-    ({"vocab_size": 0}, "vocab_size", ValueError),
-    ({"top_k_filler": 11}, "top_k_filler", ValueError),
-    ({"branching": 0}, "branching", ValueError),
-    ({"stop_if_unknown": 1}, "stop_if_unknown", TypeError),
-    ({"greedy": None}, "greedy", TypeError),
-    ({"draft_cost": 2.0}, "draft_cost", TypeError),
+@pytest.mark.parametrize("arguments,needle,error", [  # the options' own fields: tests/test_options.py
+    ({"pool": {}}, "pool must be a SimpleDynaGram or MultiDynaGram, got dict", TypeError),
+    ({"options": {"top_k_filler": 3}}, r"options must be an NgramOptions \(ngram_assisted.NgramOptions\(", TypeError),
+    ({"vocab_size": 0}, "vocab_size must be an int >= 1, got 0", ValueError),
+    ({"options": NgramOptions(top_k_filler=11)}, "top_k_filler must be at most the vocabulary size 10, got 11", ValueError),
+    ({"greedy": None}, "greedy must be a bool, got None", TypeError),
 ])
 def test_the_ngram_drafter_checks_its_constructor_arguments(arguments, needle, error):
-    given = {"pool": MultiDynaGram(3), "vocab_size": 10, **arguments}
+    given = {"pool": MultiDynaGram(3), "options": NgramOptions(), "vocab_size": 10, **arguments}
     with pytest.raises(error, match=needle):
         NgramDrafter(given.pop("pool"), **given)
+
+
+def test_a_drafter_built_by_hand_reads_its_options_as_nasd_does():
+    drafter = NgramDrafter(MultiDynaGram(3), vocab_size=10)  # NASD's defaults: trees cut to what pays
+    assert drafter.branching == AUTO_BRANCHING and drafter.draft_cost is prior_cost  # no target: the prior
+    assert NgramDrafter(MultiDynaGram(3), NgramOptions(stop_if_unknown=False), vocab_size=10).branching == 1

@@ -9,8 +9,8 @@ transformers' processors do), each value in one home:
   stats, `on_step`, its `Habits`; a speculative one also `gamma` and `draft_policy`); its field
   defaults are every public signature's defaults;
 - a speculative call's drafter kind's own options: a small frozen dataclass in the kind's file
-  (`ModelOptions` in `sampling/drafters/model_kind.py`, `NgramOptions` in `ngram_assisted/nasd.py`...), handed
-  down whole to what builds the drafter. The keywords that are not shared options go to the kind the
+  (`ModelOptions` in `sampling/drafters/model_kind.py`; `NgramOptions` in `ngram_assisted/options.py`, which
+  `NgramDrafter` reads whole), handed down whole to what builds the drafter. The keywords that are not shared options go to the kind the
   drafter belongs to (`sampling/drafters/registry.py`); `tests/test_options.py` holds the public
   signatures and docstrings equal to the dataclasses' fields.
 
