@@ -168,6 +168,38 @@ def test_the_shape_mirror_is_checked_against_the_compiled_layout(monkeypatch):
     assert lean_decoder(model).stack is None and "is not decoder.c's specdec_shape_t" in forward_path(model)
 
 
+def test_the_numbers_a_spec_is_told_in_are_checked_against_decoder_c(monkeypatch):
+    """The layer kind bits, the activation kinds and a layer's pointer count: decoder.c's own (`specdec.h`), and a
+    number that differs keeps every model off the stack with the reason."""
+    from utils.lean import decoder
+
+    require_native()
+    assert layer_ops.spec_numbers() == [1, 2, 0, 1, 18]
+    monkeypatch.setattr(layer_ops, "spec_numbers", lambda: [1, 2, 1, 0, 18])
+    model = _model("gemma2", torch.bfloat16)
+    forget(model)
+    assert lean_decoder(model).stack is None and "are not decoder.c's [1, 2, 1, 0, 18]" in forward_path(model)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3"])
+def test_each_family_states_its_layer_once(name):
+    """`LayerSpec`: what the Python layers branch on and decoder.c reads, from the model's config and modules."""
+    model = _model(name, torch.bfloat16)
+    spec = lean_decoder(model).spec
+    config = model.config
+    assert spec.eps == config.rms_norm_eps and spec.norm_plus_one == name.startswith("gemma")
+    assert spec.qk_norms == (name in ("qwen3", "gemma3")) and spec.sandwich_norms == (name in ("gemma2", "gemma3"))
+    assert spec.softcap == getattr(config, "attn_logit_softcapping", None)
+    layers = len(model.model.layers)
+    kinds = [spec.kind_bits(index, layers) for index in range(layers)]
+    if name in ("gemma2", "gemma3"):  # sliding and full layers; Gemma 3's take tables of their own by kind
+        types = config.layer_types[:layers]
+        second = [name == "gemma3" and kind != types[0] for kind in types]  # the table of the first layer's kind first
+        assert kinds == [(kind == "sliding_attention") + 2 * other for kind, other in zip(types, second, strict=True)]
+    else:
+        assert kinds == [0] * layers and spec.rope_kinds(layers) == (None,)
+
+
 def test_the_kernel_plan_says_what_runs_each_step_at_each_width(no_bfloat16_arithmetic):
     """`kernel_plan`: float32 over bfloat16 weights (our kernels alone) runs every layer in one native call up to 32
     tokens and in Python past it; a float64 model (the oracle) takes torch's operations everywhere."""

@@ -122,6 +122,14 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
   return SPECDEC_OK;
 }
 
+int specdec_spec_numbers(int64_t* out, int n) {
+  const int64_t numbers[] = {SPECDEC_SLIDING, SPECDEC_SECOND_ROPE, SPECDEC_SILU, SPECDEC_GELU_TANH,
+                             SPECDEC_LAYER_POINTERS};
+  int count = (int)(sizeof numbers / sizeof numbers[0]);
+  for (int i = 0; i < count && i < n; i++) out[i] = numbers[i];
+  return count < n ? count : n;
+}
+
 int specdec_shape_layout(int64_t* out, int n) {
   const int64_t layout[] = {
       sizeof(specdec_shape_t),

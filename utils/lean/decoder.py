@@ -24,6 +24,7 @@ from torch import Tensor
 
 from utils.lean import boundary as check
 from utils.lean import layer_ops, native
+from utils.lean.spec import SECOND_ROPE, SLIDING, LayerSpec
 from utils.lean.static_kv import PassSlots, StaticKV
 
 __all__ = ["NativeStack"]
@@ -44,16 +45,23 @@ class Shape(ctypes.Structure):
                 *((name, ctypes.c_float) for name in ("eps", "scale", "cap"))]
 
 
-SLIDING, SECOND_ROPE = 1, 2  # decoder.c's layer kind bits
+NORMS = 6  # a layer's norm pointers before its linears' (`_norms`' order, specdec.h's)
 
 
 def _shape_mismatch() -> str | None:
     """Why `Shape` is not decoder.c's `specdec_shape_t` as its compiler laid it out (the size, then each field's
-    offset), None when it is: a field added on one side only would have every pass read the wrong numbers."""
+    offset), or the numbers a spec is told in are not its own (`LayerSpec.kind_bits`, the activation kinds, a layer's
+    pointers), None when both agree: a field or a number changed on one side only would have every pass read the
+    wrong numbers."""
     ours = [ctypes.sizeof(Shape), *(getattr(Shape, name).offset for name, _ in Shape._fields_)]
     theirs = layer_ops.shape_layout()
     if ours != theirs:
         return f"decoder.py's Shape (size and offsets {ours}) is not decoder.c's specdec_shape_t ({theirs})"
+    ours = [SLIDING, SECOND_ROPE, layer_ops.ACTIVATION_KINDS["silu"], layer_ops.ACTIVATION_KINDS["gelu_pytorch_tanh"],
+            NORMS + 3 * len(LINEARS)]
+    theirs = layer_ops.spec_numbers()
+    if ours != theirs:
+        return f"the spec's numbers {ours} (kind bits, activations, a layer's pointers) are not decoder.c's {theirs}"
     return None
 
 
@@ -81,10 +89,10 @@ class NativeStack:
         mismatch = _shape_mismatch()
         if mismatch is not None:
             return mismatch
-        if lean.activation_name not in layer_ops.ACTIVATION_KINDS:
-            return f"activation {lean.activation_name!r}"
-        if len(lean._rope_kinds) > 2 or len({layer.softcap for layer in lean.layers}) > 1:
-            return "layers of more than two kinds, or attention caps that differ"
+        if lean.spec.activation not in layer_ops.ACTIVATION_KINDS:
+            return f"activation {lean.spec.activation!r}"
+        if len(lean._rope_kinds) > 2:
+            return "layers of more than two rotary tables"
         kinds = {tuple((_kind(linear), linear.q4 and native.q4_group(*linear.q4)) for linear in layer.linears)
                  for layer in lean.layers}
         if len(kinds) != 1 or None in (kind for kind, _ in next(iter(kinds))):
@@ -145,10 +153,8 @@ class NativeStack:
                 self._keep += [bias, weight, scales]
                 pointers += [weight.data_ptr(), None if scales is None else scales.data_ptr(),
                              None if bias is None else bias.data_ptr()]
-        kinds = lean._rope_kinds
-        self._layer_kinds = (ctypes.c_int64 * len(lean.layers))(
-            *(SLIDING * layer.sliding + SECOND_ROPE * (kinds.index(layer.rope) == 1) for layer in lean.layers))
-        self._cap = lean.layers[0].softcap or 0.0
+        count = len(lean.layers)
+        self._layer_kinds = (ctypes.c_int64 * count)(*(lean.spec.kind_bits(index, count) for index in range(count)))
         self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
         hidden, attended = first.mlp_norm.shape[0], lean.heads * lean.head_dim
         self._work = 2 * hidden + self._outs[0] + 2 * attended + 3 * self._intermediate  # values a token (decoder.c)
@@ -198,11 +204,13 @@ class NativeStack:
         work = h.new_empty(rows * width * self._work)
         bf16 = int(h.dtype == torch.bfloat16)
         per_linear = [(ctypes.c_int64 * 4)(*values) for values in (self._kinds, self._outs, self._groups)]
+        spec: LayerSpec = lean.spec  # the family's fields of specdec_shape_t
         shape = Shape(rows, width, mask.shape[-1], kv.slots, hidden, self._intermediate, lean.heads, lean.kv_heads,
                       lean.head_dim, mask.stride(0), mask.stride(2), *per_linear, bf16,
-                      int(lean.norm.dtype == torch.bfloat16), torch.get_num_threads(), int(lean.norm_plus_one),
-                      layer_ops.ACTIVATION_KINDS[lean.activation_name], sliding.stride(0), sliding.stride(2),
-                      min(table.shape[0] for pair in tables for table in pair), lean.eps, lean.scaling, self._cap)
+                      int(lean.norm.dtype == torch.bfloat16), torch.get_num_threads(), int(spec.norm_plus_one),
+                      layer_ops.ACTIVATION_KINDS[spec.activation], sliding.stride(0), sliding.stride(2),
+                      min(table.shape[0] for pair in tables for table in pair), spec.eps, spec.scaling,
+                      spec.softcap or 0.0)
         status = layer_ops.decoder(h.data_ptr(), work.data_ptr(), self._pointers,
                                 (ctypes.c_void_p * len(buffers))(*buffers), self._layer_kinds, len(lean.layers),
                                 tables[0][0].data_ptr(), tables[0][1].data_ptr(),

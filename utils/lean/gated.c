@@ -19,7 +19,7 @@
    a float32 ulp or a few of torch's (gelu: of tanh's, where 1 + tanh(y) cancels), so a bfloat16 value can sit one
    step away from torch's at a rounding's edge. Each value alone: the same bits whatever the pass's width. */
 int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads) {
-  if (kind < 0 || kind > 1) return SPECDEC_UNSUPPORTED;
+  if (kind != SPECDEC_SILU && kind != SPECDEC_GELU_TANH) return SPECDEC_UNSUPPORTED;
   if (n < 1 || n % LANES || tokens < 0) return SPECDEC_BAD_SHAPE;
   int chunks = (n + GATED_CHUNK - 1) / GATED_CHUNK;
   int64_t tasks = (int64_t)tokens * chunks;
@@ -32,10 +32,10 @@ int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, i
     for (int i = from; i < to; i += LANES) {
       load_row(g, gate_up, t * 2 * n + i, LANES, bf16);
       load_row(u, gate_up, t * 2 * n + n + i, LANES, bf16);
-      vec x = vload(g), z = kind ? GELU_SCALE * (x + GELU_CUBIC * (x * x * x)) : x;
+      vec x = vload(g), z = kind == SPECDEC_GELU_TANH ? GELU_SCALE * (x + GELU_CUBIC * (x * x * x)) : x;
       vec magnitude = bits_vec(vec_bits(z) & 0x7fffffffu), act, one = (vec){0} + 1.0f;
       ivec negative = z < 0;
-      if (kind) { /* tanh(z) = sign(z) (1 - e) / (1 + e), e = e^-2|z| */
+      if (kind == SPECDEC_GELU_TANH) { /* tanh(z) = sign(z) (1 - e) / (1 + e), e = e^-2|z| */
         vec e = vexp(-2.0f * magnitude), t = (one - e) / (one + e);
         act = 0.5f * x * (one + vselect(negative, -t, t));
       } else { /* sigmoid(z) = 1 / (1 + e) for z >= 0, e / (1 + e) below, e = e^-|z| */

@@ -14,13 +14,15 @@ over the Hugging Face model's own tensors, with what Gemma does otherwise, each 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from utils.lean.llama import ACTIVATIONS, STATIC_ROPE, Layer, LeanLlama, activation, contiguous, rope_type
+from utils.lean.spec import LAYER_TYPES, LayerSpec
 
 FAMILIES = ("gemma", "gemma2", "gemma3_text")  # config.model_type this file serves
-LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def rope_types(config) -> list[str]:
@@ -57,22 +59,21 @@ def gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (h * (1.0 + weight.float())).type_as(x)
 
 
+def layer_type(layer) -> str | None:
+    """A decoder layer's kind (`LAYER_TYPES`), None where the model has one kind (Gemma)."""
+    return getattr(layer.self_attn, "layer_type", None) or getattr(layer, "attention_type", None)  # 5.x, 4.x
+
+
 class GemmaLayer(Layer):
-    """`Layer` with Gemma 2 and 3's norms after the attention and after the MLP (None: Gemma's, Llama's order),
-    the layer's kind (its mask and, Gemma 3, its rotary table) and its attention logits' cap."""
+    """`Layer` with Gemma 2 and 3's norms after the attention and after the MLP (None: Gemma's, Llama's order)."""
 
     def __init__(self, layer) -> None:
         super().__init__(layer)
-        config = layer.self_attn.config
         before_mlp = getattr(layer, "pre_feedforward_layernorm", None)
         self.post_attention_norm = None if before_mlp is None else contiguous(layer.post_attention_layernorm.weight)
         self.post_mlp_norm = None if before_mlp is None else contiguous(layer.post_feedforward_layernorm.weight)
         if before_mlp is not None:
             self.mlp_norm = contiguous(before_mlp.weight)
-        kind = getattr(layer.self_attn, "layer_type", None) or getattr(layer, "attention_type", None)  # 5.x, 4.x
-        self.sliding = kind == "sliding_attention"
-        self.rope = kind if config.model_type == "gemma3_text" else None
-        self.softcap = getattr(config, "attn_logit_softcapping", None)
 
 
 class LeanGemma(LeanLlama):
@@ -80,24 +81,32 @@ class LeanGemma(LeanLlama):
 
     layer_class = GemmaLayer
     reference_norm = staticmethod(gemma_norm)
-    norm_plus_one = True
+
+    @classmethod
+    def spec_of(cls, model) -> LayerSpec:
+        """The Llama family's spec with Gemma's norm, query scale, caps and kinds of layer. transformers 4.x: Gemma and
+        Gemma 2 scale the embeddings in the model's forward, not in a module of their own (5.x: `embed_scale`)."""
+        config, layers = model.config, model.model.layers
+        scalar = getattr(config, "query_pre_attn_scalar", None)
+        types = tuple(layer_type(layer) for layer in layers)
+        llama = super().spec_of(model)
+        return replace(llama, norm_plus_one=True,
+                       scaling=scalar**-0.5 if config.model_type != "gemma" and scalar is not None else llama.scaling,
+                       sandwich_norms=hasattr(layers[0], "pre_feedforward_layernorm"),
+                       softcap=getattr(config, "attn_logit_softcapping", None),
+                       final_softcap=getattr(config, "final_logit_softcapping", None),
+                       embed_scale=None if hasattr(model.model.embed_tokens, "embed_scale") else config.hidden_size**0.5,
+                       layer_types=types if all(types) else (), rope_by_type=config.model_type == "gemma3_text")
 
     def __init__(self, model) -> None:
         super().__init__(model)
-        config = model.config
-        scalar = getattr(config, "query_pre_attn_scalar", None)
-        if config.model_type != "gemma" and scalar is not None:
-            self.scaling = scalar**-0.5
-        self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        # transformers 4.x: Gemma and Gemma 2 scale the embeddings in the model's forward, not in a module of their own
-        # (5.x: `embed_scale`), and Gemma 3 has a rotary module per kind of layer (5.x: one, asked by kind).
-        self._embed_scale = None if hasattr(self.embed, "embed_scale") else config.hidden_size**0.5
+        # transformers 4.x: Gemma 3 has a rotary module per kind of layer (5.x: one, asked by kind).
         local = getattr(model.model, "rotary_emb_local", None)
         self._rotaries = None if local is None else {"sliding_attention": local, "full_attention": self._rotary}
 
     def _embed(self, ids: Tensor) -> Tensor:
         h = self.embed(ids)
-        return h if self._embed_scale is None else h * torch.tensor(self._embed_scale, dtype=h.dtype)
+        return h if self.spec.embed_scale is None else h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
 
     def _rotary_at(self, probe: Tensor, positions: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
         if self._rotaries is None:
@@ -115,6 +124,5 @@ class LeanGemma(LeanLlama):
     @torch.no_grad()
     def forward(self, ids: Tensor, slots, kv, num_logits: int) -> Tensor:
         logits = super().forward(ids, slots, kv, num_logits)
-        if self.final_softcap is None:
-            return logits
-        return torch.tanh(logits / self.final_softcap) * self.final_softcap
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -11,7 +11,8 @@ crosses.
                                   without padding
     gated_mul                     act(gate) * up, silu or gelu's tanh approximation
     decoder(...), shape_layout()  a decoder-only model's whole stack of layers in one call (`decoder.py` drives it),
-                                  and its shape's C layout, which `decoder.Shape` is checked against
+    spec_numbers()                and its shape's C layout and the numbers it reads a family's spec in, which
+                                  `decoder.Shape` and `utils/lean/spec.py` are checked against
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from utils.lean import native
 from utils.lean.boundary import READABLE
 
 __all__ = ["ACTIVATION_KINDS", "LANES", "add_rms_norm", "attention", "check_slots", "decoder", "gated_mul",
-           "readable_mask", "rms_norm", "rope_write", "runs", "shape_layout"]
+           "readable_mask", "rms_norm", "rope_write", "runs", "shape_layout", "spec_numbers"]
 
 ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # gated.c's `specdec_gated` kinds, by transformers' names
 LANES = 16  # simd.h's LANES: a norm's width and a head's size must be multiples of it
@@ -214,6 +215,15 @@ def decoder(*arguments) -> int:
 
 def shape_layout() -> list[int]:
     """decoder.c's `specdec_shape_t` as the C compiler laid it out: its size, then each field's offset in order."""
+    return _numbers(_ops().specdec_shape_layout)
+
+
+def spec_numbers() -> list[int]:
+    """The numbers decoder.c reads a family's spec in (`specdec.h`'s `specdec_spec_numbers`): the layer kind bits
+    SLIDING and SECOND_ROPE, the activation kinds silu and gelu (tanh), a layer's pointer count."""
+    return _numbers(_ops().specdec_spec_numbers)
+
+
+def _numbers(function) -> list[int]:
     out = (ctypes.c_int64 * 64)()
-    count = _ops().specdec_shape_layout(out, 64)
-    return list(out[:count])
+    return list(out[:function(out, 64)])

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from utils.lean import layer_ops, native
 from utils.lean.decoder import NativeStack
 from utils.lean.linear import Linear, numerics
+from utils.lean.spec import LayerSpec
 from utils.lean.static_kv import PassSlots, StaticKV
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
@@ -80,14 +81,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-class Layer:
-    """One decoder layer's tensors: attention (q/k/v fused), its norms, the MLP (gate/up fused). `rope`: which of
-    the model's rotary tables its queries and keys take (None: the only one); `sliding`: whether it attends through
-    the sliding-window mask of a model that mixes sliding and full layers; `softcap`: its attention logits' cap."""
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    rope: str | None = None
-    sliding = False
-    softcap: float | None = None
+
+class Layer:
+    """One decoder layer's tensors: attention (q/k/v fused), its norms, the MLP (gate/up fused); how it computes
+    is the model's `LayerSpec`."""
 
     def __init__(self, layer) -> None:
         attention, mlp = layer.self_attn, layer.mlp
@@ -105,29 +105,33 @@ class Layer:
 class LeanLlama(nn.Module):
     """The passes of a Llama-family model (`unsupported(model)` is None) over a static KV buffer. A module (it
     holds the model's embedding and rotary modules, no parameter of its own) so that a pass's hooks see it, as
-    they see the Hugging Face model's (`benchmarks/breakdown.py` counts passes so). Another family's forward
-    (`gemma.py`) changes its layers (`layer_class`, `_block`) and norm (`_norm`); a layer's `rope`, `sliding` and
-    `softcap` choose its rotary table, its mask and its attention (`_attend`)."""
+    they see the Hugging Face model's (`benchmarks/breakdown.py` counts passes so). How its layers compute is its
+    `spec` (`utils/lean/spec.py`: `spec_of` states it once per family; decoder.c reads it too); another family's
+    forward (`gemma.py`) changes its spec, its layers' tensors (`layer_class`) and its `_block`."""
 
     layer_class = Layer
     reference_norm = staticmethod(rms_norm)  # the model's RMSNorm in torch's steps, where ours do not run
-    norm_plus_one = False  # RMSNorm's weight applied as (1 + weight) in float32 (Gemma's): ours, the same norm
+
+    @classmethod
+    def spec_of(cls, model) -> LayerSpec:
+        """How this family's layers compute: the Llama family's (Qwen3's q/k norms where its attention has them)."""
+        config = model.config
+        return LayerSpec(eps=config.rms_norm_eps, scaling=head_dim(config)**-0.5, activation=activation(config),
+                         qk_norms=hasattr(model.model.layers[0].self_attn, "q_norm"))
 
     def __init__(self, model) -> None:
         super().__init__()
         config = model.config
-        self.eps = config.rms_norm_eps
+        self.spec = self.spec_of(model)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scaling = self.head_dim**-0.5
+        self.head_dim = head_dim(config)
         self.eager = config._attn_implementation == "eager"
-        self.activation_name = activation(config)
-        self.activation = ACTIVATIONS[self.activation_name]
+        self.activation = ACTIVATIONS[self.spec.activation]
         decoder = model.model
         self.embed = decoder.embed_tokens
         self.layers = [self.layer_class(layer) for layer in decoder.layers]
-        self._rope_kinds = tuple(dict.fromkeys(layer.rope for layer in self.layers))
+        self._rope_kinds = self.spec.rope_kinds(len(self.layers))
         self.norm = contiguous(decoder.norm.weight)
         self.head = Linear([model.lm_head])
         # The head's rows in the wider of the pass's dtype and its weight's (a float32 head over a bfloat16 model:
@@ -174,13 +178,13 @@ class LeanLlama(nn.Module):
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         if self.native:
-            return layer_ops.rms_norm(x, weight, self.eps, plus_one=self.norm_plus_one)
-        return self.reference_norm(x, weight, self.eps)
+            return layer_ops.rms_norm(x, weight, self.spec.eps, plus_one=self.spec.norm_plus_one)
+        return self.reference_norm(x, weight, self.spec.eps)
 
     def _add_norm(self, h: Tensor, delta: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """(h + delta, its norm): the residual addition and the next norm, one call where ours run."""
         if self.native:
-            return layer_ops.add_rms_norm(h, delta, weight, self.eps, plus_one=self.norm_plus_one)
+            return layer_ops.add_rms_norm(h, delta, weight, self.spec.eps, plus_one=self.spec.norm_plus_one)
         h = h + delta
         return h, self._norm(h, weight)
 
@@ -197,8 +201,9 @@ class LeanLlama(nn.Module):
             h = self.stack(h, ropes, slots, kv)
         else:
             for index, layer in enumerate(self.layers):
-                mask = slots.sliding_mask if layer.sliding and slots.sliding_mask is not None else slots.mask
-                h = self._block(layer, h, ropes[layer.rope], mask, slots, kv, index)
+                sliding = self.spec.sliding(index) and slots.sliding_mask is not None
+                h = self._block(layer, h, ropes[self.spec.rope(index)], slots.sliding_mask if sliding else slots.mask,
+                                slots, kv, index)
         h = self._norm(h[:, h.shape[1] - num_logits :], self.norm)
         return self.head(h.to(self._head_dtype))
 
@@ -227,7 +232,7 @@ class LeanLlama(nn.Module):
             q = layer_ops.rope_write(qkv, *rope, slots.positions, slots.write_index, keys, values, self.heads,
                                   indices_checked=True)  # by `forward`
             causal = slots.causal and mask is slots.mask
-            return layer.o(self._attend(layer, q.transpose(1, 2), keys, values, mask, causal))
+            return layer.o(self._attend(q.transpose(1, 2), keys, values, mask, causal))
         q, k, v = layer.qkv.split(layer.qkv(x))
         q = q.view(rows, width, self.heads, self.head_dim)
         k = k.view(rows, width, self.kv_heads, self.head_dim)
@@ -237,26 +242,25 @@ class LeanLlama(nn.Module):
         k = rotate(k.transpose(1, 2), *rope)
         v = v.view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2)
         keys, values = kv.write(index, k, v, slots.write_index, slots.start)
-        return layer.o(self._attend(layer, q, keys, values, mask, slots.causal and mask is slots.mask))
+        return layer.o(self._attend(q, keys, values, mask, slots.causal and mask is slots.mask))
 
-    def _attend(self, layer: Layer, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
-                causal: bool = False) -> Tensor:
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, causal: bool = False) -> Tensor:
         """Attention of q (rows, heads, width, head_dim) over the buffer's first `mask.shape[-1]` slots ->
         (rows, width, heads * head_dim): ours where it runs, up to `native.MAX_ROWS` queries as our GEMMs (scores in
-        float32, capped where the layer caps them); else the model's eager one mirrored when it runs "eager" or caps
-        the layer's logits (torch's kernel cannot), else torch's. `causal`: `mask` is the causal mask over the pass's
+        float32, capped where the spec caps them); else the model's eager one mirrored when it runs "eager" or caps
+        the logits (torch's kernel cannot), else torch's. `causal`: `mask` is the causal mask over the pass's
         own tokens from slot 0 (one row's prompt, `PassSlots.causal`): past `native.MAX_ROWS` queries torch's kernel
         is then told so, and skips the hidden half of the scores instead of adding a mask to all of them (a
         prompt's pass of 2,048 tokens: its attention 1.7x faster, docs/results.md, nineteenth round)."""
         rows, _, width, _ = q.shape
         if self.native and width <= native.MAX_ROWS:  # a prompt's wider pass: torch's blocked kernel is faster
-            return layer_ops.attention(q, keys, values, mask, self.scaling, layer.softcap)
-        if self.eager or layer.softcap is not None:
+            return layer_ops.attention(q, keys, values, mask, self.spec.scaling, self.spec.softcap)
+        if self.eager or self.spec.softcap is not None:
             used = mask.shape[-1]
-            out = self._eager_attention(q, keys[:, :, :used], values[:, :, :used], mask, layer.softcap)
+            out = self._eager_attention(q, keys[:, :, :used], values[:, :, :used], mask, self.spec.softcap)
         elif causal and width > native.MAX_ROWS:
             out = F.scaled_dot_product_attention(q, keys[:, :, :width], values[:, :, :width], is_causal=True,
-                                                 scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+                                                 scale=self.spec.scaling, enable_gqa=self.heads != self.kv_heads)
         else:
             used = mask.shape[-1]
             out = self._sdpa(q, keys[:, :, :used], values[:, :, :used], mask)
@@ -271,7 +275,7 @@ class LeanLlama(nn.Module):
         if padded > width:
             q = torch.cat([q, q[:, :, :1].expand(-1, -1, padded - width, -1)], dim=2)
             mask = torch.cat([mask, mask[:, :, :1].expand(-1, -1, padded - width, -1)], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.spec.scaling,
                                              enable_gqa=self.heads != self.kv_heads)
         return out[:, :, :width]
 
@@ -282,7 +286,7 @@ class LeanLlama(nn.Module):
         groups = self.heads // self.kv_heads
         keys = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys
         values = values.repeat_interleave(groups, dim=1) if groups > 1 else values
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.spec.scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores + mask

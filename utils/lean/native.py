@@ -82,8 +82,9 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                      library.specdec_gated, library.specdec_decoder):
         function.restype = ctypes.c_int
     library.specdec_amx.restype = ctypes.c_int
-    library.specdec_shape_layout.argtypes = [pointer, i32]
-    library.specdec_shape_layout.restype = ctypes.c_int
+    for function in (library.specdec_shape_layout, library.specdec_spec_numbers):
+        function.argtypes = [pointer, i32]
+        function.restype = ctypes.c_int
     return library, None
 
 

@@ -18,7 +18,7 @@ LINEARS = ("q/k/v", "o", "gate/up", "down")
 
 def plan(lean) -> list[tuple[str, dict[str, str]]]:
     """Each width's steps and what runs them, for the lean forward `lean` (a `llama.LeanLlama`)."""
-    caps = any(layer.softcap is not None for layer in lean.layers)
+    caps = lean.spec.softcap is not None
     rows = []
     for width in WIDTHS:
         steps = {"layers": ("one native call (decoder.c)" if lean.stack is not None and lean.stack.runs(width)

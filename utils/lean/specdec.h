@@ -66,6 +66,7 @@ enum { SPECDEC_QKV, SPECDEC_O, SPECDEC_GATE_UP, SPECDEC_DOWN, SPECDEC_LINEARS };
 enum { SPECDEC_ATTENTION_NORM, SPECDEC_MLP_NORM, SPECDEC_Q_NORM, SPECDEC_K_NORM, SPECDEC_POST_ATTENTION_NORM,
        SPECDEC_POST_MLP_NORM, SPECDEC_FIRST_LINEAR, SPECDEC_LAYER_POINTERS = SPECDEC_FIRST_LINEAR + 3 * SPECDEC_LINEARS };
 enum { SPECDEC_SLIDING = 1, SPECDEC_SECOND_ROPE = 2 }; /* a layer's kind bits */
+enum { SPECDEC_SILU = 0, SPECDEC_GELU_TANH = 1 };     /* `specdec_gated`'s activation kinds */
 
 /* A pass's shape and numbers (`decoder.py`'s `Shape` mirrors it field for field). */
 typedef struct {
@@ -84,6 +85,10 @@ typedef struct {
 /* specdec_shape_t's layout: its size, then each field's offset in declaration order (`decoder.py` checks its
    ctypes mirror against it before the first pass). Returns the number of values written (at most n). */
 int specdec_shape_layout(int64_t* out, int n);
+/* The numbers a family's spec is told to decoder.c in (`utils/lean/spec.py` checks its own against them): the layer
+   kind bits SLIDING and SECOND_ROPE, the activation kinds SILU and GELU_TANH, and a layer's pointer count.
+   Returns the number of values written (at most n). */
+int specdec_spec_numbers(int64_t* out, int n);
 
 int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, const int64_t* layer_kinds,
                     int n_layers, const void* cos, const void* sin, const void* cos2, const void* sin2,
