@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.text import Text
 
 from console.commands import QUIT, dispatch
-from console.models import Model, check_pair, drafter_hint, run_method, same_tokenizer
+from console.models import Model, check_pair, check_self, drafter_hint, own_drafter, run_method, same_tokenizer
 from console.render import Result, legend, render_step, results_table, same_tokens_line
-from console.settings import Settings
+from console.settings import SPECULATIVE, Settings
 from console.terminal import Status, TextStream, keys_ignored, wait_for_a_line
 from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from sampling import Step
@@ -38,19 +38,28 @@ class ChatConsole:
         return (MultiDynaGram if s.ngram_kind == "multi" else SimpleDynaGram)(s.ngram_n)
 
     def set_target(self, target: Model) -> str | None:
-        """A new target: a drafter that cannot draft for it is dropped, the n-gram pool starts
-        afresh (other token ids); the conversation is text and stays. Returns a note or None."""
+        """A new target: a drafter that cannot draft for it is dropped, `/self` goes off where the target
+        cannot draft for itself, the n-gram pool starts afresh (other token ids); the conversation is text
+        and stays. Returns a note or None."""
         self.target = target
         self.pool = self.new_pool()
+        notes = []
+        if self.settings.methods["self"]:
+            try:
+                check_self(target)
+            except ValueError as error:
+                self.settings.methods["self"] = False
+                notes.append(f"self: off ({error})")
         if self.drafter is None:
-            return drafter_hint(target)
-        try:
-            check_pair(target, self.drafter)
-        except ValueError:
-            dropped, self.drafter = self.drafter.label, None
-            self.settings.methods["speculative"] = self.settings.methods["drafter"] = False
-            return f"drafter {dropped} dropped (another tokenizer); {drafter_hint(target)}"
-        return None
+            notes.append(drafter_hint(target))
+        else:
+            try:
+                check_pair(target, self.drafter)
+            except ValueError:
+                dropped, self.drafter = self.drafter.label, None
+                self.settings.methods["speculative"] = self.settings.methods["drafter"] = False
+                notes.append(f"drafter {dropped} dropped (another tokenizer); {drafter_hint(target)}")
+        return "; ".join(notes) or None
 
     def say(self, message) -> None:
         """Print as is; a text line is wrapped by the terminal, not broken by rich (it stays one line)."""
@@ -103,7 +112,7 @@ class ChatConsole:
         def on_step(step: Step) -> None:
             if prompt_pass.stop():
                 self.console.print(Text(f"[{method}] ", style="bold cyan"), end="")
-            if self.settings.debug and method in ("speculative", "ngram"):
+            if self.settings.debug and method in SPECULATIVE:
                 stream.skip(step.tokens)
                 self.console.print(render_step(step, stream.tokenizer), end="")
                 return
@@ -136,12 +145,14 @@ class ChatConsole:
         if not methods:
             self.error("every method is off: turn one on, e.g. /target")
             return
-        if self.settings.debug and {"speculative", "ngram"} & set(methods):
+        if self.settings.debug and set(SPECULATIVE) & set(methods):
             self.say(legend())
         results, notes = [], set()
         for method in methods:
             if method == "ngram" and self.settings.reset_in_between:
                 self.pool.reset()
+            if method == "self":  # a new target's four-bit copy: built (and said so) before the spinner
+                own_drafter(self.console, self.target)
             tokenizer = self.tokenizer_of(method)
             inputs = self.encode(user_text, tokenizer)
             settings, note = self.within_context(method, inputs)
@@ -172,11 +183,12 @@ class ChatConsole:
 
     def prior_costs(self, method: str) -> bool:
         """Whether `method` sized its drafts on prior pass costs (`utils.calibration`: not measured
-        here), for the target or, with a drafter model, for it."""
-        if method not in ("speculative", "ngram"):
+        here), for the target or, with a drafter model (the target's four-bit copy for `/self`), for it."""
+        if method not in SPECULATIVE:
             return False
-        models = [self.target] + ([self.drafter] if method == "speculative" and self.drafter else [])
-        return any(not pass_costs(m.model).measured for m in models)
+        models = [self.target.model] + ([self.drafter.model] if method == "speculative" and self.drafter else [])
+        models += [self.target.four_bit] if method == "self" and self.target.four_bit is not None else []
+        return any(not pass_costs(model).measured for model in models)
 
     def report(self, results: list[Result]) -> None:
         """The methods' speeds against the target's plain decoding, then which methods produced the

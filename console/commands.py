@@ -21,6 +21,7 @@ from console.models import (
     drafter_hint,
     load,
     measure_pass_costs,
+    own_drafter,
     stand_in,
 )
 from console.render import legend, status_table
@@ -119,6 +120,7 @@ METHOD_HELP = {
     "target": "plain decoding with the target model (the baseline)",
     "speculative": "speculative decoding: the drafter model drafts, the target verifies (needs a drafter: --drafter, "
                    "/load drafter)",
+    "self": "the target drafts for itself: its own weights in four bits draft, the target verifies; no second model",
     "drafter": "the drafter model alone, plain decoding: its own text and speed, for comparison",
     "ngram": "NASD: drafts from an n-gram pool of the conversation, no drafter model",
     "beam": "beam search with the target (4 beams; its output is not the target's)",
@@ -133,6 +135,8 @@ def _method(method: str):
             raise ValueError(f"/{method} needs a drafter model: {drafter_hint(app.target)}")
         if on and method == "beam" and app.target.encoder_decoder:
             raise ValueError("beam search supports decoder-only models")
+        if on and method == "self":
+            own_drafter(app.console, app.target)  # now, not on the next prompt: seconds on a real model, once
         s.methods[method] = on
         return f"{method}: {'on' if on else 'off'}"
     return run

@@ -21,9 +21,12 @@ from sampling import (
     speculative_generate,
     speculative_generate_encoder_decoder,
 )
+from sampling.drafters.self_drafting import self_drafter
+from sampling.drafters.self_kind import DEFAULT_BITS, SELF
 from utils.calibration import is_measured, pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.offline_models import installed_models, offline_model
+from utils.quantized_models import check_quantization, drafter_group
 from utils.runners.model_info import is_encoder_decoder
 
 # A real target and the drafter of its family that shares its tokenizer (`make models` installs both).
@@ -43,6 +46,7 @@ class Model:
     model: torch.nn.Module
     tokenizer: object
     name: str | None
+    four_bit: torch.nn.Module | None = None  # its own weights in four bits, once `/self` built them (`own_drafter`)
 
     @property
     def label(self) -> str:
@@ -65,7 +69,8 @@ class Model:
 
 def stand_in(target: Model) -> Model:
     """The built-in stand-in drafter for `target` (`STAND_IN_WHAT`)."""
-    model = copy.deepcopy(target.model).to(torch.bfloat16).eval()
+    left_out = {id(target.four_bit): None} if target.four_bit is not None else {}  # `/self`'s copy, kept on the model
+    model = copy.deepcopy(target.model, left_out).to(torch.bfloat16).eval()
     return Model(model, target.tokenizer, f"{STAND_IN} (a bfloat16 copy of {target.label})")
 
 
@@ -122,6 +127,30 @@ def check_pair(target: Model, drafter: Model) -> None:
     check_tokenizers(target.tokenizer, drafter.tokenizer, drafter.model, target.model, encoder_decoder=False)
 
 
+def check_self(target: Model) -> None:
+    """Raise a one-line ValueError when the target cannot draft for itself in four bits (the checks the
+    self-drafter runs before any model runs): an encoder-decoder target, linears off the CPU or already quantized."""
+    if target.encoder_decoder:
+        raise ValueError(f"/self drafts for decoder-only targets: {target.label} is an encoder-decoder model")
+    try:
+        check_quantization(target.model, DEFAULT_BITS, drafter_group(target.model))
+    except ValueError as error:
+        raise ValueError(f"/self cannot draft with {target.label}'s four-bit copy: {error}") from None
+
+
+def own_drafter(console: Console, target: Model) -> torch.nn.Module:
+    """The target's four-bit copy that `/self` drafts with, the one its runs build and keep (`self_drafter`): built
+    by the first call, which says so (seconds on a real model; the library's progress bar on stderr) and measures its
+    passes, rather than stall on the next prompt."""
+    if target.four_bit is None:
+        check_self(target)
+        console.print(Text(f"Building {target.label}'s four-bit copy to draft with (once; seconds on a real model).",
+                           style="yellow"))
+        target.four_bit = self_drafter(target.model, DEFAULT_BITS)
+        measure_pass_costs(console, [Model(target.four_bit, target.tokenizer, f"{target.label}'s four-bit copy")])
+    return target.four_bit
+
+
 def drafter_hint(target: Model, installed: list[str] | None = None) -> str:
     """One line: how to get a drafter for `target` here (load the installed one, or install a pair)."""
     installed = installed_models() if installed is None else installed
@@ -148,6 +177,8 @@ def run_method(method: str, inputs: list[int], s: Settings, *, target: Model, dr
     encoder_decoder = target.encoder_decoder
     if method in ("speculative", "drafter") and drafter is None:
         raise ValueError(f"/{method} needs a drafter model: {drafter_hint(target)}")
+    if method == "self":
+        check_self(target)
     if method in ("target", "drafter"):
         fn = autoregressive_generate_encoder_decoder if encoder_decoder else autoregressive_generate
         model = target.model if method == "target" else drafter.model
@@ -161,6 +192,9 @@ def run_method(method: str, inputs: list[int], s: Settings, *, target: Model, dr
         if not same_tokenizer(target.tokenizer, drafter.tokenizer):  # allowed by `check_pair` only when supported
             tokenizers = dict(tokenizer=target.tokenizer, drafter_tokenizer=drafter.tokenizer)
         ids, _ = fn(inputs, drafter.model, target.model, gamma=s.gamma, stats=stats, **tokenizers, **common, **sampling)
+    elif method == "self":  # the cost-aware policy: it drafts only where drafting pays
+        ids, _ = speculative_generate(inputs, SELF, target.model, gamma=s.gamma, adaptive_gamma=True, bits=DEFAULT_BITS,
+                                      stats=stats, **common, **sampling)
     else:
         fn = nasd_ed if encoder_decoder else ngram_assisted_speculative_generate
         ids, _ = fn(inputs, pool, target.model, gamma=s.gamma, top_k_filler=s.top_k_filler,

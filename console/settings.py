@@ -29,13 +29,14 @@ GENERATE_KEYS = ("repetition_penalty", "no_repeat_ngram_size", "min_length", "do
 SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 INTEGER_KEYS = {"top_k", "no_repeat_ngram_size", "min_length"}
 
-METHODS = ("target", "speculative", "drafter", "ngram", "beam")
+METHODS = ("target", "speculative", "self", "drafter", "ngram", "beam")
+SPECULATIVE = ("speculative", "self", "ngram")  # the methods that draft and verify: stats, debug colours, pass costs
 
 
 @dataclass
 class Settings:
-    methods: dict = field(default_factory=lambda: {"target": True, "speculative": True, "drafter": False,
-                                                   "ngram": True, "beam": False})
+    methods: dict = field(default_factory=lambda: {"target": True, "speculative": True, "self": False,
+                                                   "drafter": False, "ngram": True, "beam": False})
     chat: bool = True
     debug: bool = False
     use_cache: bool = True

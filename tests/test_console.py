@@ -40,7 +40,7 @@ def send(child, line, *expected):
 
 def test_commands_and_bad_values(model_dir):
     child = start(model_dir)
-    send(child, "/help", "/speculative", "the drafter model drafts", "/drafter", "the drafter model alone",
+    send(child, "/help", "/speculative", "the drafter model drafts", "/self", "drafts for itself", "/drafter", "the drafter model alone",
          "/processor <name>", "make models")
     send(child, "/status", "methods", "processor")
     for toggle, name in [("/debug", "debug"), ("/cache", "use_cache"), ("/chat", "chat"),
@@ -123,8 +123,9 @@ def test_a_drafter_model_runs_speculative_decoding(model_dir):
     send(child, "/length 12")
     send(child, "/status", "drafter", str(model_dir), "methods           target, speculative, ngram")
     send(child, "/drafter on", "drafter: on")
-    send(child, "w5 w6 w7 w5 w6", "[target]", "[speculative]", "[drafter]", "[ngram]",
-         "same tokens as target: speculative yes, drafter yes, ngram yes")
+    send(child, "/self on", "four-bit copy", "self: on")  # and the target drafting for itself in four bits
+    send(child, "w5 w6 w7 w5 w6", "[target]", "[speculative]", "[self]", "[drafter]", "[ngram]",
+         "same tokens as target: speculative yes, self yes, drafter yes, ngram yes")
     send(child, "/load drafter " + str(model_dir / "missing"), "could not load")
     child.sendline("/quit")
     child.expect(pexpect.EOF)

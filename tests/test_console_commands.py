@@ -91,7 +91,8 @@ def test_help_tells_speculative_and_drafter_apart_and_how_to_get_a_drafter(app):
     lines = help_text(app).splitlines()
     speculative = next(line for line in lines if line.startswith("/speculative"))
     drafter = next(line for line in lines if line.startswith("/drafter"))
-    assert "verifies" in speculative and "alone" in drafter
+    own = next(line for line in lines if line.startswith("/self"))
+    assert "verifies" in speculative and "alone" in drafter and "four bits" in own and "no second model" in own
     assert "make models" in lines[-1]
 
 
@@ -169,6 +170,38 @@ def test_speculative_needs_a_drafter_and_load_brings_one(app, model_dir):
     app.answer("w5 w6 w7 w5 w6")
     output = app.console.file.getvalue()
     assert "same tokens as target: speculative yes, drafter yes, ngram yes" in output
+
+
+def test_self_drafts_for_the_target_and_keeps_its_tokens(app):
+    assert app.settings.methods["self"] is False  # off by default: its four-bit copy takes seconds to build
+    output = run(app, "/self on")
+    assert "four-bit copy" in output and output.endswith("self: on\n") and app.target.four_bit is not None
+    assert "four-bit copy" not in run(app, "/self on")  # built once per target
+    run(app, "/length 8")
+    app.answer("w5 w6 w7 w5 w6")
+    output = app.console.file.getvalue()
+    assert "[self]" in output and "same tokens as target: self yes, ngram yes" in output
+    assert app.prior_costs("self")  # the fixture measures nothing: the four-bit copy drafted on the prior costs too
+    run(app, "/ngram off")
+    run(app, "/debug on")
+    app.answer("w8 w9 w5 w6")  # self alone drafts: its steps are coloured, the legend says how
+    assert "accepted drafts" in app.console.file.getvalue().split("/debug")[-1]
+    assert "self: off" in run(app, "/self off") and app.settings.methods["self"] is False
+
+
+def test_self_is_refused_on_an_encoder_decoder_target(app):
+    import torch
+
+    from tests.models import tiny_model
+
+    run(app, "/self on")
+    t5 = Model(tiny_model("t5", dtype=torch.float32), app.target.tokenizer, "tiny-t5")
+    note = app.set_target(t5)  # what /load target does: /self goes off, and the note says why
+    assert "self: off (/self drafts for decoder-only targets: tiny-t5 is an encoder-decoder model)" in note
+    assert app.settings.methods["self"] is False
+    output = run(app, "/self on")
+    assert output == "/self drafts for decoder-only targets: tiny-t5 is an encoder-decoder model\n"
+    assert app.settings.methods["self"] is False and "supports decoder-only" in run(app, "/beam on")
 
 
 def test_a_drafter_with_another_tokenizer_loads_in_one_line_and_keeps_the_targets_tokens(app, tmp_path):
