@@ -38,24 +38,27 @@ def _outputs(target, drafter, ids):
 
 
 @pytest.mark.parametrize("family", DECODER_ONLY)
-def test_every_method_through_the_static_buffer_returns_the_eager_tokens(monkeypatch, family):
-    """The static runner with the Hugging Face forward (what a self-drafter's passes over a target's buffer
-    run): our own forward off, so the factory gives the growing cache; then told to give a static buffer."""
-    from utils.runners import factory
-
-    monkeypatch.setenv("SPECDEC_LEAN", "0")
-    target, drafter = tiny_model(family), tiny_model(family, seed=1)
+def test_every_method_through_the_static_buffer_returns_the_growing_caches_tokens(monkeypatch, family):
+    """Our own forward over the static buffer, and transformers' forward over its own growing cache (our forward
+    off): plain, speculative, NASD, a batch and seeded sampling give the same tokens. A model our forward does not
+    run (GPT-2) never gets a static buffer."""
     ids = prompt(0)
+    target, drafter = tiny_model(family), tiny_model(family, seed=1)
+    assert isinstance(make_runner(target, max_tokens=50), StaticRunner) == (family != "gpt2")
+    ours = _outputs(target, drafter, ids)
+    monkeypatch.setenv("SPECDEC_LEAN", "0")  # models of their own: the answer for a model is kept
+    target, drafter = tiny_model(family), tiny_model(family, seed=1)
     assert not isinstance(make_runner(target, max_tokens=50), StaticRunner)
-    eager = _outputs(target, drafter, ids)
-    monkeypatch.setattr(factory, "lean_decoder", lambda model: True)
-    # A buffer within the model's positions: transformers 4.x's GPT-2 sizes its masks by them (128 here).
-    monkeypatch.setattr(factory, "DRAFT_ROOM", 16)
-    monkeypatch.setattr(factory, "SLOTS_STEP", 64)
-    assert isinstance(make_runner(target, max_tokens=50), StaticRunner)
-    static = _outputs(target, drafter, ids)
-    assert static == eager
-    assert static["sd"] == static["plain"] == static["nasd"]
+    assert _outputs(target, drafter, ids) == ours
+    assert ours["sd"] == ours["plain"] == ours["nasd"]
+
+
+def test_a_static_runner_refuses_a_model_our_forward_does_not_run(monkeypatch):
+    with pytest.raises(ValueError, match="a static runner runs our own forward, which does not run GPT2LMHeadModel"):
+        StaticRunner(tiny_model("gpt2"), rows=1, slots=64)
+    monkeypatch.setenv("SPECDEC_LEAN", "0")
+    with pytest.raises(ValueError, match="SPECDEC_LEAN=0"):
+        StaticRunner(tiny_model("llama"), rows=1, slots=64)
 
 
 def _random_blocks(rng: random.Random, steps: int):
@@ -74,7 +77,7 @@ def _random_blocks(rng: random.Random, steps: int):
             yield tokens, parents, path[::-1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_static_logits_equal_the_growing_cache_over_many_rollbacks_and_trees(family):
     # SDPA in float64 throughout (transformers' eager attention takes its softmax in float32, over
     # 256 slots here and over the cached tokens there: a 1e-6 difference that is rounding only).

@@ -8,10 +8,9 @@ and returns the whole buffer: the runner's 4D mask decides what each query sees,
 row's length (rejected drafts, padding, an earlier generation's keys) are never read. That is why
 rollback copies nothing: the next pass overwrites the slots it forgot.
 
-It is a duck-typed transformers cache: a model's attention calls `update(key, value, layer_idx,
-...)` (the argument after `layer_idx` changed name between 4.56 and 5.x; it is not used here) and
-gets back the keys and values to attend to. Nothing else of the `Cache` API is needed: the runner
-gives the model its positions and a 4D mask, so the model never asks the cache for a length.
+Only our own forward (`llama.py`, `gemma.py`; the native stack) writes and reads it: `write` (Python layers over
+torch) or `layer` (the buffers our kernels write into). It is not a transformers cache: a model our forward does
+not run keeps transformers' own caches (`utils/runners/sequence.py`).
 """
 
 from __future__ import annotations
@@ -42,16 +41,12 @@ class PassSlots(NamedTuple):
 class StaticKV:
     """Keys and values of `layers` layers for `rows` rows of `slots` positions each."""
 
-    is_compileable = True  # transformers reads it: shapes never change
-    is_sliding = ()
-
     def __init__(self, *, rows: int, slots: int) -> None:
         self._shape = (rows, slots)
         # Allocated by the first pass (the eager prefill), layer by layer, where each layer runs and
         # in the dtype of its keys: nothing here reads the model's config.
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
-        self.write_index = torch.zeros(rows, 1, dtype=torch.long)  # (rows, width): set before each pass
 
     @property
     def rows(self) -> int:
@@ -61,19 +56,11 @@ class StaticKV:
     def slots(self) -> int:
         return self._shape[1]
 
-    def set_write_index(self, index: Tensor) -> None:
-        """Where the next pass writes: (rows, width) slots, one per new token of each row."""
-        self.write_index = index
-
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Write a pass's new (rows, kv_heads, width, head_dim) keys and values at `write_index`
-        -> the layer's whole buffers, (rows, kv_heads, slots, head_dim)."""
-        return self.write(layer_idx, key, value, self.write_index)
-
     def write(self, layer_idx: int, key: Tensor, value: Tensor, write_index: Tensor,
               start: int | None = None) -> tuple[Tensor, Tensor]:
-        """`update` with the slots given: `write_index` (rows, width), or for one row `start`, its first slot
-        (a plain copy into consecutive slots)."""
+        """Write a pass's new (rows, kv_heads, width, head_dim) keys and values at `write_index` (rows, width), or for
+        one row from `start`, its first slot (a plain copy into consecutive slots) -> the layer's whole buffers,
+        (rows, kv_heads, slots, head_dim)."""
         return _written(*self.layer(layer_idx, key), key, value, write_index, start)
 
     def layer(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,11 +77,6 @@ class StaticKV:
             raise ValueError(f"layer {layer_idx}'s buffer holds {keys.shape[1]} heads of {keys.shape[3]} in "
                              f"{keys.dtype}; a pass wrote {like.shape[1]} heads of {like.shape[3]} in {like.dtype}")
         return keys, self.values[layer_idx]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The slots a query may see (a model that builds its own positions would read this; the
-        static runner always gives positions and a mask)."""
-        return self.slots
 
     def move_positions(self, row: int, source: list[int], start: int) -> None:
         """Copy row `row`'s keys and values at slots `source` to slots start, start + 1, ... (a

@@ -36,8 +36,11 @@ SHAREABLE = (SequenceRunner, SharedBatchRunner, StaticRunner)  # runners whose p
 
 def can_share(target_runner: Runner, drafter: PreTrainedModel) -> bool:
     """Whether `drafter` can run over `target_runner`'s cache: a decoder-only runner with a cache of
-    one of the `SHAREABLE` kinds, the drafter on the same devices, computing in the same dtype (the buffer's)."""
+    one of the `SHAREABLE` kinds, the drafter on the same devices, computing in the same dtype (the buffer's); over
+    a static buffer, a drafter our own forward runs (the only one that writes and reads it)."""
     if not isinstance(target_runner, SHAREABLE) or is_encoder_decoder(drafter) or target_runner.encoder_decoder:
+        return False
+    if isinstance(target_runner, StaticRunner) and lean_decoder(drafter) is None:
         return False
     if isinstance(target_runner, SequenceRunner) and not target_runner.use_cache:
         return False

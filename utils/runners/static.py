@@ -11,8 +11,8 @@ forward only). Padding queries see only themselves and their logits are dropped.
 A block's tokens may be a tensor on the device (a drafter's drafts, `protocol.Blocks`): they are
 written into the pass's ids there, never read back to the host.
 
-A pass runs our own forward (`utils/lean/`) where it covers the model: it reads the buffer only up to the longest
-row, by a mask over those slots. Any other model runs its own (Hugging Face, eager) forward over the whole buffer.
+A pass runs our own forward (`utils/lean/`): it reads the buffer only up to the longest row, by a mask over those
+slots. A model our forward does not cover keeps transformers' own caches (`utils/runners/factory.py`).
 
 Rollback is `del rows[b][length:]`: slots past a row's length are never seen, and the next pass
 overwrites them. A tree's accepted path is copied into the slots after its root (`keep_path_row`).
@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
 from utils.cpu_passes import Shortcuts
-from utils.lean import lean_decoder
+from utils.lean import forward_path, lean_decoder
 from utils.lean.native import MAX_ROWS
 from utils.lean.static_kv import PassSlots, RowKV, StaticKV
 from utils.runners.model_info import context_length, mixes_windows, sliding_window
@@ -97,12 +97,15 @@ def static_mask(lengths: Tensor, depths: Tensor, ancestry: Tensor, slots: int, w
 
 
 class StaticRunner(ModelPasses):
-    """`rows` sequences of a decoder-only model (`model_info.shares_passes`, or any our own forward runs) over a
-    KV buffer of `slots` positions per row."""
+    """`rows` sequences of a decoder-only model our own forward runs (`lean_decoder`) over a KV buffer of `slots`
+    positions per row."""
 
     def __init__(self, model: PreTrainedModel, *, rows: int, slots: int, costs: PassCosts | None = None) -> None:
         super().__init__(model, costs=costs)
-        assert not self.encoder_decoder, "a static runner is decoder-only"
+        lean = lean_decoder(model)
+        if lean is None:
+            raise ValueError(f"a static runner runs our own forward, which does not run {type(model).__name__}: "
+                             f"{forward_path(model)}")
         # Each row's tokens, in its slots (one fed in a tensor block: a 0-d tensor, never read here).
         self.rows: list[list[int | Tensor]] = [[] for _ in range(rows)]
         self.slots = slots
@@ -110,8 +113,7 @@ class StaticRunner(ModelPasses):
         self._window = sliding_window(model)
         self._mixed = mixes_windows(model)  # then `_window` is the sliding layers' only (our own forward)
         self._max_position = (context_length(model) or slots) - 1
-        lean = lean_decoder(model)  # the masks in the dtype the passes compute in
-        self._dtype = model.get_input_embeddings().weight.dtype if lean is None else lean.dtype
+        self._dtype = lean.dtype  # the masks' (a model lent the runner computes in it too: `can_share`)
         self._next_shortcuts: Shortcuts | None = None  # a pass's CPU shortcuts, None: the measured ones
 
     @property
@@ -138,21 +140,11 @@ class StaticRunner(ModelPasses):
         positions = (length[:, None] + depths).clamp(max=self._max_position).to(self.device)
         write_index = (length[:, None] + torch.arange(width)).to(self.device)
         first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if len(tokens))
-        lean = lean_decoder(self.model)
-        if lean is not None and len(blocks) > 1 and not any(self.rows) and len(blocks) * width > MAX_ROWS:
+        lean = lean_decoder(self.model)  # the runner's model's, or a model's lent it (`ModelPasses.lent`)
+        if len(blocks) > 1 and not any(self.rows) and len(blocks) * width > MAX_ROWS:
             return self._prompts_alone(blocks, num_logits)
-        if lean is not None:
-            kwargs = self._lean_kwargs(lean, length, depths, ancestry, positions, write_index, width - first,
-                                       self._cache, lengths[0] if len(lengths) == 1 else None, max(lengths) + width - 1)
-        else:
-            self._cache.set_write_index(write_index)
-            mask = static_mask(length, depths, ancestry, self.slots, self._window, self._dtype)
-            kwargs = {self._cache_kwarg: self._cache, "use_cache": True, "attention_mask": mask.to(self.device),
-                      "position_ids": positions}
-            if self._logits_to_keep:
-                kwargs["logits_to_keep"] = width - first  # only the logits asked for
-            else:
-                first = 0
+        kwargs = self._lean_kwargs(lean, length, depths, ancestry, positions, write_index, width - first,
+                                   self._cache, lengths[0] if len(lengths) == 1 else None, max(lengths) + width - 1)
         logits = as_float(self._pass(block_ids(blocks, width, self.device), kwargs))
         for row, (tokens, _) in zip(self.rows, blocks, strict=True):
             row += list(tokens)  # a tensor block's tokens stay 0-d tensors on the device: no host read
@@ -208,9 +200,7 @@ class StaticRunner(ModelPasses):
         return self.run(ids, kwargs, timed=True, shortcuts=self._next_shortcuts).logits
 
     def _call(self, ids: Tensor, kwargs: dict):
-        if "slots" in kwargs:  # our own forward (`utils/lean/`), its kernels measured for its shapes
-            return SimpleNamespace(logits=lean_decoder(self.model)(ids, **kwargs))
-        return self.model(input_ids=ids, **kwargs)
+        return SimpleNamespace(logits=lean_decoder(self.model)(ids, **kwargs))  # our own forward (`utils/lean/`)
 
     def rollback_row(self, row: int, length: int) -> None:
         assert 0 <= length <= len(self.rows[row])
