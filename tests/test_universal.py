@@ -10,12 +10,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor
 
+import sampling.drafters.model_drafter
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate, speculative_generate_encoder_decoder
-from sampling.drafters.universal import LOOKBEHIND
+from sampling.drafters.universal import LOOKBEHIND, UniversalDrafter
+from sampling.loop.randomness import PositionUniforms
 from sampling.loop.vocabularies import intersection
 from tests.models import tiny_model
 from tests.stats_helpers import P_VALUE_THRESHOLD, SAMPLES, chi_square_p_value, exact_two_token_distribution, first_two_tokens
 from utils.logits_processors import GreedyProcessor, MultinomialProcessor, TopKProcessor, TransformersProcessor
+from utils.runners.factory import make_runner
+from utils.runners.static import StaticRunner
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -113,24 +117,57 @@ def test_greedy_with_transformers_processors_and_adaptive_gamma():
         assert out == reference
 
 
-def test_the_drafter_does_not_reread_the_prompt():
+def test_the_drafter_does_not_reread_the_prompt(monkeypatch):
     target, drafter = agreeing_pair()
     inputs = SMALL.encode(" ".join(PROMPTS) * 2)
-    stats = SpeculativeStats()
-    speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=4, max_gen_len=30,
-                         stats=stats)
-    drafter_tokens = []
-    original = drafter.forward
+    drafter_tokens = []  # the widest block of each of the drafter's passes, whichever runner runs them
 
-    def counting(*args, **kwargs):
-        drafter_tokens.append(kwargs["input_ids"].shape[-1] if "input_ids" in kwargs else args[0].shape[-1])
-        return original(*args, **kwargs)
+    def counting_runner(*args, **kwargs):
+        runner = make_runner(*args, **kwargs)
+        forward_rows = runner.forward_rows
 
-    drafter.forward = counting
+        def counting(blocks, num_logits):
+            drafter_tokens.append(max(len(tokens) for tokens, _ in blocks))
+            return forward_rows(blocks, num_logits)
+
+        runner.forward_rows = counting
+        return runner
+
+    monkeypatch.setattr(sampling.drafters.model_drafter, "make_runner", counting_runner)
     speculative_generate(inputs, drafter, target, tokenizer=BIG, drafter_tokenizer=SMALL, gamma=4, max_gen_len=30)
     assert drafter_tokens[0] >= len(inputs) - 1  # the prompt, once
     assert max(drafter_tokens[1:]) <= 4 + LOOKBEHIND  # then only the tail that moved
 
+
+
+def universal_drafter(drafter, rows: list[list[int]], max_tokens: int | None) -> UniversalDrafter:
+    """The greedy drafter a call builds over `rows` (`build_model_drafter`), told the target's `max_tokens`."""
+    return UniversalDrafter(drafter, GreedyProcessor(), tokenizer=BIG, drafter_tokenizer=SMALL, target_vocab_size=len(BIG),
+                            uniforms=[PositionUniforms(prefix_length=len(row)) for row in rows], max_tokens=max_tokens)
+
+
+def test_a_drafter_our_forward_runs_drafts_over_a_static_buffer_with_greedy_identity():
+    target, drafter = agreeing_pair()  # llama: our own forward runs it
+    rows = [SMALL.encode(text) for text in PROMPTS]
+    for batch in (rows[:1], rows):  # one row, and a batch (its passes padded to the widest row)
+        static = universal_drafter(drafter, batch, max(map(len, batch)) + 40)
+        unsized = universal_drafter(drafter, batch, None)  # no bound known: transformers' cache, as before
+        out = speculative_generate(batch, static, target, gamma=4, max_gen_len=40)
+        assert isinstance(static.chain.runner, StaticRunner) and not isinstance(unsized.chain.runner, StaticRunner)
+        assert [ids for ids, _ in out] == [autoregressive_generate(row, target, max_gen_len=40) for row in batch]
+        assert out == speculative_generate(batch, unsized, target, gamma=4, max_gen_len=40)  # the same drafts taken
+        assert min(alpha for _, alpha in out) > 0.3
+
+
+def test_a_text_past_the_drafters_budget_ends_its_drafts_not_the_run():
+    target, drafter = agreeing_pair()
+    drafter.config.max_position_embeddings = 16  # the budget: its context, 16 drafter tokens with the drafts
+    inputs = SMALL.encode(PROMPTS[1])
+    static, steps = universal_drafter(drafter, [inputs], len(inputs) + 40), []
+    out, _ = speculative_generate(inputs, static, target, gamma=4, max_gen_len=40, on_step=steps.append)
+    assert out == autoregressive_generate(inputs, target, max_gen_len=40)
+    assert static.budget == 16 and static.chain.runner.row_length(0) <= 16
+    assert steps[0].drafts and not steps[-1].drafts  # drafts while the text fits, plain steps after
 
 # Sampling: the law of the first two tokens, and seeds.
 

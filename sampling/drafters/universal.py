@@ -33,6 +33,13 @@ there on: it decodes plainly, at a verification's cost, and `SpeculativeStats.lo
 counts it. Drafts are only ever proposals (verified by the target), so a lossy tokenizer could
 never emit a wrong token; it would only have the drafter read another text than the target's.
 
+The drafter's runner is a static buffer (`utils.runners.factory.make_runner`) where our own forward
+runs its model and the most target tokens a row may hold (`max_tokens`) are known: its text then takes at
+most `text_budget` drafter tokens (each token of a lossless row spells at least one byte of the text, a
+target token at most its vocabulary's longest token's bytes), capped at the drafter's context. A row whose
+text would pass that budget drafts only what fits, then nothing (`draft`): plain steps, never a pass
+past the buffer.
+
 Not for encoder-decoder models: their decoder starts from a start token, not from text both
 tokenizers can spell (`check_tokenizers` refuses the pair).
 """
@@ -51,10 +58,11 @@ from sampling.drafters.cascade import Cascade, common_prefix
 from sampling.drafters.model_drafter import ModelDrafter
 from sampling.loop.drafts import DraftTree
 from sampling.loop.randomness import PositionUniforms
-from sampling.loop.vocabularies import check_tokenizer, intersection, same_vocabulary
+from sampling.loop.vocabularies import check_tokenizer, intersection, longest_token_bytes, same_vocabulary
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
-from utils.runners.model_info import vocab_size
+from utils.runners.model_info import context_length, vocab_size
+from utils.runners.static import StaticRunner
 
 LOOKBEHIND = 8  # target tokens behind the end re-encoded every step: a word's tokens may still merge
 ANCHOR_SEARCH = 16  # anchor candidates tried per step (the anchor moves forward at most this far)
@@ -112,6 +120,7 @@ class _Bridge:
     drafter_prefix: list[int]  # what the drafter's tokenizer puts before a text (its BOS, if any)
     drafter_ids: Tensor  # the intersection (n,): drafter ids ...
     target_ids: Tensor  # ... and the target ids of the same strings
+    target_token_bytes: int  # the most bytes one target token spells
 
 
 @functools.lru_cache(maxsize=8)
@@ -134,7 +143,21 @@ def bridge(tokenizer: PreTrainedTokenizerBase, drafter_tokenizer: PreTrainedToke
 
     return _Bridge(encoder(tokenizer, target_width), encoder(drafter_tokenizer, drafter_width),
                    _decoder(tokenizer, target_drop), _decoder(drafter_tokenizer, drafter_drop),
-                   marked[:start], drafter_ids, target_ids)
+                   marked[:start], drafter_ids, target_ids, longest_token_bytes(tokenizer, target_width))
+
+
+def text_budget(bridge: _Bridge, model: PreTrainedModel, max_tokens: int | None) -> int | None:
+    """The drafter tokens a row's text and drafts stay within over a static buffer (`draft`), for a row of
+    `max_tokens` target tokens (None: no bound known). A lossless row's drafter tokens decode to its text
+    (`_lossless`), so each spells at least one of its bytes, and a target token spells at most
+    `target_token_bytes` (a text with replacement characters, 3 bytes for a byte that spells none, may take
+    more: its row then drafts less). Capped at the drafter's context, past which it would draft from clamped
+    positions."""
+    if max_tokens is None:
+        return None
+    bound = len(bridge.drafter_prefix) + max_tokens * bridge.target_token_bytes
+    limit = context_length(model)
+    return bound if limit is None else min(bound, limit)
 
 
 @dataclass
@@ -160,21 +183,28 @@ class UniversalDrafter:
     `retokenize_seconds`: the time spent moving text between the tokenizers (re-encoding the
     window, mapping drafts), also counted in `seconds_per_draft` for `adaptive_gamma`.
     `lossy_text_rows`: rows that met a text one tokenizer cannot encode losslessly, and went on
-    without drafts (module docstring).
+    without drafts (module docstring). `max_tokens`: the most target tokens a row may hold before its
+    drafts (`sampling.loop.common.max_tokens`), which sizes the drafter's static buffer (`text_budget`,
+    module docstring); None: its runner keeps transformers' cache.
     """
 
     def __init__(self, model: PreTrainedModel, processor: LogitsProcessor, *, tokenizer: PreTrainedTokenizerBase,
                  drafter_tokenizer: PreTrainedTokenizerBase, target_vocab_size: int,
                  uniforms: list[PositionUniforms], use_cache: bool = True, trees: bool = False,
-                 coupled: bool = False, costs: PassCosts | None = None, cascade: Cascade | None = None) -> None:
+                 coupled: bool = False, costs: PassCosts | None = None, cascade: Cascade | None = None,
+                 max_tokens: int | None = None) -> None:
+        self.processor, self.vocab_size = processor, target_vocab_size
+        self.drafter_tokens = min(len(drafter_tokenizer), vocab_size(model))  # ids past it are padding rows
+        self.bridge = bridge(tokenizer, drafter_tokenizer, target_vocab_size, vocab_size(model))
+        budget = text_budget(self.bridge, model, max_tokens)
         # No confidence stop (`sampling.policy.draft_confidence`): it reads q at the drafter's token id, and q
         # here lives in the target's vocabulary (or, greedy, is raw scores); `adaptive_gamma` still sizes the drafts.
         self.chain = ModelDrafter(model, processor, vocab_size=target_vocab_size, uniforms=uniforms,
                                   use_cache=use_cache, coupled=coupled, stop=None, costs=costs, cascade=cascade,
-                                  reading=self)
-        self.processor, self.vocab_size = processor, target_vocab_size
-        self.drafter_tokens = min(len(drafter_tokenizer), vocab_size(model))  # ids past it are padding rows
-        self.bridge = bridge(tokenizer, drafter_tokenizer, target_vocab_size, vocab_size(model))
+                                  reading=self, max_tokens=budget)
+        # Over a static buffer, the drafter tokens a row's text and drafts stay within (`draft`); None: the
+        # runner's cache grows (transformers'), nothing to keep within.
+        self.budget = budget if isinstance(self.chain.runner, StaticRunner) else None
         if not processor.is_greedy and len(self.bridge.drafter_ids) == 0:
             raise ValueError("tokenizer and drafter_tokenizer have no token in common: a sampling drafter "
                              "needs shared tokens (token-level intersection); greedy decoding does not")
@@ -315,6 +345,8 @@ class UniversalDrafter:
                 row.lossy = True  # plain decoding for this row from here on
                 self.lossy_text_rows += 1
             k = 0 if row.lossy else k
+            if k and self.budget is not None:  # only the drafts that fit the budget
+                k = max(0, min(k, self.budget - len(row.tokens)))
             if k:
                 # Keep the cache's common prefix with the new tokens, and at least one token to feed.
                 keep = min(common_prefix(row.cached, row.tokens), len(row.tokens) - 1)
@@ -324,6 +356,8 @@ class UniversalDrafter:
                 row.cached = row.tokens[:keep]
             self._offsets.append(len(sequence) - len(row.tokens))
             lengths.append(k)
+        if self.budget is not None and any(lengths) and not self._passes_fit(lengths):
+            lengths = [0] * len(lengths)  # a batch's padded pass would pass the buffer: a plain step
         seconds = time.perf_counter() - start
         drafts = self.chain.draft([row.tokens for row in self._rows], max_drafts, lengths)
         start = time.perf_counter()
@@ -341,6 +375,17 @@ class UniversalDrafter:
         if any(lengths):  # the running average of a drafted token's cost, re-encoding included
             self.chain.draft_time.amend(seconds / max(lengths))
         return out
+
+    def _passes_fit(self, lengths: list[int]) -> bool:
+        """Whether every pass of a step drafting `lengths[b]` tokens for row b stays in the static buffer, every
+        row padded to the widest block: the first pass feeds each drafting row its text past its cache and (a
+        cascade's proposals) its drafts, later ones at most its drafts, over rows that reach their text and drafts."""
+        runner, rows = self.chain.runner, range(len(self._rows))
+        cached = [runner.row_length(b) for b in rows]
+        drafting = [b for b in rows if lengths[b]]
+        widest = max(len(self._rows[b].tokens) - cached[b] + lengths[b] for b in drafting)
+        reach = max(cached + [len(self._rows[b].tokens) + lengths[b] for b in drafting])
+        return max(cached) + widest <= runner.slots and reach + max(lengths) <= runner.slots
 
     def counters(self) -> dict[str, float]:
         """The model drafter's counters and its own: time moving text, rows gone plain."""

@@ -74,6 +74,13 @@ def token_keys(tokenizer: PreTrainedTokenizerBase, width: int) -> list[object]:
     return keys
 
 
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase, width: int) -> int:
+    """The most bytes one token id < min(len(tokenizer), width) spells (an added token: its content's): at most
+    what one token adds to a text (1 for a vocabulary without strings)."""
+    keys = token_keys(tokenizer, width)
+    return max((len(key) if isinstance(key, bytes) else len(key[1].encode()) for key in keys if key is not None), default=1)
+
+
 def intersection(target_tokenizer: PreTrainedTokenizerBase, drafter_tokenizer: PreTrainedTokenizerBase,
                  target_width: int, drafter_width: int) -> tuple[Tensor, Tensor]:
     """The tokens both vocabularies have -> (drafter ids (n,), target ids (n,)), pair i the same
