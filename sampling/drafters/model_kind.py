@@ -134,7 +134,8 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
         model_drafter = UniversalDrafter(drafter, shared.logits_processor, tokenizer=shared.habits.tokenizer,
                                          drafter_tokenizer=options.drafter_tokenizer, target_vocab_size=vocab_size(target),
                                          uniforms=gen.uniforms, use_cache=shared.use_cache, trees=gen.runner.supports_trees,
-                                         coupled=coupled, costs=drafter_costs, cascade=proposer)
+                                         coupled=coupled, costs=drafter_costs, cascade=proposer,
+                                         max_tokens=max_tokens(gen.prefixes, gen.max_new_tokens))
         return model_drafter, policy, loop_policy
     model_drafter = ModelDrafter(
         drafter, shared.logits_processor, vocab_size=vocab_size(target), use_cache=shared.use_cache,
