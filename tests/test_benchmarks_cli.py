@@ -1,7 +1,7 @@
 """`python -m benchmarks`: the list names every benchmark, each one's --help exits 0 through it, and the benchmarks no
 other test runs end to end run here on the tiny saved model (spec_bench, throughput, evaluate, nasd_tau,
 suffix_compare, conversations, self_tau: tests/test_benchmark.py; coupling_acceptance: tests/test_coupling_acceptance.py;
-peers without llama.cpp: tests/test_peers.py). Benchmarks of the real models or the peers get the --help check only."""
+peers without llama.cpp: tests/test_peers.py; first_token here, its by-path comparison too). Benchmarks of the real models or the peers get the --help check only."""
 
 from __future__ import annotations
 
@@ -156,3 +156,26 @@ def test_passes_writes_every_model_s_passes_on_a_tiny_model(tiny_model, tmp_path
     assert [report["model"] for report in result["passes"]] == ["target", "drafter", "self-drafter (int4)"]
     assert all(set(report["widths"]) == {str(w) for w in passes.WIDTHS} for report in result["passes"])
     assert result["plain_decoding"]["outputs"] and not result["emulated_avx2"]
+
+
+def test_first_token_writes_its_passes_peaks_and_the_by_path_comparison_on_a_tiny_model(tiny_model, tmp_path, capsys):
+    out = tmp_path / "first_token"
+    command.main(["first_token", "--model", tiny_model, "--path", tiny_model, "--lengths", "8,2000", "--repeats", "2",
+                  "--gemm-size", "64", "--max-new-tokens", "4", "--out", str(out)])
+    result = json.loads((out / "first_token.json").read_text())
+    first = result["first_token"]
+    assert [row["tokens"] for row in first["lengths"]] == [8, 1023]  # 2000 capped at the context (1024) less one
+    assert set(first["peak_flop_per_s"]) == {"bfloat16", "float32"} and first["dtype"] == "torch.float32"
+    for row in first["lengths"]:
+        assert row["outputs"] == {"defects": 0, "near_ties": 0} and row["first_tokens"]["ours"] == row["first_tokens"]["transformers"]
+        assert row["flops"] > 0 and set(row["of_peak"]) == {"ours", "transformers"} and row["ours_speedup"] > 0
+    path = result["by_path"]
+    assert path["path"]["dtype"] == path["name"]["dtype"] and path["same_tokens"] and path["path_over_name"] > 0
+    assert result["machine"]["cpu"] and "| 1023 |" in (out / "first_token.md").read_text()
+    assert "time to the first token" in capsys.readouterr().out
+
+
+def test_first_token_refuses_bad_lengths_before_loading(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        command.main(["first_token", "--lengths", "512,x"])
+    assert exit_.value.code == 2 and "--lengths must be positive integers" in capsys.readouterr().err
