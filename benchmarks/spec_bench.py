@@ -39,7 +39,7 @@ from benchmarks.prompts import encode, load_workload
 from benchmarks.suffix_decoding import cache_with_responses, load_peer, run_suffix
 from benchmarks.summary import BASELINE, CONTROL, exactness, goal_lines, noise_verdict, report, summarise, tasks_in
 from ngram_assisted import MultiDynaGram, SimpleDynaGram, ngram_assisted_speculative_generate
-from sampling import SpeculativeStats, autoregressive_generate, quantized_drafter, speculative_generate
+from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from utils.calibration import pass_costs
 from utils.loading import end_token_ids, load_model
 from utils.logits_processors import GreedyProcessor, NucleusProcessor
@@ -48,7 +48,7 @@ from utils.runners.model_info import input_device
 
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_g16",
            "ours_nasd_n3", "ours_nasd_chain", "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd",
-           "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_no_cascade"]
+           "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_no_cascade", "ours_self_chain"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
                     "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
@@ -99,13 +99,6 @@ class Runner:
         self.processor = NucleusProcessor(**sample) if sample else GreedyProcessor()
         self.suffix_responses: dict[tuple[int, ...], list[int]] = {}  # prompt -> the peer's first response to it
         self.tokenizer = self.drafter_tokenizer = None  # the *_universal methods: target's and drafter's tokenizers
-        self._self_drafter = None  # the ours_self* methods' drafter (`self_drafter`)
-
-    def self_drafter(self):
-        """The target's 4-bit self-drafter, built (or loaded from the cache) once."""
-        if self._self_drafter is None:
-            self._self_drafter = quantized_drafter(self.target, bits=4)
-        return self._self_drafter
 
     def hf(self, ids, seed: int, **kwargs):
         sampling = dict(do_sample=True, top_k=0, **self.sample) if self.sample else dict(do_sample=False)
@@ -151,11 +144,13 @@ class Runner:
         elif method == "ours_hybrid":  # the drafter model and NASD's pool, the better per step
             out, _ = speculative_generate(ids, self.drafter, self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           ngram=MultiDynaGram(8), **common)
-        elif method in ("ours_self", "ours_self_no_cascade"):  # the target's own 4-bit weights draft (docs/self_drafting.md)
-            # As a user calls it (the cascade on, as with every adaptive drafter model), and without the cascade
-            # (what `ours_self` measured through the fourteenth round).
-            out, _ = speculative_generate(ids, self.self_drafter(), self.target, gamma=4, adaptive_gamma=True, stats=stats,
-                                          cascade=False if method == "ours_self_no_cascade" else None, **common)
+        elif method in ("ours_self", "ours_self_no_cascade", "ours_self_chain"):  # docs/self_drafting.md
+            # The target's own 4-bit weights draft ("self": built once, kept on the target), as a user calls it (the
+            # cascade on, as with every adaptive drafter model; trees where the planner says), without the cascade
+            # (what `ours_self` measured through the fourteenth round), and in chains only.
+            out, _ = speculative_generate(ids, "self", self.target, gamma=4, adaptive_gamma=True, stats=stats,
+                                          cascade=False if method == "ours_self_no_cascade" else None,
+                                          branching=1 if method == "ours_self_chain" else None, **common)
         elif method == "ours_sd_universal":
             out, _ = speculative_generate(ids, self.drafter, self.target, tokenizer=self.tokenizer,
                                           drafter_tokenizer=self.drafter_tokenizer, gamma=4, adaptive_gamma=True,
