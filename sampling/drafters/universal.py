@@ -146,16 +146,20 @@ def bridge(tokenizer: PreTrainedTokenizerBase, drafter_tokenizer: PreTrainedToke
                    marked[:start], drafter_ids, target_ids, longest_token_bytes(tokenizer, target_width))
 
 
+DRAFTER_TOKENS_PER_TARGET = 4  # the static buffer's room: a text's drafter tokens per target token (`text_budget`)
+
+
 def text_budget(bridge: _Bridge, model: PreTrainedModel, max_tokens: int | None) -> int | None:
     """The drafter tokens a row's text and drafts stay within over a static buffer (`draft`), for a row of
     `max_tokens` target tokens (None: no bound known). A lossless row's drafter tokens decode to its text
     (`_lossless`), so each spells at least one of its bytes, and a target token spells at most
-    `target_token_bytes` (a text with replacement characters, 3 bytes for a byte that spells none, may take
-    more: its row then drafts less). Capped at the drafter's context, past which it would draft from clamped
-    positions."""
+    `target_token_bytes`; the buffer is sized for `DRAFTER_TOKENS_PER_TARGET` of them at most (a byte bound,
+    the longest token's bytes, would size nearly every buffer at the drafter's context: hundreds of MB written
+    at each call's first pass), and a row whose text takes more drafts less, then steps plainly. Capped at the
+    drafter's context, past which it would draft from clamped positions."""
     if max_tokens is None:
         return None
-    bound = len(bridge.drafter_prefix) + max_tokens * bridge.target_token_bytes
+    bound = len(bridge.drafter_prefix) + max_tokens * min(bridge.target_token_bytes, DRAFTER_TOKENS_PER_TARGET)
     limit = context_length(model)
     return bound if limit is None else min(bound, limit)
 
