@@ -12,7 +12,12 @@
    Width invariance by construction: every output is one fixed chain of fused multiply-adds per vector lane (the
    even elements of each KB-block, then its odd ones, block after block) and one fixed horizontal sum, whatever the
    number of rows, the thread count or the block an output falls in: a row's result is the same bits in a pass of
-   one row and in a pass of thirty-two.
+   one row and in a pass of thirty-two. Where the CPU has AVX512_BF16 (Zen 4 and 5, Xeons from Cooper Lake),
+   bfloat16 activations take its dot product instead (`chunk_pairs`): one VDPBF16PS a KB-block per lane, each lane
+   the sum of its pairs' exact products, block after block (denormals flushed, as the instruction does): another
+   fixed chain, so other bits, as invariant, and twice the multiply-adds a cycle of the float32 chain, with no copy
+   of the activations into float32 (on a 2-vCPU Zen 4 the float32 chain lost to torch's products from 8 rows,
+   twentieth round, docs/results.md).
 
    Shape of the work: each thread takes whole blocks of JB weight rows; a block's rows are read chunk by chunk
    (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L1, then used by every group of
@@ -40,10 +45,22 @@
 /* The input width must be a multiple of this (every build has a kernel). */
 int specdec_block(void) { return KB; }
 
+/* A chunk's accumulators copied into and out of a local array (registers) */
+#define ACCUMULATORS_IN(a, acc, nr, nj) \
+  for (int r = 0; r < (nr); r++)        \
+    for (int b = 0; b < (nj); b++) (a)[r][b] = (acc)[r][b]
+#define ACCUMULATORS_OUT(acc, a, nr, nj) \
+  for (int r = 0; r < (nr); r++)         \
+    for (int b = 0; b < (nj); b++) (acc)[r][b] = (a)[r][b]
+
 /* acc[r][b] += weight row j0+b times activation row r0+r over elements [k0, k1); xp holds each KB-block of the
    activations as its even elements then its odd ones, in float32. */
 static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const float* xp, int in, int j0, int nj,
                                                         int r0, int nr, vf acc[RB][JB], int k0, int k1) {
+  vf a[RB][JB]; /* the accumulators in registers: `acc`'s vector type may alias any memory, so updating it in place
+                   would store every sum back and load every weight again (measured: the pair kernel at 32 rows ran
+                   at 0.4 of torch's product so) */
+  ACCUMULATORS_IN(a, acc, nr, nj);
   for (int k = k0; k < k1; k += KB)
     for (int b = 0; b < nj; b++) {
       const uint16_t* w_at = W + (size_t)(j0 + b) * in + k;
@@ -52,11 +69,38 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
       vf even = even_half(w), odd = odd_half(w);
       for (int r = 0; r < nr; r++) {
         const float* x_at = xp + (size_t)(r0 + r) * in + k;
-        acc[r][b] = vfma(even, vload(x_at), acc[r][b]);
-        acc[r][b] = vfma(odd, vload(x_at + HALF), acc[r][b]);
+        a[r][b] = vfma(even, vload(x_at), a[r][b]);
+        a[r][b] = vfma(odd, vload(x_at + HALF), a[r][b]);
       }
     }
+  ACCUMULATORS_OUT(acc, a, nr, nj);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PAIRS 1 /* bfloat16 activations by VDPBF16PS (module comment) */
+/* acc[r][b] += weight row j0+b times bfloat16 activation row r0+r over elements [k0, k1), each lane the sum of
+   its pairs' products: VDPBF16PS. */
+static inline __attribute__((always_inline)) void chunk_pairs(const uint16_t* W, const uint16_t* x, int in, int j0,
+                                                              int nj, int r0, int nr, vf acc[RB][JB], int k0, int k1) {
+  vf a[RB][JB]; /* in registers, as `chunk`'s */
+  ACCUMULATORS_IN(a, acc, nr, nj);
+  for (int k = k0; k < k1; k += KB) {
+    __m512bh w[JB]; /* each weight row's block once, each activation row's once: JB x RB products from JB + RB loads */
+    for (int b = 0; b < nj; b++) {
+      const uint16_t* w_at = W + (size_t)(j0 + b) * in + k;
+      __builtin_prefetch((const char*)w_at + PREFETCH, 0, 3);
+      w[b] = (__m512bh)load_w(w_at);
+    }
+    for (int r = 0; r < nr; r++) {
+      __m512bh xv = (__m512bh)load_w(x + (size_t)(r0 + r) * in + k);
+      for (int b = 0; b < nj; b++) a[r][b] = _mm512_dpbf16_ps(a[r][b], w[b], xv);
+    }
+  }
+  ACCUMULATORS_OUT(acc, a, nr, nj);
+}
+#else
+#define PAIRS 0
+#endif
 
 /* xp: each KB-block of each row of x as its even elements then its odd ones, in float32. */
 static void pack_rows(const void* x, float* xp, int rows, int in, int x_bf16) {
@@ -69,9 +113,11 @@ static void pack_rows(const void* x, float* xp, int rows, int in, int x_bf16) {
       }
 }
 
-/* Weight rows j0..j0 + nj - 1 (nj <= JB) times every row of xp, plus the bias, to y. */
-static void gemm_block(const uint16_t* W, const float* xp, const void* bias, void* y, int rows, int out, int in,
-                       int j0, int nj, int x_bf16, int y_bf16) {
+/* Weight rows j0..j0 + nj - 1 (nj <= JB) times every row of xs, plus the bias, to y: xs is `pack_rows`' float32
+   copy, or (`pairs`) the bfloat16 activations themselves. */
+static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void* bias, void* y, int rows, int out,
+                       int in, int j0, int nj, int x_bf16, int y_bf16) {
+  const float* xp = (const float*)xs;
   int groups = (rows + RB - 1) / RB;
   vf acc[(MAX_ROWS + RB - 1) / RB][RB][JB];
   for (int g = 0; g < groups; g++)
@@ -81,6 +127,13 @@ static void gemm_block(const uint16_t* W, const float* xp, const void* bias, voi
     int k1 = k0 + KC < in ? k0 + KC : in;
     for (int g = 0; g < groups; g++) {
       int r0 = g * RB, nr = rows - r0 < RB ? rows - r0 : RB;
+#if PAIRS
+      if (pairs) {
+        if (nj == JB && nr == RB) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB, r0, RB, acc[g], k0, k1);
+        else chunk_pairs(W, (const uint16_t*)xs, in, j0, nj, r0, nr, acc[g], k0, k1);
+        continue;
+      }
+#endif
       if (nj == JB && nr == RB) chunk(W, xp, in, j0, JB, r0, RB, acc[g], k0, k1); /* unrolled: the common case */
       else chunk(W, xp, in, j0, nj, r0, nr, acc[g], k0, k1);
     }
@@ -107,14 +160,16 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
   if (x_bf16 && specdec_amx() == 1 && in % AMX_K == 0)
     return gemm_amx(W, (const uint16_t*)x, (const uint16_t*)bias, y, rows, out, in, y_bf16, threads);
 #endif
-  float* xp = (float*)malloc((size_t)rows * in * sizeof(float));
-  if (!xp) return SPECDEC_NO_MEMORY;
-  pack_rows(x, xp, rows, in, x_bf16);
+  int pairs = PAIRS && x_bf16;
+  float* xp = pairs ? NULL : (float*)malloc((size_t)rows * in * sizeof(float));
+  if (!pairs && !xp) return SPECDEC_NO_MEMORY;
+  if (!pairs) pack_rows(x, xp, rows, in, x_bf16);
+  const void* xs = pairs ? x : (const void*)xp;
   int blocks = (out + JB - 1) / JB;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int jb = 0; jb < blocks; jb++) {
     int j0 = jb * JB;
-    gemm_block(W, xp, bias, y, rows, out, in, j0, out - j0 < JB ? out - j0 : JB, x_bf16, y_bf16);
+    gemm_block(W, xs, pairs, bias, y, rows, out, in, j0, out - j0 < JB ? out - j0 : JB, x_bf16, y_bf16);
   }
   free(xp);
   return SPECDEC_OK;
