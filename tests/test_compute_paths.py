@@ -118,3 +118,28 @@ def test_a_rows_prompt_in_a_batch_gets_the_bits_it_gets_alone(family, path):
         assert torch.equal(logits, alone)
     rows = [autoregressive_generate(ids, target, **_greedy()) for ids in prompts]
     assert autoregressive_generate(prompts, target, **_greedy()) == rows
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_rows_later_pass_in_a_wide_batch_gets_the_bits_it_gets_alone(family, path, monkeypatch):
+    """A batch's later pass over more tokens than our kernels take at once (4 rows of 9-token trees: 36) runs in
+    groups of rows of at most 32 tokens (`StaticRunner._in_groups`), each width-invariant (in one native call where
+    our kernels run every step): each row's logits are its logits alone, to the bit. Invariance asked for at any
+    price here (the tiny models' tables may find it too dear); the 1.5B's bfloat16 tables take it on their own on a
+    Zen 4 (docs/results.md, twentieth round)."""
+    from utils.runners.static import StaticRunner
+
+    monkeypatch.setenv("SPECDEC_WIDTH_INVARIANT", "1")
+    target = _model(family, path)
+    assert lean_decoder(target).invariant
+    prompts = [prompt(9 + row, 6 + row, VOCAB) for row in range(4)]
+    trees = [(prompt(20 + row, 9, VOCAB), [-1, 0, 0, 1, 1, 2, 3, 4, 5]) for row in range(4)]
+    batch = StaticRunner(target, rows=len(prompts), slots=128)
+    batch.forward_rows([(ids, None) for ids in prompts], [1] * len(prompts))
+    passes = batch.forward_passes
+    together = batch.forward_rows(trees, [9] * len(trees))
+    assert batch.forward_passes == passes + 1 and [len(row) for row in batch.rows] == [15, 16, 17, 18]
+    for ids, tree, logits in zip(prompts, trees, together, strict=True):
+        alone = StaticRunner(target, rows=1, slots=128)
+        alone.forward_rows([(ids, None)], [1])
+        assert torch.equal(logits, alone.forward_rows([tree], [9])[0])

@@ -95,29 +95,30 @@ class StaticKV:
         self.values = [values.index_select(0, index.to(values.device)) for values in self.values]
 
 
-class RowKV:
-    """Row `row` of a `StaticKV`, as a buffer of one row: a pass over that row alone writes into the whole buffer's
-    memory (a batch's prompts computed one by one, `StaticRunner._prompts_alone`)."""
+class RowsKV:
+    """Rows `start` to `stop` - 1 of a `StaticKV`, as a buffer of those rows: a pass over them alone writes into the
+    whole buffer's memory (a batch's prompts computed one by one, `StaticRunner._prompts_alone`; a wide pass in
+    groups of rows, `StaticRunner._in_groups`)."""
 
-    def __init__(self, whole: StaticKV, row: int) -> None:
-        self.whole, self.row = whole, row
+    def __init__(self, whole: StaticKV, start: int, stop: int) -> None:
+        self.whole, self.start, self.stop = whole, start, stop
 
     @property
     def rows(self) -> int:
-        return 1
+        return self.stop - self.start
 
     @property
     def slots(self) -> int:
         return self.whole.slots
 
     def layer(self, layer_idx: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        """The row's keys and values of layer `layer_idx` (views: contiguous, the buffer's own memory)."""
+        """The rows' keys and values of layer `layer_idx` (views: contiguous, the buffer's own memory)."""
         keys, values = self.whole.layer(layer_idx, like)
-        return keys[self.row : self.row + 1], values[self.row : self.row + 1]
+        return keys[self.start : self.stop], values[self.start : self.stop]
 
     def write(self, layer_idx: int, key: Tensor, value: Tensor, write_index: Tensor,
               start: int | None = None) -> tuple[Tensor, Tensor]:
-        """`StaticKV.write` into the row's views."""
+        """`StaticKV.write` into the rows' views."""
         return _written(*self.layer(layer_idx, key), key, value, write_index, start)
 
 

@@ -22,6 +22,8 @@ Invariant: row b holds len(rows[b]) <= slots tokens; every pass fits (`fits`).
 
 from __future__ import annotations
 
+import functools
+import time
 from types import SimpleNamespace
 
 import torch
@@ -32,9 +34,9 @@ from utils.cost_model import PassCosts
 from utils.cpu_passes import Shortcuts
 from utils.lean import forward_path, lean_decoder
 from utils.lean.native import MAX_ROWS
-from utils.lean.static_kv import PassSlots, RowKV, StaticKV
+from utils.lean.static_kv import PassSlots, RowsKV, StaticKV
 from utils.runners.model_info import context_length, mixes_windows, sliding_window
-from utils.runners.passes import ModelPasses, as_float
+from utils.runners.passes import ModelPasses, as_float, synchronize
 from utils.runners.protocol import Blocks
 
 
@@ -126,27 +128,39 @@ class StaticRunner(ModelPasses):
     @torch.no_grad()
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
         """One pass feeding every row its block, right-padded (`Runner.forward_rows`); a tensor
-        block's ids stay on the device (`block_ids`)."""
-        longest = max(len(tokens) for tokens, _ in blocks)
-        if longest == 0:
+        block's ids stay on the device (`block_ids`). A batch's pass over more tokens than our kernels take at once
+        runs in pieces whose rows get the bits they get alone: each prompt alone (`_prompts_alone`), a later pass in
+        groups of rows (`_in_groups`)."""
+        width = max(len(tokens) for tokens, _ in blocks)
+        if width == 0:
             return [self._no_logits() for _ in blocks]
-        lengths = [len(row) for row in self.rows]
-        width = longest
-        if max(lengths) + width > self.slots:  # not an assert: our kernels write where the slots say
+        longest_row = max(len(row) for row in self.rows)
+        if longest_row + width > self.slots:  # not an assert: our kernels write where the slots say
             raise ValueError(f"the static buffer holds {self.slots} slots a row: a pass of {width} tokens after "
-                             f"{max(lengths)} does not fit")
+                             f"{longest_row} does not fit")
+        if len(blocks) > 1 and len(blocks) * width > MAX_ROWS:
+            if not any(self.rows):
+                return self._prompts_alone(blocks, num_logits)
+            if width <= MAX_ROWS and lean_decoder(self.model).invariant:
+                return self._in_groups(blocks, num_logits, width)
+        return self._rows_pass(blocks, num_logits, 0, width, self._cache, self._pass)
+
+    def _rows_pass(self, blocks: Blocks, num_logits: list[int], offset: int, width: int, kv, run) -> list[Tensor]:
+        """One pass feeding rows offset, offset + 1, ... their blocks, right-padded to `width`, over `kv` (the whole
+        buffer, or those rows of it: `RowsKV`); `run(ids, kwargs)`: the pass (`_pass`, or a piece of one)."""
+        rows = self.rows[offset : offset + len(blocks)]
+        lengths = [len(row) for row in rows]
         depths, ancestry = block_layout(blocks, width)
         length = torch.tensor(lengths)
         positions = (length[:, None] + depths).clamp(max=self._max_position).to(self.device)
         write_index = (length[:, None] + torch.arange(width)).to(self.device)
         first = min(len(tokens) - num for (tokens, _), num in zip(blocks, num_logits, strict=True) if len(tokens))
-        lean = lean_decoder(self.model)  # the runner's model's, or a model's lent it (`ModelPasses.lent`)
-        if len(blocks) > 1 and not any(self.rows) and len(blocks) * width > MAX_ROWS:
-            return self._prompts_alone(blocks, num_logits)
-        kwargs = self._lean_kwargs(lean, length, depths, ancestry, positions, write_index, width - first,
-                                   self._cache, lengths[0] if len(lengths) == 1 else None, max(lengths) + width - 1)
-        logits = as_float(self._pass(block_ids(blocks, width, self.device), kwargs))
-        for row, (tokens, _) in zip(self.rows, blocks, strict=True):
+        # the runner's model's forward, or a model's lent it (`ModelPasses.lent`)
+        kwargs = self._lean_kwargs(lean_decoder(self.model), length, depths, ancestry, positions, write_index,
+                                   width - first, kv, lengths[0] if len(blocks) == 1 else None,
+                                   max(lengths) + width - 1)
+        logits = as_float(run(block_ids(blocks, width, self.device), kwargs))
+        for row, (tokens, _) in zip(rows, blocks, strict=True):
             row += list(tokens)  # a tensor block's tokens stay 0-d tensors on the device: no host read
         return [logits[b, len(tokens) - num - first : len(tokens) - first] if len(tokens) and num else self._no_logits()
                 for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True))]
@@ -173,23 +187,38 @@ class StaticRunner(ModelPasses):
         the buffer: a wide pass's products are torch's, whose bits depend on the pass's shape (a padded batch's
         rows parted from the same rows alone at near-ties in bfloat16), so each row's prompt is computed as it would
         be alone, at its own width. Past the kernels' width the passes are compute-bound: the split costs little."""
-        lean, out, pieces = lean_decoder(self.model), [], 0
-        for b, ((tokens, _), num) in enumerate(zip(blocks, num_logits, strict=True)):
-            if not len(tokens):
+        out, pieces = [], 0
+        for b, (block, num) in enumerate(zip(blocks, num_logits, strict=True)):
+            if not len(block[0]):
                 out.append(self._no_logits())
                 continue
-            width = len(tokens)
-            depths, ancestry = block_layout([(tokens, None)], width)
-            positions = depths.clamp(max=self._max_position).to(self.device)
-            write_index = torch.arange(width)[None].to(self.device)
-            kwargs = self._lean_kwargs(lean, torch.zeros(1, dtype=torch.long), depths, ancestry, positions,
-                                       write_index, num, RowKV(self._cache, b), 0, width - 1)
-            ids = block_ids([(tokens, None)], width, self.device)
-            logits = as_float(self.run(ids, kwargs, timed=False, counted=pieces == 0).logits)  # one prompt pass
+            run = functools.partial(self._piece, counted=pieces == 0)  # one prompt pass, in pieces
+            out += self._rows_pass([block], [num], b, len(block[0]), RowsKV(self._cache, b, b + 1), run)
             pieces += 1
-            self.rows[b] += list(tokens)
-            out.append(logits[0, logits.shape[1] - num :] if num else self._no_logits())
         return out
+
+    def _in_groups(self, blocks: Blocks, num_logits: list[int], width: int) -> list[Tensor]:
+        """A batch's later pass over more tokens than our kernels take at once (rows x `width`), in groups of rows of
+        at most `MAX_ROWS` tokens: each group's layers run in one native call, width-invariant, so that each row gets
+        the bits it gets alone, where one wide pass would take torch's products, whose bits depend on the pass's
+        shape (a batched row parted from itself alone at near-ties in bfloat16). Timed as the batch's pass
+        (`PassCosts.batch_ratio`: what the batch rules price)."""
+        size, out = MAX_ROWS // width, []
+        synchronize(*self.devices)
+        start = time.perf_counter()
+        for offset in range(0, len(blocks), size):
+            part = slice(offset, offset + size)
+            kv = RowsKV(self._cache, offset, min(offset + size, len(blocks)))
+            out += self._rows_pass(blocks[part], num_logits[part], offset, width, kv,
+                                   functools.partial(self._piece, counted=offset == 0))
+        if self._costs is not None:
+            synchronize(*self.devices)
+            self._costs.observe_batch(len(blocks), width, time.perf_counter() - start)
+        return out
+
+    def _piece(self, ids: Tensor, kwargs: dict, *, counted: bool) -> Tensor:
+        """A piece of a pass run in pieces: untimed (its caller times the whole), counted once."""
+        return self.run(ids, kwargs, timed=False, counted=counted).logits
 
     def _pass(self, ids: Tensor, kwargs: dict) -> Tensor:
         """The pass's logits (rows, width or fewer, vocab); timed after the prompt pass."""
