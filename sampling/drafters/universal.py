@@ -33,12 +33,9 @@ there on: it decodes plainly, at a verification's cost, and `SpeculativeStats.lo
 counts it. Drafts are only ever proposals (verified by the target), so a lossy tokenizer could
 never emit a wrong token; it would only have the drafter read another text than the target's.
 
-The drafter's runner is a static buffer (`utils.runners.factory.make_runner`) where our own forward
-runs its model and the most target tokens a row may hold (`max_tokens`) are known: its text then takes at
-most `text_budget` drafter tokens (each token of a lossless row spells at least one byte of the text, a
-target token at most its vocabulary's longest token's bytes), capped at the drafter's context. A row whose
-text would pass that budget drafts only what fits, then nothing (`draft`): plain steps, never a pass
-past the buffer.
+The drafter's runner is a static buffer (`utils.runners.factory.make_runner`) where our own forward runs
+its model and `max_tokens` is known, sized by `text_budget`; a row whose text would pass it drafts only what
+fits, then nothing (`draft`): plain steps, never a pass past the buffer.
 
 Not for encoder-decoder models: their decoder starts from a start token, not from text both
 tokenizers can spell (`check_tokenizers` refuses the pair).
@@ -151,12 +148,9 @@ DRAFTER_TOKENS_PER_TARGET = 4  # the static buffer's room: a text's drafter toke
 
 def text_budget(bridge: _Bridge, model: PreTrainedModel, max_tokens: int | None) -> int | None:
     """The drafter tokens a row's text and drafts stay within over a static buffer (`draft`), for a row of
-    `max_tokens` target tokens (None: no bound known). A lossless row's drafter tokens decode to its text
-    (`_lossless`), so each spells at least one of its bytes, and a target token spells at most
-    `target_token_bytes`; the buffer is sized for `DRAFTER_TOKENS_PER_TARGET` of them at most (a byte bound,
-    the longest token's bytes, would size nearly every buffer at the drafter's context: hundreds of MB written
-    at each call's first pass), and a row whose text takes more drafts less, then steps plainly. Capped at the
-    drafter's context, past which it would draft from clamped positions."""
+    `max_tokens` target tokens (None: no bound known): `DRAFTER_TOKENS_PER_TARGET` a target token at most (a lossless
+    row's drafter token spells at least a byte; a bound by the longest token's bytes would size nearly every buffer
+    at the drafter's context), capped at that context, past which it would draft from clamped positions."""
     if max_tokens is None:
         return None
     bound = len(bridge.drafter_prefix) + max_tokens * min(bridge.target_token_bytes, DRAFTER_TOKENS_PER_TARGET)
