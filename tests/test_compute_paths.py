@@ -143,3 +143,21 @@ def test_a_rows_later_pass_in_a_wide_batch_gets_the_bits_it_gets_alone(family, p
         alone = StaticRunner(target, rows=1, slots=128)
         alone.forward_rows([(ids, None)], [1])
         assert torch.equal(logits, alone.forward_rows([tree], [9])[0])
+
+
+def test_a_group_of_rows_fed_nothing_in_a_wide_pass_gets_no_logits(monkeypatch):
+    """Rows fed nothing (finished, in a batch) may fill a whole group of a pass run in groups: they get no logits,
+    and the other rows their logits alone."""
+    from utils.runners.static import StaticRunner
+
+    monkeypatch.setenv("SPECDEC_WIDTH_INVARIANT", "1")
+    target = _model("llama", torch.bfloat16)
+    prompts = [prompt(30 + row, 5, VOCAB) for row in range(4)]
+    batch = StaticRunner(target, rows=4, slots=64)
+    batch.forward_rows([(ids, None) for ids in prompts], [1] * 4)
+    tree = prompt(40, 17, VOCAB)
+    out = batch.forward_rows([([], None), ([], None), (tree, None), (tree, None)], [0, 0, 17, 17])
+    assert [o.numel() for o in out[:2]] == [0, 0] and out[2].shape == out[3].shape == (17, VOCAB)
+    alone = StaticRunner(target, rows=1, slots=64)
+    alone.forward_rows([(prompts[2], None)], [1])
+    assert torch.equal(out[2], alone.forward_rows([(tree, None)], [17])[0])

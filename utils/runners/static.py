@@ -148,6 +148,8 @@ class StaticRunner(ModelPasses):
     def _rows_pass(self, blocks: Blocks, num_logits: list[int], offset: int, width: int, kv, run) -> list[Tensor]:
         """One pass feeding rows offset, offset + 1, ... their blocks, right-padded to `width`, over `kv` (the whole
         buffer, or those rows of it: `RowsKV`); `run(ids, kwargs)`: the pass (`_pass`, or a piece of one)."""
+        if not any(len(tokens) for tokens, _ in blocks):  # a group of rows fed nothing (`_in_groups`)
+            return [self._no_logits() for _ in blocks]
         rows = self.rows[offset : offset + len(blocks)]
         lengths = [len(row) for row in rows]
         depths, ancestry = block_layout(blocks, width)
