@@ -48,12 +48,12 @@ OVERHEAD_WEIGHT = 0.2  # weight of one tree's drafting time in the ratio to its 
 clock = time.perf_counter  # the record's clock (a test sets its own)
 
 
-def tree_branching(branching: int | None, adaptive_gamma: bool) -> int:
-    """The most children per node a drafter model's tree may have: `branching`, or with None
-    `AUTO_BRANCHING` where the cost model chooses (adaptive_gamma) and 1 (a chain of `gamma`) with
-    a fixed gamma."""
+def tree_branching(branching: int | None, costs_cut: bool) -> int:
+    """The most children per node a drafter's tree may have: `branching`, or with None `AUTO_BRANCHING` where the
+    cost model cuts the trees to what pays (`costs_cut`: a drafter model's `adaptive_gamma`, NASD's
+    `stop_if_unknown`) and 1 (a chain) where nothing cuts them."""
     if branching is None:
-        return AUTO_BRANCHING if adaptive_gamma else 1
+        return AUTO_BRANCHING if costs_cut else 1
     return branching
 
 

@@ -65,15 +65,16 @@ def layer_type(layer) -> str | None:
 
 
 class GemmaLayer(Layer):
-    """`Layer` with Gemma 2 and 3's norms after the attention and after the MLP (None: Gemma's, Llama's order)."""
+    """`Layer` with Gemma 2 and 3's norms after the attention and after the MLP where the spec says so
+    (`sandwich_norms`; None: Gemma's, Llama's order)."""
 
-    def __init__(self, layer) -> None:
-        super().__init__(layer)
-        before_mlp = getattr(layer, "pre_feedforward_layernorm", None)
-        self.post_attention_norm = None if before_mlp is None else contiguous(layer.post_attention_layernorm.weight)
-        self.post_mlp_norm = None if before_mlp is None else contiguous(layer.post_feedforward_layernorm.weight)
-        if before_mlp is not None:
-            self.mlp_norm = contiguous(before_mlp.weight)
+    def __init__(self, layer, spec: LayerSpec) -> None:
+        super().__init__(layer, spec)
+        sandwich = spec.sandwich_norms
+        self.post_attention_norm = contiguous(layer.post_attention_layernorm.weight) if sandwich else None
+        self.post_mlp_norm = contiguous(layer.post_feedforward_layernorm.weight) if sandwich else None
+        if sandwich:
+            self.mlp_norm = contiguous(layer.pre_feedforward_layernorm.weight)
 
 
 class LeanGemma(LeanLlama):

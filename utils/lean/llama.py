@@ -87,9 +87,9 @@ def head_dim(config) -> int:
 
 class Layer:
     """One decoder layer's tensors: attention (q/k/v fused), its norms, the MLP (gate/up fused); how it computes
-    is the model's `LayerSpec`."""
+    is the model's `LayerSpec`, which says which norms it has (`qk_norms`: Qwen3's, Gemma 3's)."""
 
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, spec: LayerSpec) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.qkv = Linear([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o = Linear([attention.o_proj])
@@ -98,8 +98,8 @@ class Layer:
         self.linears = [self.qkv, self.o, self.gate_up, self.down]
         self.attention_norm = contiguous(layer.input_layernorm.weight)
         self.mlp_norm = contiguous(layer.post_attention_layernorm.weight)
-        norm = getattr(attention, "q_norm", None)  # Qwen3: RMSNorm of each head's q and k
-        self.qk_norms = None if norm is None else (contiguous(norm.weight), contiguous(attention.k_norm.weight))
+        self.qk_norms = ((contiguous(attention.q_norm.weight), contiguous(attention.k_norm.weight)) if spec.qk_norms
+                         else None)  # RMSNorm of each head's q and k
 
 
 class LeanLlama(nn.Module):
@@ -130,7 +130,7 @@ class LeanLlama(nn.Module):
         self.activation = ACTIVATIONS[self.spec.activation]
         decoder = model.model
         self.embed = decoder.embed_tokens
-        self.layers = [self.layer_class(layer) for layer in decoder.layers]
+        self.layers = [self.layer_class(layer, self.spec) for layer in decoder.layers]
         self._rope_kinds = self.spec.rope_kinds(len(self.layers))
         self.norm = contiguous(decoder.norm.weight)
         self.head = Linear([model.lm_head])
