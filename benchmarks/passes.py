@@ -3,17 +3,18 @@ against transformers' eager `generate`.
 
     python -m benchmarks.passes --target qwen2.5-coder-1.5b-instruct --drafter qwen2.5-coder-0.5b-instruct
 
-For each model: the bytes a one-token pass reads (its weights, the input embedding's other rows left out), the read
-bandwidth of a memory-bound `sum` measured in the same process, so the bound; then per pass width (1, 4, 8, 16 new
-tokens after `CONTEXT` cached ones, the runner generation gives the model, the kernels its calibration chose) the
-median time, its fraction of the bound (bound / time: 1.0 is at the bound) and the share of the pass spent in
-GEMMs (torch's profiler: linear, mm, addmm and the 8/4-bit kernels, the layers run in Python for it, against the
-pass's median time); and the time to read the same weights in the pass's own pieces and order with no arithmetic
-(`read_pieces`), against the bound, and the one-token pass against it: how far the pieces alone keep a pass from the bound. Every model's
-passes and the `sum` are interleaved round by round (a shared VM's bandwidth moves within a minute): each pass
-against its round's bound, each one-token pass against the target's of the same round. Then plain greedy
-decoding of even HumanEval prompts, ours and transformers' eager `generate` interleaved, medians of tokens/s, every
-output checked against transformers' (near-ties told from defects, `benchmarks/exactness.py`).
+For each model: the bytes a one-token pass reads (its weights, the input embedding's other rows left out, and the
+keys and values of the cached tokens), the read bandwidth of a memory-bound `sum` measured in the same process, so
+the bound; then per pass width (1, 4, 8, 16 new tokens after --context cached ones (256 by default), the runner
+generation gives the model, the kernels its calibration chose) the median time, its fraction of the bound (bound /
+time: 1.0 is at the bound) and the share of the pass spent in GEMMs (torch's profiler: linear, mm, addmm and the
+8/4-bit kernels, the layers run in Python for it, against the pass's median time); and the time to read the same
+weights in the pass's own pieces and order with no arithmetic (`read_pieces`), against the bound, and the one-token
+pass against it: how far the pieces alone keep a pass from the bound. Every model's passes and the `sum` are
+interleaved round by round (a shared VM's bandwidth moves within a minute): each pass against its round's bound,
+each one-token pass against the target's of the same round. Then plain greedy decoding of even HumanEval prompts,
+ours and transformers' eager `generate` interleaved, medians of tokens/s, every output checked against transformers'
+(near-ties told from defects, `benchmarks/exactness.py`).
 
 `--emulate-avx2` holds this process to an AVX2-only CPU's code (torch's kernels, MKL, oneDNN and our own kernel
 built for AVX2, no bfloat16 arithmetic), to measure the float32 paths on a machine that has more: its memory is
@@ -44,7 +45,7 @@ from utils.machine import machine
 from utils.runners.model_info import pass_bytes, weight_pieces
 from utils.runners.static import StaticSequence
 
-CONTEXT = 256  # tokens cached while a pass is timed
+CONTEXT = 256  # tokens cached while a pass is timed (--context)
 WIDTHS = (1, 4, 8, 16)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 GEMMS = ("specdec::gemm", "aten::addmv_", "aten::mv", "aten::linear", "aten::mm", "aten::addmm",
@@ -94,15 +95,21 @@ def read_pieces(pieces: list[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def _pass(runner: StaticSequence, costs, width: int) -> float:
+def _pass(runner: StaticSequence, costs, width: int, context: int) -> float:
     start = time.perf_counter()
     runner.forward(list(range(10, 10 + width)), num_logits=1, shortcuts=costs.shortcuts_for(width - 1))
     seconds = time.perf_counter() - start
-    runner.rollback(CONTEXT)
+    runner.rollback(context)
     return seconds
 
 
-def gemm_seconds(runner: StaticSequence, costs, width: int) -> float:
+def cache_bytes(runner: StaticSequence, context: int) -> int:
+    """Bytes of the keys and values of `context` cached tokens (what a pass reads of the cache), from the buffer."""
+    cache = runner._cache
+    return sum(t.nbytes for t in (*cache.keys, *cache.values)) * context // cache.slots
+
+
+def gemm_seconds(runner: StaticSequence, costs, width: int, context: int) -> float:
     """Seconds one pass spends in GEMM kernels (torch's profiler, self times). The layers run in Python for it
     (`decoder.py`'s one call hides its GEMMs from the profiler): their GEMMs are the same calls."""
     lean = lean_decoder(runner.model)
@@ -111,7 +118,7 @@ def gemm_seconds(runner: StaticSequence, costs, width: int) -> float:
         if stack is not None:
             lean.stack = None
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            _pass(runner, costs, width)
+            _pass(runner, costs, width, context)
     finally:
         if stack is not None:
             lean.stack = stack
@@ -119,15 +126,15 @@ def gemm_seconds(runner: StaticSequence, costs, width: int) -> float:
     return sum(event.self_cpu_time_total for event in events if event.key in GEMMS or "gemm" in event.key.lower()) / 1e6
 
 
-def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
+def pass_reports(models: dict, repeats: int, context: int = CONTEXT) -> tuple[list[dict], list[float]]:
     """The bound and every width's pass of each model in `models` (label -> model), their passes interleaved round by
     round with a `sum`'s read (a shared machine's bandwidth moves within a minute: measured apart, a pass and its
     bound, or two models, drift apart): each pass against the bound of its round's bandwidth, each model's one-token
     pass against the first model's (the target's) of the same round -> (reports, each round's bandwidth)."""
     runners = {}
     for label, model in models.items():
-        runner = StaticSequence(model, slots=CONTEXT + max(WIDTHS) + 64, costs=None)
-        runner.forward(list(range(3, 3 + CONTEXT)))
+        runner = StaticSequence(model, slots=context + max(WIDTHS) + 64, costs=None)
+        runner.forward([3 + i % 1000 for i in range(context)])
         runners[label] = (pass_costs(model), runner)
     times = {label: {width: [] for width in WIDTHS} for label in models}
     pieces = {label: weight_pieces(model) for label, model in models.items()}
@@ -139,7 +146,7 @@ def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
         for label, (costs, runner) in runners.items():
             ceiling = read_pieces(pieces[label])
             for width in WIDTHS:
-                seconds = _pass(runner, costs, width)
+                seconds = _pass(runner, costs, width, context)
                 if round_:
                     times[label][width].append(seconds)
             if round_:
@@ -148,15 +155,16 @@ def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
     reports = []
     for label, model in models.items():
         costs, runner = runners[label]
-        bytes_read = pass_bytes(model)
+        weights, cached = pass_bytes(model), cache_bytes(runner, context)
+        bytes_read = weights + cached
         one = statistics.median(times[label][1])
         of_target = statistics.median(mine / theirs for mine, theirs in zip(times[label][1], times[first][1], strict=True))
         reports.append({
-            "model": label, "path": forward_path(model), "weight_gb": bytes_read / 1e9,
+            "model": label, "path": forward_path(model), "weight_gb": weights / 1e9, "cache_gb": cached / 1e9,
             "bound_ms": 1000 * bytes_read / statistics.median(bandwidths), "of_target": of_target,
             # the weights read in their pieces with no arithmetic: against the bound, and the one-token pass against it
             "ceiling_ms": 1000 * statistics.median(ceilings[label]),
-            "ceiling_of_bound": statistics.median(bytes_read / bandwidth / seconds
+            "ceiling_of_bound": statistics.median(weights / bandwidth / seconds
                                                   for bandwidth, seconds in zip(bandwidths, ceilings[label], strict=True)),
             "of_ceiling": statistics.median(ceiling / seconds
                                             for ceiling, seconds in zip(ceilings[label], times[label][1], strict=True)),
@@ -164,7 +172,7 @@ def pass_reports(models: dict, repeats: int) -> tuple[list[dict], list[float]]:
                                "of_bound": statistics.median(bytes_read / bandwidth / seconds
                                                              for bandwidth, seconds in zip(bandwidths, values, strict=True)),
                                "relative": statistics.median(values) / one,
-                               "gemm_share": gemm_seconds(runner, costs, width) / statistics.median(values)}
+                               "gemm_share": gemm_seconds(runner, costs, width, context) / statistics.median(values)}
                        for width, values in times[label].items()}})
     return reports, bandwidths
 
@@ -197,7 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("benchmarks/results/passes"))
     parser.add_argument("--emulate-avx2", action="store_true", help="hold this process to an AVX2-only CPU's code")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="the target quantized (load_model's quantize=)")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="tokens cached while a pass is timed")
     args = cli.parse(parser, argv)
+    if args.context < 1:
+        parser.error(f"--context must be >= 1, got {args.context}")
     if args.emulate_avx2:
         emulate_avx2(sys.argv[1:] if argv is None else argv)
     native.gemm, native.gemm_q4 = profiled(native.gemm), profiled(native.gemm_q4)
@@ -210,16 +221,16 @@ def main(argv: list[str] | None = None) -> None:
         models["drafter"] = load_model(args.drafter, dtype=args.dtype, device=args.device)[0]
     if not args.no_self_drafter:
         models["self-drafter (int4)"] = quantized_drafter(target, bits=4)
-    passes, bandwidths = pass_reports(models, args.repeats)
+    passes, bandwidths = pass_reports(models, args.repeats, args.context)
     bandwidth = statistics.median(bandwidths)
     prompts = [encode(tokenizer, text) for _, text in load_humaneval(args.prompts)]  # the file holds even ids only
     decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
-    result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "quantize": args.quantize,
+    result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "quantize": args.quantize, "context": args.context,
               "read_gb_per_s": bandwidth / 1e9, "read_gb_per_s_by_round": [b / 1e9 for b in bandwidths],
               "passes": passes, "plain_decoding": decoding}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
-    table = Table(title=f"Passes against the read bound (median {bandwidth / 1e9:.1f} GB/s, "
+    table = Table(title=f"Passes after {args.context} cached tokens against the read bound (median {bandwidth / 1e9:.1f} GB/s, "
                         f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f} over the rounds)")
     for column in ("model", "path", "bound ms", "pieces read: ms / of bound", "1 tok: of pieces' read",
                    "1 tok / target's", *(f"{w} tok: ms / of bound / gemm" for w in WIDTHS)):

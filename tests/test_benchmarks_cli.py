@@ -1,7 +1,8 @@
 """`python -m benchmarks`: the list names every benchmark, each one's --help exits 0 through it, and the benchmarks no
 other test runs end to end run here on the tiny saved model (spec_bench, throughput, evaluate, nasd_tau,
-suffix_compare, conversations, self_tau: tests/test_benchmark.py; coupling_acceptance: tests/test_coupling_acceptance.py;
-peers without llama.cpp: tests/test_peers.py; first_token here, its by-path comparison too). Benchmarks of the real models or the peers get the --help check only."""
+suffix_compare, conversations, self_tau: tests/test_benchmark.py; coupling_acceptance:
+tests/test_coupling_acceptance.py; peers without llama.cpp: tests/test_peers.py; first_token here, its by-path
+comparison too; busy here). Benchmarks of the real models or the peers get the --help check only."""
 
 from __future__ import annotations
 
@@ -151,9 +152,10 @@ def test_passes_writes_every_model_s_passes_on_a_tiny_model(tiny_model, tmp_path
     monkeypatch.setattr(passes, "read_bandwidth", functools.partial(passes.read_bandwidth, gigabytes=0.03))
     out = tmp_path / "passes"
     command.main(["passes", "--model", tiny_model, "--drafter", tiny_model, "--prompts", "1", "--repeats", "1",
-                  "--max-new-tokens", "4", "--out", str(out)])
+                  "--max-new-tokens", "4", "--context", "40", "--out", str(out)])
     result = json.loads((out / "results.json").read_text())
     assert [report["model"] for report in result["passes"]] == ["target", "drafter", "self-drafter (int4)"]
+    assert result["context"] == 40 and all(report["cache_gb"] > 0 for report in result["passes"])
     assert all(set(report["widths"]) == {str(w) for w in passes.WIDTHS} for report in result["passes"])
     assert result["plain_decoding"]["outputs"] and not result["emulated_avx2"]
 
@@ -173,6 +175,22 @@ def test_first_token_writes_its_passes_peaks_and_the_by_path_comparison_on_a_tin
     assert path["path"]["dtype"] == path["name"]["dtype"] and path["same_tokens"] and path["path_over_name"] > 0
     assert result["machine"]["cpu"] and "| 1023 |" in (out / "first_token.md").read_text()
     assert "time to the first token" in capsys.readouterr().out
+
+
+def test_busy_runs_each_condition_and_checks_every_output_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, capsys):
+    from benchmarks import busy
+
+    monkeypatch.setattr(busy, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(busy, "BUSY_LOOP", "import time; time.sleep(60)")  # the flow, without taking a core from the suite
+    out = tmp_path / "busy"
+    command.main(["busy", "--model", tiny_model, "--max-new-tokens", "3", "--repeats", "1", "--out", str(out)])
+    result = json.loads((out / "busy.json").read_text())
+    assert [r["condition"] for r in result["records"]] == list(busy.CONDITIONS)
+    assert not any(r["differs"] for r in result["records"]) and all(r["tokens"] == 3 for r in result["records"])
+    assert set(result["summary"]["ratios"]) == {"busy / quiet, fair share", "busy / quiet, without",
+                                                "quiet: fair share / without",
+                                                "busy with the fair share / quiet on one thread"}
+    assert "busy / quiet with the fair share" in capsys.readouterr().out
 
 
 def test_first_token_refuses_bad_lengths_before_loading(capsys):

@@ -83,6 +83,23 @@ def test_the_fair_share_follows_the_other_processes_between_passes_and_gives_the
         assert torch.get_num_threads() == 2
 
 
+def test_a_window_over_a_pause_between_generations_decides_nothing(monkeypatch):
+    """Another process busy while this one paused (our ticks: none over 10 s) must not cost the next generation a
+    thread: the window after it decides, and it is quiet."""
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    readings = iter([(0, 0, 0), (1000, 2000, 0), (1100, 2100, 100)])  # others: 1 core over the pause, then none
+    clock = iter([0.0, 10.0, 11.0])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(threads.FairShare, "_reading", staticmethod(lambda now: (now, *next(readings))))
+    watch = threads.FairShare(seconds=0.5)
+    with torch_threads(2):
+        watch()
+        watch()  # after the pause: 1000 of 2000 ticks the others', none ours
+        assert torch.get_num_threads() == 2
+        watch()  # our pass alone on the cores
+        assert torch.get_num_threads() == 2
+
+
 def test_the_fair_share_reads_the_machine_at_most_once_a_window(monkeypatch):
     calls = []
     monkeypatch.setattr(threads.FairShare, "_reading", staticmethod(lambda now: calls.append(now)))
@@ -90,3 +107,14 @@ def test_the_fair_share_reads_the_machine_at_most_once_a_window(monkeypatch):
     for _ in range(100):
         watch()
     assert len(calls) == 1
+
+
+def test_loading_a_model_takes_the_watchers_first_reading(tmp_path, monkeypatch):
+    """So that the first pass (the prompt's, the longest) already runs on the fair share beside a busy process."""
+    from tests.saved_model import save_tiny_chat_model
+    from utils.loading import load_model
+
+    calls = []
+    monkeypatch.setattr(threads, "fair_share", lambda: calls.append(1))
+    load_model(str(save_tiny_chat_model(tmp_path / "model")))
+    assert calls == [1]

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 
+from utils import threads
 from utils.lean import native, unsupported
 from utils.machine import machine_key
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
@@ -176,6 +177,7 @@ def load_model(
         raise ValueError("max_memory and offload_folder need a device_map (e.g. device_map='auto')")
     name = name_or_path
     name_or_path = resolve(name_or_path)  # one clear error at once for a name that cannot load
+    threads.fair_share()  # a reading of the machine: the first pass compares with the load's time, not with nothing
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if chosen_here and offline_model(None if name is None else str(name)) is None and _checkpoint_dtype(config) == torch.bfloat16:
         dtype = fastest_dtype()  # a user's bfloat16 checkpoint, loaded as the bundled real models are

@@ -23,6 +23,7 @@ __all__ = ["FairShare", "Fit", "advice", "available_cores", "fair_share", "fit_t
 SAMPLE_SECONDS = 0.2  # the window `other_load` watches: long enough for a few scheduler ticks
 BUSY_CORE = 0.5  # cores' worth of other work from which a core counts as taken
 WATCH_SECONDS = 0.5  # `FairShare`'s window: 100 ticks of 2 cores at Linux's 100 a second, read between passes
+STALE_WINDOWS = 4  # a longer window in which this process mostly idled (a pause between generations) decides nothing
 
 
 def available_cores() -> int:
@@ -149,7 +150,8 @@ def advice(threads: int, fit: Fit | None) -> str | None:
 class FairShare:
     """torch's thread count (our kernels take the same, `utils.lean.native`) kept to the cores other processes leave
     free, watched as passes run: called before each pass, it reads `/proc/stat` at most once every `WATCH_SECONDS`
-    (a few microseconds a pass otherwise) and compares with its last reading, so it never sleeps. Beside a busy
+    (a few microseconds a pass otherwise) and compares with its last reading, so it never sleeps (a reading from
+    before a pause between generations, `STALE_WINDOWS`, is not compared with: the next one is). Beside a busy
     process each parallel region otherwise waits for the thread that shares its core: plain decoding of the built-in
     135M on 2 cores took 4.06x its quiet time a token without it, 1.96x with it (an AMD EPYC, docs/results.md,
     nineteenth round; a 1.5B on a Xeon, 3.67x without). Never above the count it found set (the user's,
@@ -179,6 +181,9 @@ class FairShare:
         if last is None or reading[2] == last[2]:
             return
         cores = available_cores()
+        ours = (reading[3] - last[3]) / (reading[2] - last[2]) * cores
+        if now - last[0] > STALE_WINDOWS * self.seconds and ours < BUSY_CORE:
+            return  # a pause between generations: what ran then says little of now; the next window decides
         busy = max(0.0, (reading[1] - last[1] - (reading[3] - last[3])) / (reading[2] - last[2]) * cores)
         threads = max(1, min(self._wanted, round(cores - busy) if busy >= BUSY_CORE else cores))
         if threads != current:
