@@ -20,7 +20,7 @@
    twentieth round, docs/results.md).
 
    Shape of the work: each thread takes whole blocks of JB weight rows; a block's rows are read chunk by chunk
-   (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L1, then used by every group of
+   (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L2, then used by every group of
    RB activation rows while it sits in the cache. None of JB, KC, PREFETCH and RB changes the bits. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,9 +37,12 @@
 /* Inputs a chunk: JB rows of KC bfloat16 (4 KB) read once from memory, then served from L1 to every group of RB
    activation rows. Not measured (ninth round's choice, as JB). */
 #define KC 512
-/* How far ahead of the row being read its weights are prefetched into L1, in bytes. Not measured as a distance
-   (ninth round's choice); into L2 instead: no gain (docs/results.md, thirteenth round, "Tried, not kept"). */
+/* How far ahead of the row being read its weights are prefetched, in bytes: 8 to 64 KB within the noise on a Zen 4
+   (twenty-first round). Into L2 (prefetcht1, locality 2), as the 4-bit kernel's: a prefetch into L1 holds one of its
+   few fill buffers until the line comes; on a 2-vCPU Zen 4 a one-row product read 18-19.5 GB/s so and 29-33 into L2,
+   of a 30-37 GB/s read (no gain on the Xeon of the thirteenth round: docs/results.md). */
 #define PREFETCH 16384
+#define PREFETCH_LOCALITY 2
 #define HALF (KB / 2)
 
 /* The input width must be a multiple of this (every build has a kernel). */
@@ -64,7 +67,7 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
   for (int k = k0; k < k1; k += KB)
     for (int b = 0; b < nj; b++) {
       const uint16_t* w_at = W + (size_t)(j0 + b) * in + k;
-      __builtin_prefetch((const char*)w_at + PREFETCH, 0, 3);
+      __builtin_prefetch((const char*)w_at + PREFETCH, 0, PREFETCH_LOCALITY);
       vi w = load_w(w_at);
       vf even = even_half(w), odd = odd_half(w);
       for (int r = 0; r < nr; r++) {
@@ -88,7 +91,7 @@ static inline __attribute__((always_inline)) void chunk_pairs(const uint16_t* W,
     __m512bh w[JB]; /* each weight row's block once, each activation row's once: JB x RB products from JB + RB loads */
     for (int b = 0; b < nj; b++) {
       const uint16_t* w_at = W + (size_t)(j0 + b) * in + k;
-      __builtin_prefetch((const char*)w_at + PREFETCH, 0, 3);
+      __builtin_prefetch((const char*)w_at + PREFETCH, 0, PREFETCH_LOCALITY);
       w[b] = (__m512bh)load_w(w_at);
     }
     for (int r = 0; r < nr; r++) {
