@@ -78,7 +78,10 @@ def fair_share(condition: str, threads_found: int):
 def run(model, prompt: list[int], new_tokens: int, repeats: int) -> list[dict]:
     """One record per (repeat, condition): seconds, tokens, whether the output differs from the first quiet run's."""
     threads_found = torch.get_num_threads()
-    decode = lambda: autoregressive_generate(prompt, model, max_gen_len=new_tokens, end_tokens_id=None)  # noqa: E731
+
+    def decode() -> list[int]:
+        return autoregressive_generate(prompt, model, max_gen_len=new_tokens, end_tokens_id=None)
+
     reference = decode()  # the warm-up, and every run's reference
     records = []
     for repeat in range(repeats):
@@ -123,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = encode(tokenizer, load_humaneval(1)[0][1])
     records = run(model, prompt, args.max_new_tokens, args.repeats)
     summary = summarise(records)
-    settings = {"model": args.model or "SmolLM2-135M-Instruct", "dtype": str(model.dtype), "prompt": "the first HumanEval development prompt",
-                "prompt_tokens": len(prompt), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+    settings = {"model": args.model or "SmolLM2-135M-Instruct", "dtype": str(model.dtype),
+                "prompt": "the first HumanEval development prompt", "prompt_tokens": len(prompt),
+                "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "machine": machine()}
     goals = goal_lines(summary["ratios"])
     lines = [f"Plain greedy decoding beside one CPU-bound process (`python -c \"{BUSY_LOOP}\"`) and quiet, with the fair "

@@ -1,7 +1,8 @@
 """Speculative decoding (Leviathan et al. 2023) and speculative sampling (Chen et al. 2023): the
 public functions, and `run_speculative`, the one path of every speculative call: its arguments
 checked once, its drafter built by the kind its options ask for (`sampling/drafters/drafter_kinds.py`: a
-drafter model, the target's own weights in fewer bits ("self"), your own `Drafter`, a model beside an n-gram pool), the one loop (`sampling/loop/speculative_loop.py`).
+drafter model, the target's own weights in fewer bits ("self"), your own `Drafter`, a model beside an n-gram
+pool), the one loop (`sampling/loop/speculative_loop.py`).
 """
 
 from __future__ import annotations

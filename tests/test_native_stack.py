@@ -171,8 +171,6 @@ def test_the_shape_mirror_is_checked_against_the_compiled_layout(monkeypatch):
 def test_the_numbers_a_spec_is_told_in_are_checked_against_decoder_c(monkeypatch):
     """The layer kind bits, the activation kinds and a layer's pointer count: decoder.c's own (`specdec.h`), and a
     number that differs keeps every model off the stack with the reason."""
-    from utils.lean import decoder
-
     require_native()
     assert layer_ops.spec_numbers() == [1, 2, 0, 1, 18]
     monkeypatch.setattr(layer_ops, "spec_numbers", lambda: [1, 2, 1, 0, 18])
