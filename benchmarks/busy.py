@@ -57,7 +57,7 @@ def busy_process(busy: bool):
 
 
 @contextmanager
-def fair_share(condition: str, threads_found: int):
+def run_threads(condition: str, threads_found: int):
     """The run's threads: with the fair share, a watcher of its own that takes its first reading now, before the busy
     process starts (the process's watcher, idle through the runs without it, would compare with a reading from before
     them); without it, a no-op in its place and torch on `threads_found` threads, or on one."""
@@ -87,7 +87,7 @@ def run(model, prompt: list[int], new_tokens: int, repeats: int) -> list[dict]:
     for repeat in range(repeats):
         shift = repeat % len(CONDITIONS)
         for condition in CONDITIONS[shift:] + CONDITIONS[:shift]:
-            with fair_share(condition, threads_found), busy_process(condition.startswith("busy")):
+            with run_threads(condition, threads_found), busy_process(condition.startswith("busy")):
                 start = time.perf_counter()
                 output = decode()
                 seconds = time.perf_counter() - start

@@ -134,7 +134,7 @@ def pass_reports(models: dict, repeats: int, context: int = CONTEXT) -> tuple[li
     runners = {}
     for label, model in models.items():
         runner = StaticSequence(model, slots=context + max(WIDTHS) + 64, costs=None)
-        runner.forward([3 + i % 1000 for i in range(context)])
+        runner.forward([3 + i % (model.config.vocab_size - 3) for i in range(context)])  # ids past the special ones
         runners[label] = (pass_costs(model), runner)
     times = {label: {width: [] for width in WIDTHS} for label in models}
     pieces = {label: weight_pieces(model) for label, model in models.items()}

@@ -181,10 +181,11 @@ class FairShare:
         if last is None or reading[2] == last[2]:
             return
         cores = available_cores()
-        ours = (reading[3] - last[3]) / (reading[2] - last[2]) * cores
+        cores_per_tick = cores / (reading[2] - last[2])
+        ours = (reading[3] - last[3]) * cores_per_tick
         if now - last[0] > STALE_WINDOWS * self.seconds and ours < BUSY_CORE:
             return  # a pause between generations: what ran then says little of now; the next window decides
-        busy = max(0.0, (reading[1] - last[1] - (reading[3] - last[3])) / (reading[2] - last[2]) * cores)
+        busy = max(0.0, (reading[1] - last[1]) * cores_per_tick - ours)
         threads = max(1, min(self._wanted, round(cores - busy) if busy >= BUSY_CORE else cores))
         if threads != current:
             torch.set_num_threads(threads)
