@@ -18,6 +18,7 @@ from benchmarks.prompts import WORKLOADS
 
 DEVICE_HELP = "where the models run: cpu, cuda, cuda:1, mps, xpu (default: the CPU)"
 TARGET_HELP = "target: a name load_model takes or a folder (default: the built-in SmolLM2-135M-Instruct)"
+QUANTIZE = ("int8", "int4")
 DTYPE_HELP = ("of the models (default: load_model's: float32, or for the offline real models the faster of float32 "
               "and bfloat16 here)")
 
@@ -28,12 +29,18 @@ def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def add_models(parser: argparse.ArgumentParser, *, drafter: str | None = None, required: bool = False,
-               dtype: str | None = None, device: bool = True, device_map: bool = False) -> None:
+               dtype: str | None = None, device: bool = True, device_map: bool = False, quantize: bool = False) -> None:
     """--target (alias --model; `args.model`), --drafter when `drafter` (its help) is given, --dtype
-    (default `dtype`), --device, and accelerate's --device-map when asked."""
+    (default `dtype`), --device, accelerate's --device-map when asked, and with `quantize` load_model's
+    weight-only quantization: --quantize for the target, --drafter-quantize for the drafter."""
     parser.add_argument("--target", "--model", dest="model", default=None, required=required, help=TARGET_HELP)
     if drafter is not None:
         parser.add_argument("--drafter", default=None, required=required, help=drafter)
+    if quantize:
+        parser.add_argument("--quantize", choices=QUANTIZE, help="the target quantized (load_model's quantize=)")
+        if drafter is not None:
+            parser.add_argument("--drafter-quantize", choices=QUANTIZE,
+                                help="the drafter quantized (load_model's quantize=), e.g. for a --quantize int4 target")
     parser.add_argument("--dtype", default=dtype, help=DTYPE_HELP if dtype is None else f"default: {dtype}")
     if device_map:
         parser.add_argument("--device-map", default=None, help="accelerate placement of the target, e.g. auto")

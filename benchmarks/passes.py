@@ -199,12 +199,11 @@ def plain_decoding(model, tokenizer, prompts: list[list[int]], tokens: int, repe
 
 def main(argv: list[str] | None = None) -> None:
     parser = cli.benchmark_parser(__doc__)
-    cli.add_models(parser, drafter="a drafter model whose passes are measured too")
-    parser.add_argument("--no-self-drafter", action="store_true", help="leave out the four-bit self-drafter")
+    cli.add_models(parser, drafter="a drafter model whose passes are measured too", quantize=True)
+    parser.add_argument("--no-self-drafter", action="store_true", help="leave out the four-bit self-drafter (left out with --quantize)")
     parser.add_argument("--prompts", type=int, default=3, help="HumanEval development prompts decoded (even task ids: 0, 2, 4, ...)")
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("benchmarks/results/passes"))
     parser.add_argument("--emulate-avx2", action="store_true", help="hold this process to an AVX2-only CPU's code")
-    parser.add_argument("--quantize", choices=["int8", "int4"], help="the target quantized (load_model's quantize=)")
     parser.add_argument("--context", type=int, default=CONTEXT, help="tokens cached while a pass is timed")
     args = cli.parse(parser, argv)
     if args.context < 1:
@@ -218,8 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     target, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     models = {"target": target}
     if args.drafter:
-        models["drafter"] = load_model(args.drafter, dtype=args.dtype, device=args.device)[0]
-    if not args.no_self_drafter:
+        models["drafter"] = load_model(args.drafter, dtype=args.dtype, device=args.device,
+                                       quantize=args.drafter_quantize)[0]
+    if not args.no_self_drafter and not args.quantize:  # a quantized target has no float weights to draft from
         models["self-drafter (int4)"] = quantized_drafter(target, bits=4)
     passes, bandwidths = pass_reports(models, args.repeats, args.context)
     bandwidth = statistics.median(bandwidths)

@@ -189,13 +189,11 @@ def peer_notes(peer, draft_max: int) -> list[str]:
 def parse_args(argv: list[str] | None):
     parser = cli.benchmark_parser(__doc__)
     cli.add_models(parser, drafter="a drafter model for ours and llama.cpp's draft-model speculation, e.g. "
-                   "qwen2.5-coder-0.5b-instruct", device=False)
+                   "qwen2.5-coder-0.5b-instruct", device=False, quantize=True)
     cli.add_workload(parser, workload="humaneval", per_category=4)
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("bench_results/peers"))
     parser.add_argument("--llama-draft-max", type=int, default=DRAFT_MAX,
                         help=f"tokens llama.cpp's drafter model drafts at most (llama.cpp's default: {DRAFT_MAX})")
-    parser.add_argument("--quantize", choices=["int8", "int4"],
-                        help="our target quantized (load_model's quantize=): int4 against llama.cpp's Q4_K_M")
     args = cli.parse(parser, argv)
     if args.llama_draft_max < 1:
         parser.error(f"--llama-draft-max must be >= 1, got {args.llama_draft_max}")
@@ -209,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not texts:
         raise SystemExit(f"no prompts: --per-category {args.per_category} of workload {args.workload}")
     target, tokenizer = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
-    drafter = load_model(args.drafter, dtype=target.dtype)[0] if args.drafter else None
+    drafter = load_model(args.drafter, dtype=target.dtype, quantize=args.drafter_quantize)[0] if args.drafter else None
     prompts = [(index, task, encode(tokenizer, text)) for index, (task, text) in enumerate(texts)]
     threads = torch.get_num_threads()
     n_ctx = max(len(ids) for _, _, ids in prompts) + args.max_new_tokens + CONTEXT_SLACK
@@ -233,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
                "llama.cpp": peer.weights if peer else "-"}
     notes += peer_notes(peer, args.llama_draft_max)
     settings = {"workload": args.workload, "model": args.model or "smollm2-135m-instruct", "drafter": args.drafter,
+                "drafter_quantize": args.drafter_quantize,
                 "prompts": len(prompts), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "threads": threads, "n_ctx": n_ctx, "weights": weights,
                 "date": time.strftime("%Y-%m-%d"), "machine": machine()}

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", default=",".join(METHODS))
     cli.add_sampling(parser)
     cli.add_models(parser, drafter="drafter, e.g. qwen2.5-coder-0.5b-instruct (default: a bfloat16 copy of the target)",
-                   device_map=True)
+                   device_map=True, quantize=True)
     parser.add_argument("--seed", type=int, default=0)
     args = cli.parse(parser, argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -259,10 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
     console = Console(quiet=args.quiet or not state.is_main_process)
     device = str(state.device) if state.num_processes > 1 and state.device.type != "cpu" and not args.device_map else None
     device = args.device or device
-    target, tokenizer = load_model(args.model, dtype=args.dtype, device_map=args.device_map, device=device)
-    if args.drafter or args.device_map:  # a dispatched target cannot be deep-copied: load the copy
+    target, tokenizer = load_model(args.model, dtype=args.dtype, device_map=args.device_map, device=device,
+                                   quantize=args.quantize)
+    if args.drafter or args.device_map or args.quantize:  # a dispatched or quantized target: load the copy
         drafter, drafter_tokenizer = load_model(args.drafter or args.model, dtype=target.dtype if args.drafter else "bfloat16",
-                                                device=device)
+                                                device=device, quantize=args.drafter_quantize)
     else:
         drafter, drafter_tokenizer = copy.deepcopy(target).to(torch.bfloat16), tokenizer
     sample = cli.sampling_settings(args)
@@ -282,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict:
     verdict = noise_verdict(records, summary)
     steps = breakdown.summarise(records, methods)
     settings = {"mode": mode, "workload": args.workload, **(sample or {}), "model": args.model or "SmolLM2-135M-Instruct",
-                "drafter": args.drafter or "bf16 copy of target", "max_new_tokens": args.max_new_tokens,
+                "drafter": args.drafter or "bf16 copy of target", "quantize": args.quantize,
+                "drafter_quantize": args.drafter_quantize, "max_new_tokens": args.max_new_tokens,
                 "per_category": args.per_category, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
                 "processes": state.num_processes,
                 "load_average_before": load_before, "load_average_after": os.getloadavg(),

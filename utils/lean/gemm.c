@@ -21,7 +21,7 @@
 
    Shape of the work: each thread takes whole blocks of JB weight rows; a block's rows are read chunk by chunk
    (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L2, then used by every group of
-   RB activation rows while it sits in the cache. None of JB, KC, PREFETCH and RB changes the bits. */
+   RB activation rows while it sits in the cache. None of JB, KC, KC_PAIRS, PREFETCH and RB changes the bits. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -33,10 +33,20 @@
 #define MAX_ROWS SPECDEC_MAX_ROWS
 /* Weight rows a thread's block: the accumulators of JB rows times RB activation rows stay in registers. Not
    measured: chosen with the kernel (ninth round, docs/results.md "A kernel of our own"), no other value timed. */
+#ifndef JB /* -DJB=... builds another to time (as RB, KC, KC_PAIRS and Q4_X): none changes the bits */
 #define JB 4
-/* Inputs a chunk: JB rows of KC bfloat16 (4 KB) read once from memory, then served from L1 to every group of RB
-   activation rows. Not measured (ninth round's choice, as JB). */
+#endif
+/* Inputs a chunk: JB rows of KC bfloat16 read once from memory, then served from L1 to every group of RB activation
+   rows, whose accumulators go to memory between chunks. The float32 chain's KC: 512 (4 KB of weights, the ninth
+   round's choice; on AVX2 2048 measured 0.94-1.06x it, so kept). Bfloat16 pairs' KC_PAIRS: 4096, a 1536-wide input's
+   whole row; against 512 on a 2-vCPU Zen 4 1.02-1.05x at 8 and 16 rows, 1.11-1.17x at 32, the same at one (2048 to
+   8192 alike; twenty-second round, docs/results.md). */
+#ifndef KC
 #define KC 512
+#endif
+#ifndef KC_PAIRS
+#define KC_PAIRS 4096
+#endif
 /* How far ahead of the row being read its weights are prefetched, in bytes: 8 to 64 KB within the noise on a Zen 4
    (twenty-first round). Into L2 (prefetcht1, locality 2), as the 4-bit kernel's: a prefetch into L1 holds one of its
    few fill buffers until the line comes; on a 2-vCPU Zen 4 a one-row product read 18-19.5 GB/s so and 29-33 into L2,
@@ -126,8 +136,9 @@ static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void*
   for (int g = 0; g < groups; g++)
     for (int r = 0; r < RB; r++)
       for (int b = 0; b < JB; b++) acc[g][r][b] = vzero();
-  for (int k0 = 0; k0 < in; k0 += KC) {
-    int k1 = k0 + KC < in ? k0 + KC : in;
+  int kc = pairs ? KC_PAIRS : KC;
+  for (int k0 = 0; k0 < in; k0 += kc) {
+    int k1 = k0 + kc < in ? k0 + kc : in;
     for (int g = 0; g < groups; g++) {
       int r0 = g * RB, nr = rows - r0 < RB ? rows - r0 : RB;
 #if PAIRS

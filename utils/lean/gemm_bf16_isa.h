@@ -23,7 +23,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define KB 32 /* bfloat16 weights per step: one 64-byte load per weight row */
+#ifndef RB /* overridable at compile time to time others (-DRB=...): it does not change the bits */
 #define RB 4
+#endif
 typedef __m512 vf;
 typedef __m512i vi;
 static inline vi load_w(const uint16_t* p) { return _mm512_loadu_si512((const void*)p); }

@@ -44,10 +44,12 @@
 #define Q4_BLOCK 32 /* inputs a block: the layout's (and llama.cpp's), not a tuning choice */
 #define Q4_ROWS 16  /* weight rows a group: one per float32 lane of a 512-bit register (the layout's) */
 #define Q4_GROUP_BYTES (Q4_ROWS * Q4_BLOCK / 2) /* one block of a group */
-/* Activation rows a group's pass serves (the weights then come from L1 for the next four). Not measured against
-   other values: the twelfth round timed this kernel at 1, 4 and 8 rows only (docs/results.md, twelfth round). It
-   does not change the bits. */
+/* Activation rows a group's pass serves (the weights then come from L1 for the next four). It does not change the
+   bits. Against 6, 8 and 16 on a 2-vCPU Zen 4 (twenty-second round): the same at 1 and 4 rows, 0.93-1.14x at 8 to 32
+   (the shift of a 5% noise), so kept: past 4 rows the kernel is bound by its integer dot products, not by reads. */
+#ifndef Q4_X
 #define Q4_X 4
+#endif
 /* Blocks prefetched ahead: 4 KB of weights. Measured: 1 to 8 KB ahead (docs/results.md, twelfth round); 64 blocks
    the same, into L2 rather than L1 5-8% faster (thirteenth round; the figures in "Figures behind the code's
    rules"). */
