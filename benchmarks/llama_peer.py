@@ -116,11 +116,14 @@ class LlamaCppPeer:
                  draft_max: int = DRAFT_MAX) -> None:
         common = dict(model_path=str(target), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
         lookup = llama_cpp.llama_speculative.LlamaPromptLookupDecoding(**PROMPT_LOOKUP)
+        # A speculative Llama keeps every position's logits whatever `logits_all` says, but sizes their array by it:
+        # n_batch rows (512) unless told, so a prompt past 512 tokens failed to broadcast in its `eval` (0.3.36).
+        speculative = {**common, "logits_all": True}
         self.models = {"llama_plain": llama_cpp.Llama(**common),
-                       "llama_prompt_lookup": llama_cpp.Llama(**common, draft_model=lookup)}
+                       "llama_prompt_lookup": llama_cpp.Llama(**speculative, draft_model=lookup)}
         if drafter is not None:
             small = llama_cpp.Llama(**{**common, "model_path": str(drafter)})
-            self.models["llama_draft"] = llama_cpp.Llama(**common, draft_model=ModelDraft(small, n_max=draft_max))
+            self.models["llama_draft"] = llama_cpp.Llama(**speculative, draft_model=ModelDraft(small, n_max=draft_max))
         self.methods = tuple(self.models)
         self.weights = weight_types(target)
         self.drafter_weights = weight_types(drafter) if drafter is not None else None

@@ -103,12 +103,6 @@ def _pass(runner: StaticSequence, costs, width: int, context: int) -> float:
     return seconds
 
 
-def cache_bytes(runner: StaticSequence, context: int) -> int:
-    """Bytes of the keys and values of `context` cached tokens (what a pass reads of the cache), from the buffer."""
-    cache = runner._cache
-    return sum(t.nbytes for t in (*cache.keys, *cache.values)) * context // cache.slots
-
-
 def gemm_seconds(runner: StaticSequence, costs, width: int, context: int) -> float:
     """Seconds one pass spends in GEMM kernels (torch's profiler, self times). The layers run in Python for it
     (`decoder.py`'s one call hides its GEMMs from the profiler): their GEMMs are the same calls."""
@@ -155,7 +149,7 @@ def pass_reports(models: dict, repeats: int, context: int = CONTEXT) -> tuple[li
     reports = []
     for label, model in models.items():
         costs, runner = runners[label]
-        weights, cached = pass_bytes(model), cache_bytes(runner, context)
+        weights, cached = pass_bytes(model), runner.cache_bytes(context)
         bytes_read = weights + cached
         one = statistics.median(times[label][1])
         of_target = statistics.median(mine / theirs for mine, theirs in zip(times[label][1], times[first][1], strict=True))

@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarise(records, methods)
     origin = " (the GGUF de-quantized)" if offline_model(args.model) is not None else ""
     quantized = f", {args.quantize} weights" if args.quantize else ""
+    if drafter is not None and args.drafter_quantize:
+        quantized += f" (the drafter's {args.drafter_quantize})"
     weights = {"ours": f"{str(target.dtype).removeprefix('torch.')}{origin}{quantized}",
                "llama.cpp": peer.weights if peer else "-"}
     notes += peer_notes(peer, args.llama_draft_max)

@@ -480,7 +480,7 @@ def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_ev
     minimums as torch's int4 form, a scale per 32 or 64 inputs), activations quantized to int8 per block of 32; within
     that rounding of the float product, the same bits at every row count; a prompt's many rows by the dequantized
     weight."""
-    from utils.lean import native
+    from utils.lean import kernels, native
     from utils.quantize import _int4_groups, quantized_linear
 
     if not _our_kernels_run_here():
@@ -506,9 +506,45 @@ def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_ev
         for rows in (1, 3, 8, 13):
             assert torch.equal(layer(x[:rows]), full[:rows]), rows
         assert torch.allclose(layer(x.double()), full.double(), atol=1e-6)  # float64 in, float32 inside
-        prompt_rows = torch.randn(40, 128)  # in bfloat16 where this CPU computes in it, else float32
+        # A prompt's rows: by the kernel, 32 rows a call (each row its bits alone), or by the dequantized weight in
+        # torch's GEMM (in bfloat16 where this CPU computes in it, else float32): the layer takes what was measured.
+        prompt_rows = torch.randn(40, 128)
+        in_pieces = native.gemm_q4(prompt_rows, layer.weight_q, layer.scales, 40, linear.bias, pieces=True)
+        assert torch.equal(in_pieces, torch.cat([layer(row[None]) for row in prompt_rows]))
+        dequantized_product = native.gemm_q4(prompt_rows, layer.weight_q, layer.scales, 40, linear.bias)
         tolerance = 2**-6 if native.bfloat16_arithmetic() else 1e-4
-        assert torch.allclose(layer(prompt_rows), prompt_rows @ dequantized.T + linear.bias, atol=tolerance, rtol=tolerance)
+        exact_product = prompt_rows @ dequantized.T + linear.bias
+        assert torch.allclose(dequantized_product, exact_product, atol=tolerance, rtol=tolerance)
+        assert (in_pieces - exact_product).norm() / exact_product.norm() < 0.02
+        chosen = in_pieces if kernels.q4_in_pieces(128, torch.float32) else dequantized_product
+        assert torch.equal(layer(prompt_rows), chosen)
+
+
+def test_a_four_bit_prompt_takes_the_kernel_in_pieces_where_it_costs_at_most_five_percent(monkeypatch, tmp_path):
+    """`q4_in_pieces`: measured once per machine and input width (then read from the disk cache), the kernel where its
+    passes of 32 rows cost at most 1.05x the dequantized weight's GEMM; SPECDEC_WIDTH_INVARIANT decides it when set."""
+    from utils.lean import kernels
+
+    require_native()
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(kernels.INVARIANT_ENV, raising=False)
+    for pieces, dequantized, expected in ((1.0, 1.0, True), (1.04, 1.0, True), (1.2, 1.0, False)):
+        kernels.q4_in_pieces.cache_clear()
+        monkeypatch.setattr(kernels, "_measure_q4", lambda *_, p=pieces, d=dequantized: {"pieces": p, "dequantized": d})
+        for f in (tmp_path / "kernels").glob("*.json"):
+            f.unlink()
+        assert kernels.q4_in_pieces(64, torch.bfloat16) is expected
+        kernels.q4_in_pieces.cache_clear()
+        monkeypatch.setattr(kernels, "_measure_q4", None)  # read from the disk now
+        assert kernels.q4_in_pieces(64, torch.bfloat16) is expected
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv(kernels.INVARIANT_ENV, value)
+        kernels.q4_in_pieces.cache_clear()
+        assert kernels.q4_in_pieces(64, torch.bfloat16) is expected
+    kernels.q4_in_pieces.cache_clear()
+    monkeypatch.undo()  # the real measurement, on a small width
+    seconds = kernels._measure_q4(64, torch.float32)
+    assert set(seconds) == {"pieces", "dequantized"} and all(0 < t < 10 for t in seconds.values())
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])

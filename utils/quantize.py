@@ -13,7 +13,8 @@
   the same q, scales and minimums (w = scale q + minimum) in the kernel's layout, times the activations quantized
   to int8 per block of 32 (llama.cpp's Q4_1 x Q8_1): integer dot products at 0.625 bytes a weight (0.5625 in groups of
   64). torch's int4 kernel dequantizes to float32 and streams ~14 GB/s on the Xeon of docs/lean.md, ours ~19 (one
-  row). A pass over more than `native.MAX_ROWS` rows (a prompt) multiplies by the weight dequantized.
+  row). A pass over more than `native.MAX_ROWS` rows (a prompt) runs it `MAX_ROWS` rows a call, or multiplies by the
+  weight dequantized where that is measured faster (`kernels.q4_in_pieces`).
 
 The kernels take bfloat16, float16 or float32 activations (not float64), on the CPU only. A layer
 computes in `compute_dtype(x.dtype)` (bfloat16 and float16 kept, float32 and float64 in bfloat16: torch's CPU
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from utils.lean import huge_pages, native
+from utils.lean import huge_pages, kernels, native
 
 __all__ = ["QuantizedLinear", "compute_dtype", "int4_fits", "quantized_linear", "linear_weight"]
 
@@ -110,7 +111,8 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":  # the bias added inside
-            return native.gemm_q4(rows, self.weight_q, self.scales, self.out_features, self.bias).reshape(
+            pieces = rows.shape[0] > native.MAX_ROWS and kernels.q4_in_pieces(self.in_features, rows.dtype)
+            return native.gemm_q4(rows, self.weight_q, self.scales, self.out_features, self.bias, pieces=pieces).reshape(
                 *shape[:-1], self.out_features)
         rows = rows.to(self.compute)
         if self.bits == 8:

@@ -47,7 +47,7 @@ from utils.lean import native
 from utils.paths import cache_dir, write_cached
 
 __all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "invariance_pays", "kernel_table",
-           "prepare"]
+           "prepare", "q4_in_pieces"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows r take the table's entry for the smallest bucket >= r; past 32, F.linear
 PROBE_BYTES = 1 << 29  # matrices timed in turn: beyond the caches, so that the weights come from memory
@@ -61,6 +61,7 @@ INVARIANT_ENV = settings.INVARIANT_ENV  # "0": the fastest kernel per width; "1"
 AGREEMENT_OUTPUTS = 1 << 18  # outputs compared per kernel and row count before it counts as width-invariant
 AGREEMENT_ROWS = 1024  # and at most so many rows (a one-row kernel: as many calls), for weights of under 256 outputs
 INVARIANCE_PAYS = 1.05  # the invariant family's mean price over the row counts that it may cost by default
+Q4_PROBE = (16 * native.MAX_ROWS, 2048)  # a 4-bit prompt pass's probe: its rows, and the weight's (`q4_in_pieces`)
 
 
 def apply(kernel: Kernel, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -204,11 +205,54 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
     return KernelTable(table)
 
 
-def _path(shape: tuple[int, int], dtype: torch.dtype) -> Path:
-    """Where the table of `shape` in `dtype` is kept: one file per machine, thread count, torch and this code."""
+@cache
+def q4_in_pieces(in_features: int, dtype: torch.dtype) -> bool:
+    """Whether a 4-bit weight of `in_features` inputs multiplies a prompt's rows (more than `native.MAX_ROWS`) of
+    `dtype` by our 4-bit kernel, MAX_ROWS rows a call (every row the bits it gets alone, so a pass without a cache
+    gives a cached pass's bits), rather than dequantized into torch's GEMM (`native.gemm_q4`): the kernel wherever it
+    costs at most `INVARIANCE_PAYS` of torch's time over `Q4_PROBE`'s rows, measured once per machine (tenths of a
+    second), as the invariant kernels are chosen; `SPECDEC_WIDTH_INVARIANT=1` the kernel at any price, `=0` torch's.
+    On a 2-vCPU Zen 4 (VNNI, no AMX) the kernel took 0.28-0.66 of torch's time over 64 to 709 rows (twenty-second
+    round, docs/results.md); AMX's tiles may turn that."""
+    chosen = settings.current().width_invariant
+    if chosen is not None:
+        return chosen
+    path = _path((Q4_PROBE[1], in_features), dtype, kind="q4 pieces")
+    try:
+        return bool(json.loads(path.read_text())["pieces"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    seconds = _measure_q4(in_features, dtype)
+    pieces = seconds["pieces"] <= INVARIANCE_PAYS * seconds["dequantized"]
+    write_cached(path, lambda file: file.write_text(json.dumps({"pieces": pieces, "seconds": seconds})))
+    return pieces
+
+
+def _measure_q4(in_features: int, dtype: torch.dtype) -> dict[str, float]:
+    """The best of three passes over `Q4_PROBE`'s rows each way, after one, on a random 4-bit weight."""
+    rows, out = Q4_PROBE
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (out, in_features), dtype=torch.uint8, generator=generator)
+    scales = torch.rand(out, in_features // native.Q4_BLOCK, generator=generator) / 64
+    packed, scales_minimums = native.pack_q4(q, scales, -8 * scales)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    seconds = {}
+    for name, pieces in (("pieces", True), ("dequantized", False)):
+        best = float("inf")
+        for _ in range(REPEATS + 2):
+            start = time.perf_counter()
+            native.gemm_q4(x, packed, scales_minimums, out, pieces=pieces)
+            best = min(best, time.perf_counter() - start)
+        seconds[name] = best
+    return seconds
+
+
+def _path(shape: tuple[int, int], dtype: torch.dtype, kind: str = "table") -> Path:
+    """Where the table of `shape` in `dtype` is kept (or another `kind` of choice): one file per machine, thread
+    count, torch and this code."""
     key = {"shape": list(shape), "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "cpu": torch.backends.cpu.get_cpu_capability(), "code": _CODE,
-           "machine": _cpu_name()}
+           "machine": _cpu_name(), **({"kind": kind} if kind != "table" else {})}
     return cache_dir() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
 
 

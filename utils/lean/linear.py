@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from utils import settings
 from utils.lean import huge_pages, native
-from utils.lean.kernels import LINEAR, NATIVE, KernelTable, apply, invariance_pays, kernel_table, prepare
+from utils.lean.kernels import LINEAR, NATIVE, KernelTable, apply, invariance_pays, kernel_table, prepare, q4_in_pieces
 
 __all__ = ["Linear", "fused", "numerics"]
 
@@ -44,7 +44,7 @@ class Linear:
                        (fused([m.weight_q for m in modules], modules, "weight_q"),
                         fused([m.scales for m in modules], modules, "scales")))
             self.bias = _fused_bias(modules)
-            self.weight, self.modules = None, None
+            self.weight, self.modules, self.q4_inputs = None, None, modules[0].in_features
         elif all(_plain(module) for module in modules) and len({m.weight.dtype for m in modules}) == 1:
             self.weight = fused([module.weight for module in modules], modules, "weight")
             biases = [module.bias for module in modules]
@@ -66,7 +66,8 @@ class Linear:
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         rows = x.numel() // x.shape[-1]
         if self.q4 is not None:
-            out = native.gemm_q4(x.reshape(rows, -1), *self.q4, sum(self.widths), self.bias)
+            pieces = rows > native.MAX_ROWS and q4_in_pieces(self.q4_inputs, x.dtype)
+            out = native.gemm_q4(x.reshape(rows, -1), *self.q4, sum(self.widths), self.bias, pieces=pieces)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         if x.dtype != self.weight.dtype:
             return self._mixed(x, rows)
@@ -109,7 +110,10 @@ class Linear:
         if self.modules is not None:
             return f"its own module ({type(self.modules[0]).__name__})"
         if self.q4 is not None:
-            return "ours, 4-bit" if rows <= native.MAX_ROWS else "4-bit dequantized, torch's GEMM"
+            if rows <= native.MAX_ROWS:
+                return "ours, 4-bit"
+            return (f"ours, 4-bit, {native.MAX_ROWS} rows a call" if q4_in_pieces(self.q4_inputs, dtype)
+                    else "4-bit dequantized, torch's GEMM")
         if dtype != self.weight.dtype:
             wide = str(torch.promote_types(dtype, self.weight.dtype)).removeprefix("torch.")
             return "ours, float32 rows over bfloat16" if self._ours_for(rows, dtype) else f"torch's F.linear in {wide}"

@@ -274,11 +274,13 @@ def dequantize_q4(packed: Tensor, scales_minimums: Tensor, out_features: int, dt
     return weight
 
 
-def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
+def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor, out_features: int, bias: Tensor | None = None, *,
+            pieces: bool = False) -> Tensor:
     """x (rows, K) times the 4-bit weight `pack_q4` made, plus `bias` (out_features,) -> (rows, out_features) in x's
     dtype: up to MAX_ROWS rows by the kernel (float32 or bfloat16 rows as they come, others in float32; the bias
-    added in float32), a prompt's more rows by the weight dequantized (by the kernel's library, in a few
-    milliseconds) and torch's GEMM, in bfloat16 where this CPU computes in it (AMX's GEMMs), else float32."""
+    added in float32); a prompt's more rows by the kernel in passes of MAX_ROWS rows (`pieces`: each row the bits it
+    gets alone), else by the weight dequantized (by the kernel's library, in a few milliseconds) and torch's GEMM, in
+    bfloat16 where this CPU computes in it (AMX's GEMMs), else float32 (`kernels.q4_in_pieces` measures which)."""
     in_features = check_q4_weight(packed, scales_minimums, out_features)
     check.dtype(check.tensor(x, "x"), "x", (torch.float32, torch.bfloat16, torch.float16, torch.float64))
     check.shape(x, "x", (None, in_features))
@@ -289,6 +291,8 @@ def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor, out_features: in
         return gemm_q4(x.float(), packed, scales_minimums, out_features, bias).to(x.dtype)
     if x.shape[0] == 0:
         return x.new_empty(0, out_features)
+    if x.shape[0] > MAX_ROWS and pieces:
+        return torch.cat([gemm_q4(part, packed, scales_minimums, out_features, bias) for part in x.split(MAX_ROWS)])
     if x.shape[0] > MAX_ROWS:
         dtype = torch.bfloat16 if bfloat16_arithmetic() else torch.float32
         y = F.linear(x.to(dtype), dequantize_q4(packed, scales_minimums, out_features, dtype)).to(x.dtype)

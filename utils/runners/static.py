@@ -125,6 +125,11 @@ class StaticRunner(ModelPasses):
     def row_length(self, row: int) -> int:
         return len(self.rows[row])
 
+    def cache_bytes(self, tokens: int) -> int:
+        """Bytes of the keys and values that `tokens` cached positions of every row hold (what a pass reads of them)."""
+        cache = self._cache
+        return sum(t.nbytes for t in (*cache.keys, *cache.values)) * tokens // cache.slots
+
     @torch.no_grad()
     def forward_rows(self, blocks: Blocks, num_logits: list[int]) -> list[Tensor]:
         """One pass feeding every row its block, right-padded (`Runner.forward_rows`); a tensor
