@@ -212,7 +212,7 @@ def q4_in_pieces(in_features: int, dtype: torch.dtype) -> bool:
     gives a cached pass's bits), rather than dequantized into torch's GEMM (`native.gemm_q4`): the kernel wherever it
     costs at most `INVARIANCE_PAYS` of torch's time over `Q4_PROBE`'s rows, measured once per machine (tenths of a
     second), as the invariant kernels are chosen; `SPECDEC_WIDTH_INVARIANT=1` the kernel at any price, `=0` torch's.
-    On a 2-vCPU Zen 4 (VNNI, no AMX) the kernel took 0.28-0.66 of torch's time over 64 to 709 rows (twenty-second
+    On a 2-vCPU Zen 4 (VNNI, no AMX) the kernel took 0.28-0.74 of torch's time over 64 to 709 rows (twenty-second
     round, docs/results.md); AMX's tiles may turn that."""
     chosen = settings.current().width_invariant
     if chosen is not None:
@@ -229,7 +229,7 @@ def q4_in_pieces(in_features: int, dtype: torch.dtype) -> bool:
 
 
 def _measure_q4(in_features: int, dtype: torch.dtype) -> dict[str, float]:
-    """The best of three passes over `Q4_PROBE`'s rows each way, after one, on a random 4-bit weight."""
+    """Seconds of a pass over `Q4_PROBE`'s rows each way, the best of four, on a random 4-bit weight."""
     rows, out = Q4_PROBE
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (out, in_features), dtype=torch.uint8, generator=generator)

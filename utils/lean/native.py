@@ -288,7 +288,7 @@ def gemm_q4(x: Tensor, packed: Tensor, scales_minimums: Tensor, out_features: in
         check.dtype(check.tensor(bias, "bias"), "bias", (torch.float32, torch.bfloat16, torch.float16, torch.float64))
         check.shape(bias, "bias", (out_features,))
     if x.dtype not in READABLE:
-        return gemm_q4(x.float(), packed, scales_minimums, out_features, bias).to(x.dtype)
+        return gemm_q4(x.float(), packed, scales_minimums, out_features, bias, pieces=pieces).to(x.dtype)
     if x.shape[0] == 0:
         return x.new_empty(0, out_features)
     if x.shape[0] > MAX_ROWS and pieces:
