@@ -478,8 +478,8 @@ def test_greedy_speculation_over_gemma3s_mixed_layers_equals_transformers_greedy
 def test_our_four_bit_kernel_multiplies_the_quantized_weight_the_same_bits_at_every_width(group):
     """gemm.c's 4-bit product (llama.cpp's Q4_1 x Q8_1): the weight quantize_int4 makes (the same q, scales and
     minimums as torch's int4 form, a scale per 32 or 64 inputs), activations quantized to int8 per block of 32; within
-    that rounding of the float product, the same bits at every row count; a prompt's many rows by the dequantized
-    weight."""
+    that rounding of the float product, the same bits at every row count; a prompt's many rows by the kernel in
+    passes of 32 rows (the same bits again) or by the dequantized weight, as measured here."""
     from utils.lean import kernels, native
     from utils.quantize import _int4_groups, quantized_linear
 

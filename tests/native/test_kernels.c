@@ -576,8 +576,8 @@ static void check_all(void) {
   uint32_t z[DRAWS];
   static const int widths[] = {1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32};
   check_statuses();
-  /* inputs wider than the bfloat16 GEMM's chunks (512 inputs a chunk for float32 activations, 4096 for bfloat16
-     pairs), three and a half of them: the accumulators carried from chunk to chunk keep every row's bits */
+  /* inputs wider than several of the bfloat16 GEMM's chunks (512 inputs a chunk for float32 activations, 4096 for
+     bfloat16 pairs), the last one short: the accumulators carried from chunk to chunk keep every row's bits */
   for (int bf16 = 0; bf16 < 2; bf16++)
     for (int rows = 1; rows <= 32; rows += 15) {
       gemm_case wide = {rows, 21, 3 * 4096 + 3 * 512 + 3 * specdec_block(), bf16, rows % 2};

@@ -208,8 +208,8 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
 @cache
 def q4_in_pieces(in_features: int, dtype: torch.dtype) -> bool:
     """Whether a 4-bit weight of `in_features` inputs multiplies a prompt's rows (more than `native.MAX_ROWS`) of
-    `dtype` by our 4-bit kernel, MAX_ROWS rows a call (every row the bits it gets alone, so a pass without a cache
-    gives a cached pass's bits), rather than dequantized into torch's GEMM (`native.gemm_q4`): the kernel wherever it
+    `dtype` by our 4-bit kernel, MAX_ROWS rows a call (every row the bits it gets alone, whatever the pass's width),
+    rather than dequantized into torch's GEMM (`native.gemm_q4`): the kernel wherever it
     costs at most `INVARIANCE_PAYS` of torch's time over `Q4_PROBE`'s rows, measured once per machine (tenths of a
     second), as the invariant kernels are chosen; `SPECDEC_WIDTH_INVARIANT=1` the kernel at any price, `=0` torch's.
     On a 2-vCPU Zen 4 (VNNI, no AMX) the kernel took 0.28-0.74 of torch's time over 64 to 709 rows (twenty-second
