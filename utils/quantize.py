@@ -111,8 +111,7 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":  # the bias added inside
-            pieces = rows.shape[0] > native.MAX_ROWS and kernels.q4_in_pieces(self.in_features, rows.dtype)
-            return native.gemm_q4(rows, self.weight_q, self.scales, self.out_features, self.bias, pieces=pieces).reshape(
+            return kernels.q4_product(rows, self.weight_q, self.scales, self.out_features, self.bias).reshape(
                 *shape[:-1], self.out_features)
         rows = rows.to(self.compute)
         if self.bits == 8:

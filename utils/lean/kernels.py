@@ -47,7 +47,7 @@ from utils.lean import native
 from utils.paths import cache_dir, write_cached
 
 __all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "invariance_pays", "kernel_table",
-           "prepare", "q4_in_pieces"]
+           "prepare", "q4_in_pieces", "q4_product"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows r take the table's entry for the smallest bucket >= r; past 32, F.linear
 PROBE_BYTES = 1 << 29  # matrices timed in turn: beyond the caches, so that the weights come from memory
@@ -226,6 +226,12 @@ def q4_in_pieces(in_features: int, dtype: torch.dtype) -> bool:
     pieces = seconds["pieces"] <= INVARIANCE_PAYS * seconds["dequantized"]
     write_cached(path, lambda file: file.write_text(json.dumps({"pieces": pieces, "seconds": seconds})))
     return pieces
+
+
+def q4_product(x: Tensor, packed: Tensor, scales_minimums: Tensor, out_features: int, bias: Tensor | None) -> Tensor:
+    """x (rows, in) times a 4-bit weight (`native.gemm_q4`), a prompt's many rows as `q4_in_pieces` measured here."""
+    pieces = x.shape[0] > native.MAX_ROWS and q4_in_pieces(x.shape[1], x.dtype)
+    return native.gemm_q4(x, packed, scales_minimums, out_features, bias, pieces=pieces)
 
 
 def _measure_q4(in_features: int, dtype: torch.dtype) -> dict[str, float]:

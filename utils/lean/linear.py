@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from utils import settings
 from utils.lean import huge_pages, native
-from utils.lean.kernels import LINEAR, NATIVE, KernelTable, apply, invariance_pays, kernel_table, prepare, q4_in_pieces
+from utils.lean.kernels import LINEAR, NATIVE, KernelTable, apply, invariance_pays, kernel_table, prepare, q4_in_pieces, q4_product
 
 __all__ = ["Linear", "fused", "numerics"]
 
@@ -66,8 +66,7 @@ class Linear:
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         rows = x.numel() // x.shape[-1]
         if self.q4 is not None:
-            pieces = rows > native.MAX_ROWS and q4_in_pieces(self.q4_inputs, x.dtype)
-            out = native.gemm_q4(x.reshape(rows, -1), *self.q4, sum(self.widths), self.bias, pieces=pieces)
+            out = q4_product(x.reshape(rows, -1), *self.q4, sum(self.widths), self.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         if x.dtype != self.weight.dtype:
             return self._mixed(x, rows)
