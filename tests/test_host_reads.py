@@ -11,7 +11,10 @@ once a step (issue 52): NASD 2.0, SD 1.96, SD sampled 1.95, the batch 2.0 (the s
 the acceptance's verdict; the batch's figure includes one read a generation, its rows' seeds),
 model trees 3.75, sampled model trees 6.7 (a tree reads once per drafter pass, twice when sampled,
 to choose what the next pass expands: docs/architecture.md, "Host reads"). The ceilings below hold
-these figures; the goal of at most 2 a step is reached except for trees.
+these figures. Trees grown on the device (where a read waits for it; tests/test_device_trees.py) read 2 a step:
+greedy 1.96, sampled 2.07, drafter-invariant 1.95, a batch 2.0, a sampled batch 2.11 (one read a generation per
+row included: its seeds' numbers); since then every row's sampled-tree verdicts are read in one transfer
+(a sampled batch of host-grown trees 8.76 -> 6.82).
 """
 
 import pytest

@@ -44,14 +44,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sampling.drafters import device_tree
+from sampling.drafters.device_tree import Levels, draw_without_replacement, path_layout
 from sampling.drafters.model_drafter import ModelDrafter
 from sampling.loop.drafts import DraftTree
 from sampling.loop.randomness import DRAFT
 from sampling.loop.tree_sampling import step_generator
 from sampling.policy import tree_choice
 from sampling.policy.draft_policy import best_tree_size
-from sampling.policy.tree_choice import ShapeRecord, TreeAcceptance, TreePlanner
-from utils.logits_processors import inverse_cdf
+from sampling.policy.tree_choice import ShapeRecord, TreeAcceptance, TreePlanner, positional_tree
 from utils.runners.passes import synchronize
 
 
@@ -74,8 +75,38 @@ class RowTree:
         self.sequence = list(sequence)  # the accepted sequence when the step began
         self.candidates: list[Candidate] = []
         self.q: dict[int, Tensor] = {}  # sampled: candidate (-1 the root) -> the q its children were drawn from
-        self.fed: list[int] = []  # the candidates in the cache after the root, in block order
+        self.fed: list[int | None] = []  # the candidates in the cache after the root, in block order
+        self.fed_parents: list[int] = []  # their parents in that block (0: the root, 1 + j: fed[j])
         self.nodes: list[int] = []  # the verified tree's nodes (candidate indices, node order)
+
+    @classmethod
+    def from_levels(cls, sequence: list[int], levels: Levels, beams: list[list[int]], qs: list[Tensor],
+                    sampled: bool) -> RowTree:
+        """A tree grown on the device (`device_tree.grow`): its levels' candidates with mass (each child of beam i
+        of level d - 1 in rank order; sampled, with the q it was drawn from, row i of `qs[d]`), and the cache's
+        block, the last beams' paths depth by depth."""
+        tree = cls(sequence)
+        index: list[list[int | None]] = []  # each level's candidates in `candidates` (None: no mass)
+        for d, (tokens, factors) in enumerate(levels):
+            children = len(tokens) // len(beams[d - 1]) if d else len(tokens)
+            index.append([])
+            for j, (token, factor) in enumerate(zip(tokens, factors, strict=True)):
+                parent = index[d - 1][beams[d - 1][j // children]] if d else -1
+                if factor > 0 and parent is not None:
+                    if sampled:
+                        tree.q[parent] = qs[d][j // children]
+                    score = tree.candidates[parent].score if parent >= 0 else 1.0
+                    tree.candidates.append(Candidate(token, parent, d + 1, j % children, factor, score * factor))
+                index[d].append(len(tree.candidates) - 1 if factor > 0 and parent is not None else None)
+        paths = []
+        for beam in beams[-1] if beams else []:
+            path = [beam]  # a level's index of each node, deepest first
+            for d in range(len(beams) - 1, 0, -1):
+                path.append(beams[d - 1][path[-1] // (len(levels[d][0]) // len(beams[d - 1]))])
+            paths.append([index[d][j] for d, j in enumerate(reversed(path))])
+        tree.fed = [path[d] for d in range(len(beams)) for path in paths]
+        tree.fed_parents = path_layout(len(paths), len(beams))[1:] if paths else []
+        return tree
 
     def path(self, c: int) -> list[int]:
         tokens = []
@@ -83,6 +114,19 @@ class RowTree:
             tokens.append(self.candidates[c].token)
             c = self.candidates[c].parent
         return tokens[::-1]
+
+    def kept(self, accepted: list[int]) -> list[int]:
+        """The block's positions (after the root) of the longest prefix of the accepted candidates that is a path
+        in it: what the drafter's cache keeps."""
+        kept: list[int] = []
+        for c in accepted:
+            at = 1 + kept[-1] if kept else 0  # the last kept node's place in the block (0: the root)
+            j = next((j for j, (f, p) in enumerate(zip(self.fed, self.fed_parents, strict=True)) if f == c and p == at),
+                     None)
+            if j is None:
+                break
+            kept.append(j)
+        return kept
 
     def ranked(self) -> list[int]:
         """Candidates best first; a parent before its children, siblings in draw order on ties."""
@@ -110,6 +154,8 @@ class ModelTreeDrafter:
     not pay or the record says trees did not (`sampling/policy/tree_choice.py`). `planner` None: a tree of
     `max_drafts` nodes every step (a fixed gamma); `record` None: the planner alone chooses."""
 
+    DEVICE_GROWTH: bool | None = None  # grow trees on the device: True, False, or None (`on_device`)
+
     def __init__(self, chain: ModelDrafter, branching: int, planner: TreePlanner | None,
                  acceptance: TreeAcceptance, record: ShapeRecord | None = None) -> None:
         assert branching >= 2 and chain.runner.supports_trees
@@ -119,6 +165,8 @@ class ModelTreeDrafter:
         self._chain_lengths: list[int] = []
         self._passes: list[int] = []  # the widest block of each drafter pass of this tree step
         self.tree_steps = 0  # steps drafted as trees (for reports)
+        if planner is not None:
+            planner.paths = self.on_device  # how its passes are priced
 
     @property
     def forward_passes(self) -> int:
@@ -153,7 +201,8 @@ class ModelTreeDrafter:
         self.tree_steps += 1
         depths = [max(0, min(depth, budget)) for depth in max_depths]
         start = tree_choice.clock()
-        self._trees = self._grow(sequences, budget, depths)
+        self._trees = self._grow_on_device(sequences, budget, depths) if self.on_device else \
+            self._grow(sequences, budget, depths)
         if timed:  # what the tree's passes cost with the work around them
             synchronize(*self.chain.runner.devices)
             self.planner.observe_drafting(tree_choice.clock() - start, self._passes, len(sequences))
@@ -164,12 +213,36 @@ class ModelTreeDrafter:
     def _deterministic(self) -> bool:
         return self.chain.processor.is_greedy or self.chain.coupled
 
+    @property
+    def on_device(self) -> bool:
+        """Whether this drafter's trees grow on the device (`device_tree.py`): where a host read waits for the
+        drafter's device (`DEVICE_GROWTH` None: not a CPU), for a processor that reads no history."""
+        if self.chain.processor.needs_history:
+            return False
+        return self.DEVICE_GROWTH if self.DEVICE_GROWTH is not None else self.chain.runner.device.type != "cpu"
+
+    def _grow_on_device(self, sequences: list[list[int]], budget: int, depths: list[int]) -> list[RowTree]:
+        """Every row's candidates grown on the device, as many expanded per depth as the positional model's best
+        tree of `budget` nodes expands there, read once. The model's rates: those learned where the planner sizes
+        the tree, else the prior's, so that a fixed gamma's trees have one shape whatever the batch's other rows."""
+        acceptance = self.acceptance if self.planner is not None else TreeAcceptance()
+        widths = device_tree.expansion_widths(positional_tree(acceptance, self.branching, budget)[0])
+        levels, beams, qs, self._passes = device_tree.grow(self.chain, sequences, depths, widths, self.branching,
+                                                           self._generators(sequences, depths))
+        sampled = not self._deterministic
+        return [RowTree.from_levels(sequence, *row, sampled) if row[0] else RowTree(sequence)
+                for sequence, *row in zip(sequences, levels, beams, qs, strict=True)]
+
+    def _generators(self, sequences: list[list[int]], depths: list[int]) -> list[torch.Generator | None]:
+        """Each drafting row's numbers for this step's sampled children (None where nothing is sampled)."""
+        sampled = not self._deterministic
+        return [step_generator(self.chain.uniforms[b], len(s) - self.chain.uniforms[b].prefix_length, DRAFT)
+                if sampled and depths[b] else None for b, s in enumerate(sequences)]
+
     def _grow(self, sequences: list[list[int]], budget: int, depths: list[int]) -> list[RowTree]:
         """Every row's candidates: the root's pass, then one pass per depth (all rows together)."""
         runner, trees = self.chain.runner, [RowTree(sequence) for sequence in sequences]
-        sampled = not self._deterministic
-        generators = [step_generator(self.chain.uniforms[b], len(s) - self.chain.uniforms[b].prefix_length, DRAFT)
-                      if sampled and depths[b] else None for b, s in enumerate(sequences)]
+        generators = self._generators(sequences, depths)
         # 1. The root: each drafting row feeds what its cache has not seen (a chain).
         pending = [s[runner.row_length(b) :] if depths[b] else [] for b, s in enumerate(sequences)]
         logits = runner.forward_rows([(tokens, None) for tokens in pending], [int(bool(t)) for t in pending])
@@ -188,6 +261,7 @@ class ModelTreeDrafter:
                     runner.rollback_row(b, len(tree.sequence) - 1)  # the root is fed again, with its tree
                     index = {c: 1 + j for j, c in enumerate(tree.fed)}
                     parents = [index[tree.candidates[c].parent] if tree.candidates[c].parent >= 0 else 0 for c in tree.fed]
+                    tree.fed_parents = parents
                     blocks.append(([tree.sequence[-1]] + [tree.candidates[c].token for c in tree.fed], [-1, *parents]))
                 else:
                     blocks.append(([], None))
@@ -225,7 +299,7 @@ class ModelTreeDrafter:
         drawn = []
         for (tree, _, parent, _, generator), q, row_factors in zip(expansions, qs, factors, strict=True):
             tree.q[parent] = q
-            drawn.append(self._draw_children(q, len(row_factors), generator))
+            drawn.append(draw_without_replacement(q, len(row_factors), generator))
         on_device = [token for children in drawn for token in children]
         values = iter(torch.stack(on_device).tolist() if on_device else [])
         for (tree, _, parent, _, _), children, row_factors in zip(expansions, drawn, factors, strict=True):
@@ -234,16 +308,6 @@ class ModelTreeDrafter:
     def _history(self, tree: RowTree, parent: int) -> list[int] | None:
         """The tokens before candidate `parent`'s children, for a processor that reads them (else None)."""
         return tree.sequence + tree.path(parent) if self.chain.processor.needs_history else None
-
-    @staticmethod
-    def _draw_children(q: Tensor, count: int, generator: torch.Generator) -> list[Tensor]:
-        """`count` tokens drawn from q without replacement with `generator`'s numbers, on q's device."""
-        u = torch.rand(count, generator=generator, dtype=torch.float64)
-        remaining, drawn = q, []
-        for i in range(count):
-            drawn.append(inverse_cdf(remaining, u[i]))
-            remaining = remaining.index_fill(0, drawn[-1].view(1), 0.0)
-        return drawn
 
     def _expand_coupled(self, tree: RowTree, b: int, parent: int, q: Tensor) -> None:
         """Candidate `parent`'s children when coupled: the chain's own draft first, then the next most likely."""
@@ -320,13 +384,7 @@ class ModelTreeDrafter:
                 if cand.parent in reached:
                     self.acceptance.observe(cand.rank, c in accepted, cand.factor)
             if tree.fed:  # keep the accepted nodes the cache holds (a prefix of the path)
-                block = {c: j for j, c in enumerate(tree.fed)}
-                kept = []
-                for c in accepted:
-                    if c not in block:
-                        break
-                    kept.append(block[c])
-                self.chain.runner.keep_path_row(b, len(tree.sequence) - 1, kept)
+                self.chain.runner.keep_path_row(b, len(tree.sequence) - 1, tree.kept(accepted))
         self._trees = []
 
     def select_rows(self, keep: list[int]) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from sampling.loop.drafts import Draft, DraftTree, children_of
 from sampling.loop.randomness import ACCEPT, TARGET, PositionUniforms, inverse_cdf
-from sampling.loop.tree_sampling import tree_speculative_accept
+from sampling.loop.tree_sampling import tree_verdicts, walk_verdicts
 from utils.logits_processors import LogitsProcessor, supports_float64
 
 
@@ -134,9 +134,9 @@ def accept_rows(
     every node; `sequences[b]`: its prefix and every token generated so far. Greedy: the argmax
     path. Sampling: deterministic drafts (q None) by the coupled rule, a model drafter's chain (q
     its distributions) by speculative sampling, a drafter model's tree (q per node) by recursive
-    rejection sampling (`sampling.loop.tree_sampling`, row by row). An empty tree is a plain decoding step.
+    rejection sampling (`sampling.loop.tree_sampling`). An empty tree is a plain decoding step.
     The rows' scores are flattened with offsets and decided on the device; the walks down the trees
-    read the decided tokens on the host.
+    read the decided tokens on the host, every row's in one transfer.
     """
     trees, qs = [draft.tree for draft in drafts], [draft.q for draft in drafts]
     scores = [row_scores(x, tree, sequence, processor) for x, tree, sequence in zip(logits, trees, sequences, strict=True)]
@@ -161,10 +161,9 @@ def accept_rows(
         decided += speculative_rows(p, [starts[b] for b in sampled], [trees[b] for b in sampled],
                                     [qs[b] for b in sampled], [uniforms[b] for b in sampled],
                                     [positions[b] for b in sampled])
-    values = torch.cat(decided).tolist() if decided else []  # the step's one host transfer
     ps, results, at = p.split(sizes), [None] * len(trees), 0
-    for b in model_trees:
-        results[b] = Verdict(*tree_speculative_accept(ps[b], qs[b], trees[b], uniforms[b], positions[b]), ps[b])
+    decided += [tree_verdicts(ps[b], qs[b], trees[b], uniforms[b], positions[b]) for b in model_trees]
+    values = torch.cat(decided).tolist() if decided else []  # the step's one host transfer
     for b in coupled:
         choice = values[at : at + sizes[b]]
         results[b] = Verdict(*walk_tree(trees[b].tokens, trees[b].parents, lambda row, depth, c=choice: c[row]), ps[b])
@@ -172,5 +171,9 @@ def accept_rows(
     for i, b in enumerate(sampled):
         n, token = values[at + i], values[at + len(sampled) + i]
         results[b] = Verdict(list(range(n)), token, ps[b])
+    at += 2 * len(sampled)
+    for b in model_trees:  # each walk's verdicts: one per node, then one per node and the root
+        results[b] = Verdict(*walk_verdicts(trees[b], values[at : at + 2 * len(trees[b]) + 1]), ps[b])
+        at += 2 * len(trees[b]) + 1
     return results
 

@@ -55,26 +55,20 @@ def recursive_rejection_walk(p: Tensor, q: Tensor, tree: DraftTree, coins: list[
     of them). Pure.
 
     Every node's verdicts are computed on p's device first (`sibling_verdicts`) and read back in one
-    transfer; the walk then follows them from the root."""
-    children = children_of(tree.parents)
-    accepted, tokens = sibling_verdicts(p, q, tree, children, coins, residual_numbers)
-    path, node = [], -1
-    while True:
-        node = next((child for child in children.get(node, []) if accepted[child]), None)
-        if node is None:
-            return path, tokens[path[-1] + 1 if path else 0]
-        path.append(node)
+    transfer; the walk then follows them from the root (`walk_verdicts`)."""
+    return walk_verdicts(tree, sibling_verdicts(p, q, tree, coins, residual_numbers).tolist())
 
 
-def sibling_verdicts(p: Tensor, q: Tensor, tree: DraftTree, children: dict[int, list[int]], coins: list[float] | Tensor,
-                     residual_numbers: list[float] | Tensor) -> tuple[list[bool], list[int]]:
+def sibling_verdicts(p: Tensor, q: Tensor, tree: DraftTree, coins: list[float] | Tensor,
+                     residual_numbers: list[float] | Tensor) -> Tensor:
     """For every node of `tree` (the root first), its children tried in order as the walk would
-    try them there -> (per child: accepted where it is tried, per node 1 + i (0: the root): the token
-    emitted if every child of it is rejected), all read back in one host transfer.
+    try them there -> (2 n + 1,) int64 on p's device: per child, in `walk_verdicts`'s order, 1 where it is
+    accepted if tried; then per node 1 + i (0: the root) the token emitted if every child of it is rejected.
 
     A child x is accepted with probability min(1, p(x) / q(x)) (coin * q(x) < p(x), in float64);
     after a rejection p becomes the residual max(0, p - q) renormalised (p unchanged where it has no
     mass: rounding) and q loses x, renormalised: the numbers a walk that reaches that node uses."""
+    children = children_of(tree.parents)
     flags, emitted = [], []
     depths = [0] * (len(tree) + 1)  # 1 + node -> its depth (the root: 0)
     for node, parent in enumerate(tree.parents):
@@ -92,20 +86,30 @@ def sibling_verdicts(p: Tensor, q: Tensor, tree: DraftTree, children: dict[int, 
             q_i = q_i.clone()
             q_i[x] = 0.0  # the next child is drawn without this one
         emitted.append(inverse_cdf(p_i, residual_numbers[depths[node + 1]]))
-    values = torch.cat([torch.stack(flags).long() if flags else emitted[0].new_empty(0), torch.stack(emitted)])
-    values = values.tolist()  # the walk's one host transfer
+    return torch.cat([torch.stack(flags).long() if flags else emitted[0].new_empty(0), torch.stack(emitted)])
+
+
+def walk_verdicts(tree: DraftTree, values: list[int]) -> tuple[list[int], int]:
+    """`sibling_verdicts` read to the host -> the walk from the root: (accepted nodes root to leaf, the next
+    token)."""
+    children = children_of(tree.parents)
     order = [child for node in range(-1, len(tree)) for child in children.get(node, [])]
     accepted = [False] * len(tree)
     for i, child in enumerate(order):
         accepted[child] = bool(values[i])
-    return accepted, values[len(order):]
+    tokens = values[len(order):]
+    path, node = [], -1
+    while True:
+        node = next((child for child in children.get(node, []) if accepted[child]), None)
+        if node is None:
+            return path, tokens[path[-1] + 1 if path else 0]
+        path.append(node)
 
 
-def tree_speculative_accept(p: Tensor, q: Tensor, tree: DraftTree, uniforms: PositionUniforms,
-                            position: int) -> tuple[list[int], int]:
-    """`recursive_rejection_walk` with the step's own numbers (`step_generator`, ACCEPT) ->
-    (accepted nodes, next token). `position`: the generated position of the root's children."""
+def tree_verdicts(p: Tensor, q: Tensor, tree: DraftTree, uniforms: PositionUniforms, position: int) -> Tensor:
+    """`sibling_verdicts` with the step's own numbers (`step_generator`, ACCEPT), on the device, for the step's one
+    host transfer (`walk_verdicts` then follows them). `position`: the generated position of the root's children."""
     generator = step_generator(uniforms, position, ACCEPT)
     # Kept a tensor: each number is used on the device (float64 either way), not read to the host.
     numbers = torch.rand(len(tree) + tree.depth() + 1, generator=generator, dtype=torch.float64)
-    return recursive_rejection_walk(p, q, tree, numbers[: len(tree)], numbers[len(tree) :])
+    return sibling_verdicts(p, q, tree, numbers[: len(tree)], numbers[len(tree) :])

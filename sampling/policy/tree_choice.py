@@ -83,6 +83,24 @@ class TreeAcceptance:
             self.by_confidence[r].update([factor], int(accepted))
 
 
+def positional_tree(acceptance: TreeAcceptance, branching: int,
+                    max_nodes: int) -> tuple[list[tuple[int, int, int]], list[float]]:
+    """The best tree of at most `max_nodes` nodes under the positional model (a child of rank r is accepted with
+    `acceptance.rate(r)` once its parent is), nodes added best-first by reach, each with up to `branching`
+    children -> ([(parent, depth, rank)] in the order added, their reaches)."""
+    rates = [acceptance.rate(r) for r in range(branching)]
+    heap = [(-rates[r], r, -1, r, 1) for r in range(branching)]
+    nodes, reaches, order = [], [], branching
+    while heap and len(nodes) < max_nodes:
+        neg_reach, _, parent, rank, depth = heapq.heappop(heap)
+        nodes.append((parent, depth, rank))
+        reaches.append(-neg_reach)
+        for r in range(branching):
+            heapq.heappush(heap, (neg_reach * rates[r], order, len(nodes) - 1, r, depth + 1))
+            order += 1
+    return nodes, reaches
+
+
 class TreePlanner:
     """Each step's node budget for a tree (0: draft a chain), from the measured costs (module
     docstring, point 1). The positional model: a child of rank r is accepted with
@@ -94,20 +112,11 @@ class TreePlanner:
                  acceptance: TreeAcceptance) -> None:
         self.policy, self.drafter_costs, self.branching, self.acceptance = policy, drafter_costs, branching, acceptance
         self.overhead = RunningAverage(OVERHEAD_WEIGHT)  # a tree's timed drafting / its passes' priced seconds
+        self.paths = False  # whether each depth's pass feeds whole paths (trees grown on the device)
 
     def shape(self, max_nodes: int) -> tuple[list[tuple[int, int, int]], list[float]]:
-        """The positional model's best tree, nodes in the order added -> ([(parent, depth, rank)], reaches)."""
-        rates = [self.acceptance.rate(r) for r in range(self.branching)]
-        heap = [(-rates[r], r, -1, r, 1) for r in range(self.branching)]
-        nodes, reaches, order = [], [], self.branching
-        while heap and len(nodes) < max_nodes:
-            neg_reach, _, parent, rank, depth = heapq.heappop(heap)
-            nodes.append((parent, depth, rank))
-            reaches.append(-neg_reach)
-            for r in range(self.branching):
-                heapq.heappush(heap, (neg_reach * rates[r], order, len(nodes) - 1, r, depth + 1))
-                order += 1
-        return nodes, reaches
+        """The positional model's best tree of at most `max_nodes` nodes (`positional_tree`)."""
+        return positional_tree(self.acceptance, self.branching, max_nodes)
 
     def pass_seconds(self, tokens: int, rows: int) -> float | None:
         """The drafter's measured seconds for a pass feeding `tokens` tokens to each of `rows` rows
@@ -138,16 +147,17 @@ class TreePlanner:
     def drafting_costs(self, nodes: list[tuple[int, int, int]], rows: int = 1) -> list[float]:
         """The drafter's passes for each prefix of these nodes (in the order added), in one-token
         target passes: the root's pass, and per depth a pass over the root and the paths to that
-        depth's expanded nodes."""
-        fed: dict[int, set[int]] = {}  # a depth -> the nodes its pass feeds after the root
+        depth's expanded nodes: their union where the host grows the tree, each path whole where the
+        device does (`paths`, `sampling/drafters/device_tree.py`)."""
+        fed: dict[int, set[int]] = {}  # a depth -> the nodes its pass feeds after the root (`paths`: it expands)
         costs, root = [], self.drafter_pass(1, rows)
         for parent, _, _ in nodes:
-            if parent >= 0:  # the parent is expanded: its pass feeds the path to it
-                block = fed.setdefault(nodes[parent][1], set())
-                while parent >= 0 and parent not in block:
-                    block.add(parent)
-                    parent = nodes[parent][0]
-            costs.append(root + sum(self.drafter_pass(1 + len(block), rows) for block in fed.values()))
+            block = fed.setdefault(nodes[parent][1], set()) if parent >= 0 else set()
+            while parent >= 0 and parent not in block:  # the parent is expanded: its pass feeds the path to it
+                block.add(parent)
+                parent = -1 if self.paths else nodes[parent][0]
+            widths = [1 + (depth * len(block) if self.paths else len(block)) for depth, block in fed.items()]
+            costs.append(root + sum(self.drafter_pass(width, rows) for width in widths))
         return costs
 
     def rates(self, max_drafts: int, rows: int = 1) -> tuple[float, int, float]:
