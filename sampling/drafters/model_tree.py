@@ -21,6 +21,10 @@ target verifies the whole tree in one pass with the tree mask.
   position), the others the next most likely tokens; the coupled rule verifies them, and the output
   is plain seeded sampling's.
 
+Where a host read waits for the drafter's device (not a CPU), the tree grows there instead
+(`device_tree.py`: what each depth expands fixed before drafting, no read between passes, 2 reads
+a step); on a CPU the host grows it as below.
+
 The drafter's runner takes the tree through the `Runner` protocol only: after the root's pass (what
 the cache has not seen, a chain) each depth's pass rolls the row back to its accepted tokens less
 the last one and feeds that token with the candidates on the paths to the nodes it expands (a tree
@@ -223,9 +227,11 @@ class ModelTreeDrafter:
 
     def _grow_on_device(self, sequences: list[list[int]], budget: int, depths: list[int]) -> list[RowTree]:
         """Every row's candidates grown on the device, as many expanded per depth as the positional model's best
-        tree of `budget` nodes expands there, read once. The model's rates: those learned where the planner sizes
-        the tree, else the prior's, so that a fixed gamma's trees have one shape whatever the batch's other rows."""
-        acceptance = self.acceptance if self.planner is not None else TreeAcceptance()
+        tree of `budget` nodes expands there, read once. The model's rates: those learned, except under standard
+        sampling with a fixed gamma, whose trees take the prior's, one shape whatever the batch's other rows (a
+        seeded row is then the single call; elsewhere the output does not depend on the tree's shape)."""
+        learned = self.planner is not None or self._deterministic
+        acceptance = self.acceptance if learned else TreeAcceptance()
         widths = device_tree.expansion_widths(positional_tree(acceptance, self.branching, budget)[0])
         levels, beams, qs, self._passes = device_tree.grow(self.chain, sequences, depths, widths, self.branching,
                                                            self._generators(sequences, depths))
