@@ -82,8 +82,9 @@ def rotated_reference(qkv, cos, sin, positions, heads: int, kv_heads: int) -> tu
     return q, k, v.reshape(rows, width, kv_heads, head_dim).transpose(1, 2)
 
 
-def _reference(q, keys, values, mask, scale, softcap=None) -> torch.Tensor:
-    """Attention in float64: (rows, width, heads * head_dim)."""
+def attention_reference(q, keys, values, mask, scale, softcap=None) -> torch.Tensor:
+    """Attention in float64 over the keys the mask does not hide (at or below -1e30), (rows, width, heads * head_dim);
+    a query that sees none: 0."""
     rows, heads, width, head_dim = q.shape
     used, group = mask.shape[-1], heads // keys.shape[1]
     k = keys[:, :, :used].double().repeat_interleave(group, 1)
@@ -91,8 +92,10 @@ def _reference(q, keys, values, mask, scale, softcap=None) -> torch.Tensor:
     scores = q.double() @ k.transpose(2, 3) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    out = (scores + mask.double()).softmax(-1) @ v
-    return out.transpose(1, 2).reshape(rows, width, heads * head_dim)
+    hidden = mask.double() <= -1e30
+    scores = (scores + mask.double()).masked_fill(hidden, float("-inf"))
+    weights = torch.nan_to_num(scores.softmax(-1), nan=0.0)
+    return (weights @ v).transpose(1, 2).reshape(rows, width, heads * head_dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,7 +115,7 @@ def test_attention_gives_the_reference_values_and_each_query_the_same_bits_at_ev
     scale = head_dim**-0.5
     out = layer_ops.attention(q, keys, values, mask, scale, softcap)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the output rounded once
-    assert out.dtype == dtype and torch.allclose(out.double(), _reference(q, keys, values, mask, scale, softcap), atol=tolerance)
+    assert out.dtype == dtype and torch.allclose(out.double(), attention_reference(q, keys, values, mask, scale, softcap), atol=tolerance)
     more = torch.cat([mask, torch.full((rows, 1, width, 20), hidden, dtype=dtype)], dim=-1)  # slots past `used`
     threads = torch.get_num_threads()
     for t in range(width):

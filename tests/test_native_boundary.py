@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.models import VOCAB, prompt
-from tests.test_layer_ops import rotated_reference
+from tests.test_layer_ops import attention_reference, rotated_reference
 from utils.lean import forget, layer_ops, lean_decoder, native
 from utils.lean.boundary import READABLE
 from utils.lean.gemma import gemma_norm
@@ -251,21 +251,6 @@ def _rope_case(rng: random.Random, g: torch.Generator) -> bool:
     return True
 
 
-def _attention_reference(q, keys, values, mask, scale, softcap) -> torch.Tensor:
-    """Attention in float64 over the keys the mask does not hide (at or below -1e30); a query that sees none: 0."""
-    rows, heads, width, head_dim = q.shape
-    used, group = mask.shape[-1], heads // keys.shape[1]
-    k = keys[:, :, :used].double().repeat_interleave(group, 1)
-    v = values[:, :, :used].double().repeat_interleave(group, 1)
-    scores = q.double() @ k.transpose(2, 3) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    hidden = mask.double() <= -1e30
-    scores = (scores + mask.double()).masked_fill(hidden, float("-inf"))
-    weights = torch.nan_to_num(scores.softmax(-1), nan=0.0)
-    return (weights @ v).transpose(1, 2).reshape(rows, width, heads * head_dim)
-
-
 def _attention_case(rng: random.Random, g: torch.Generator) -> bool:
     rows, width = rng.randint(1, 3), rng.randint(1, 8)
     kv_heads = rng.randint(1, 2)
@@ -291,7 +276,7 @@ def _attention_case(rng: random.Random, g: torch.Generator) -> bool:
         return False
     assert valid
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    reference = _attention_reference(q, keys, values, mask, head_dim**-0.5, softcap)
+    reference = attention_reference(q, keys, values, mask, head_dim**-0.5, softcap)
     assert torch.allclose(out.double(), reference, atol=tolerance, rtol=tolerance)
     return True
 
