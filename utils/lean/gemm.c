@@ -19,9 +19,10 @@
    of the activations into float32 (on a 2-vCPU Zen 4 the float32 chain lost to torch's products from 8 rows,
    twentieth round, docs/results.md).
 
-   Shape of the work: each thread takes whole blocks of JB weight rows; a block's rows are read chunk by chunk
+   Shape of the work: each thread takes whole blocks of JB weight rows (JB1 for one activation row:
+   gemm_bf16_isa.h); a block's rows are read chunk by chunk
    (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L2, then used by every group of
-   RB activation rows while it sits in the cache. None of JB, KC, KC_PAIRS, PREFETCH and RB changes the bits. */
+   RB activation rows while it sits in the cache. None of JB, JB1, KC, KC_PAIRS, PREFETCH and RB changes the bits. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -33,7 +34,7 @@
 #define MAX_ROWS SPECDEC_MAX_ROWS
 /* Weight rows a thread's block: the accumulators of JB rows times RB activation rows stay in registers. Not
    measured: chosen with the kernel (ninth round, docs/results.md "A kernel of our own"), no other value timed. */
-#ifndef JB /* -DJB=... builds another to time (as RB, KC, KC_PAIRS and Q4_X): none changes the bits */
+#ifndef JB /* -DJB=... builds another to time (as JB1, RB, KC, KC_PAIRS, PREFETCH and Q4_X): none changes the bits */
 #define JB 4
 #endif
 /* Inputs a chunk: JB rows of KC bfloat16 read once from memory, then served from L1 to every group of RB activation
@@ -44,6 +45,7 @@
 #ifndef KC
 #define KC 512
 #endif
+#define JBMAX (JB > JB1 ? JB : JB1) /* the accumulators' columns: a block of JB rows, or JB1 for one activation row */
 #ifndef KC_PAIRS
 #define KC_PAIRS 4096
 #endif
@@ -51,8 +53,12 @@
    (twenty-first round). Into L2 (prefetcht1, locality 2), as the 4-bit kernel's: a prefetch into L1 holds one of its
    few fill buffers until the line comes; on a 2-vCPU Zen 4 a one-row product read 18-19.5 GB/s so and 29-33 into L2,
    of a 30-37 GB/s read (no gain on the Xeon of the thirteenth round: docs/results.md). */
+#ifndef PREFETCH
 #define PREFETCH 16384
+#endif
+#ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
+#endif
 #define HALF (KB / 2)
 
 /* The input width must be a multiple of this (every build has a kernel). */
@@ -69,8 +75,8 @@ int specdec_block(void) { return KB; }
 /* acc[r][b] += weight row j0+b times activation row r0+r over elements [k0, k1); xp holds each KB-block of the
    activations as its even elements then its odd ones, in float32. */
 static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const float* xp, int in, int j0, int nj,
-                                                        int r0, int nr, vf acc[RB][JB], int k0, int k1) {
-  vf a[RB][JB]; /* the accumulators in registers: `acc`'s vector type may alias any memory, so updating it in place
+                                                        int r0, int nr, vf acc[RB][JBMAX], int k0, int k1) {
+  vf a[RB][JBMAX]; /* the accumulators in registers: `acc`'s vector type may alias any memory, so updating it in place
                    would store every sum back and load every weight again (measured: the pair kernel at 32 rows ran
                    at 0.4 of torch's product so) */
   ACCUMULATORS_IN(a, acc, nr, nj);
@@ -94,11 +100,12 @@ static inline __attribute__((always_inline)) void chunk(const uint16_t* W, const
 /* acc[r][b] += weight row j0+b times bfloat16 activation row r0+r over elements [k0, k1), each lane the sum of
    its pairs' products: VDPBF16PS. */
 static inline __attribute__((always_inline)) void chunk_pairs(const uint16_t* W, const uint16_t* x, int in, int j0,
-                                                              int nj, int r0, int nr, vf acc[RB][JB], int k0, int k1) {
-  vf a[RB][JB]; /* in registers, as `chunk`'s */
+                                                              int nj, int r0, int nr, vf acc[RB][JBMAX], int k0,
+                                                              int k1) {
+  vf a[RB][JBMAX]; /* in registers, as `chunk`'s */
   ACCUMULATORS_IN(a, acc, nr, nj);
   for (int k = k0; k < k1; k += KB) {
-    __m512bh w[JB]; /* each weight row's block once, each activation row's once: JB x RB products from JB + RB loads */
+    __m512bh w[JBMAX]; /* each weight row's block once, each activation row's once: JB x RB products, JB + RB loads */
     for (int b = 0; b < nj; b++) {
       const uint16_t* w_at = W + (size_t)(j0 + b) * in + k;
       __builtin_prefetch((const char*)w_at + PREFETCH, 0, PREFETCH_LOCALITY);
@@ -132,10 +139,10 @@ static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void*
                        int in, int j0, int nj, int x_bf16, int y_bf16) {
   const float* xp = (const float*)xs;
   int groups = (rows + RB - 1) / RB;
-  vf acc[(MAX_ROWS + RB - 1) / RB][RB][JB];
+  vf acc[(MAX_ROWS + RB - 1) / RB][RB][JBMAX];
   for (int g = 0; g < groups; g++)
     for (int r = 0; r < RB; r++)
-      for (int b = 0; b < JB; b++) acc[g][r][b] = vzero();
+      for (int b = 0; b < JBMAX; b++) acc[g][r][b] = vzero();
   int kc = pairs ? KC_PAIRS : KC;
   for (int k0 = 0; k0 < in; k0 += kc) {
     int k1 = k0 + kc < in ? k0 + kc : in;
@@ -144,11 +151,13 @@ static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void*
 #if PAIRS
       if (pairs) {
         if (nj == JB && nr == RB) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB, r0, RB, acc[g], k0, k1);
+        else if (nj == JB1 && rows == 1) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB1, 0, 1, acc[g], k0, k1);
         else chunk_pairs(W, (const uint16_t*)xs, in, j0, nj, r0, nr, acc[g], k0, k1);
         continue;
       }
 #endif
-      if (nj == JB && nr == RB) chunk(W, xp, in, j0, JB, r0, RB, acc[g], k0, k1); /* unrolled: the common case */
+      if (nj == JB && nr == RB) chunk(W, xp, in, j0, JB, r0, RB, acc[g], k0, k1); /* unrolled: the common cases */
+      else if (nj == JB1 && rows == 1) chunk(W, xp, in, j0, JB1, 0, 1, acc[g], k0, k1);
       else chunk(W, xp, in, j0, nj, r0, nr, acc[g], k0, k1);
     }
   }
@@ -179,11 +188,11 @@ int specdec_gemm(const uint16_t* W, const void* x, const void* bias, void* y, in
   if (!pairs && !xp) return SPECDEC_NO_MEMORY;
   if (!pairs) pack_rows(x, xp, rows, in, x_bf16);
   const void* xs = pairs ? x : (const void*)xp;
-  int blocks = (out + JB - 1) / JB;
+  int width = rows == 1 ? JB1 : JB, blocks = (out + width - 1) / width; /* weight rows a block */
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int jb = 0; jb < blocks; jb++) {
-    int j0 = jb * JB;
-    gemm_block(W, xs, pairs, bias, y, rows, out, in, j0, out - j0 < JB ? out - j0 : JB, x_bf16, y_bf16);
+    int j0 = jb * width;
+    gemm_block(W, xs, pairs, bias, y, rows, out, in, j0, out - j0 < width ? out - j0 : width, x_bf16, y_bf16);
   }
   free(xp);
   return SPECDEC_OK;

@@ -8,6 +8,11 @@
      RB              activation rows a chunk of weights serves at once (their accumulators held in registers). Not
                      measured: chosen with the kernel (ninth round, docs/results.md "A kernel of our own"), 4 where
                      AVX-512 has 32 vector registers, 2 where AVX2 has 16; it does not change the bits
+     JB1             weight rows a thread's block takes when there is one activation row (a one-token pass): more
+                     rows read side by side than gemm.c's JB, one accumulator each. Measured on a 2-vCPU Zen 4
+                     against JB's 4, alternated: AVX-512 6 to 16 rows 1.00-1.10x, 8 kept; its Haswell build 6
+                     1.05-1.06x, 8 1.02x (twenty-third round, docs/results.md); plain C keeps 4, unmeasured. It does
+                     not change the bits
      vf, vi          float32 vector, the weights' integer vector
      load_w          KB weights; even_half, odd_half their even and odd elements as float32 (a bfloat16 is a
                      float32's upper half: a shift or a mask)
@@ -26,6 +31,9 @@
 #ifndef RB /* overridable at compile time to time others (-DRB=...): it does not change the bits */
 #define RB 4
 #endif
+#ifndef JB1
+#define JB1 8
+#endif
 typedef __m512 vf;
 typedef __m512i vi;
 static inline vi load_w(const uint16_t* p) { return _mm512_loadu_si512((const void*)p); }
@@ -39,6 +47,9 @@ static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 #include <immintrin.h>
 #define KB 16 /* one 32-byte load per weight row */
 #define RB 2
+#ifndef JB1
+#define JB1 6
+#endif
 typedef __m256 vf;
 typedef __m256i vi;
 static inline vi load_w(const uint16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -55,6 +66,9 @@ static inline float vsum(vf v) {
 #else /* plain C, any CPU: AVX2's steps lane for lane (8 float32 lanes, fmaf, its horizontal sum's tree) */
 #define KB 16 /* AVX2's */
 #define RB 2
+#ifndef JB1
+#define JB1 4
+#endif
 #define PLAIN_LANES (KB / 2)
 typedef struct { float l[PLAIN_LANES]; } vf;
 typedef struct { uint16_t h[KB]; } vi;
