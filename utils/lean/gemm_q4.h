@@ -50,10 +50,13 @@
 #ifndef Q4_X
 #define Q4_X 4
 #endif
-/* Blocks prefetched ahead: 4 KB of weights. Measured: 1 to 8 KB ahead (docs/results.md, twelfth round); 64 blocks
-   the same, into L2 rather than L1 5-8% faster (thirteenth round; the figures in "Figures behind the code's
-   rules"). */
-#define Q4_AHEAD 16
+/* Blocks prefetched ahead: 16 KB of weights, as the bfloat16 kernel's PREFETCH. Measured: 1 to 8 KB ahead
+   (docs/results.md, twelfth round); into L2 rather than L1 5-8% faster (thirteenth round); 64 blocks against 16 on a
+   2-vCPU Zen 4 the same where the VM read 25-30 GB/s, 1.18-1.32x at one row where it read faster (twenty-third round;
+   the figures in "Figures behind the code's rules"). */
+#ifndef Q4_AHEAD /* -DQ4_AHEAD=... builds another to time: it does not change the bits */
+#define Q4_AHEAD 64
+#endif
 
 /* Into L2 (prefetcht1, locality 2): a prefetch into L1 holds one of its few fill buffers until the line comes. */
 static inline void q4_prefetch(const uint8_t* w, const uint16_t* dm) {
