@@ -19,10 +19,10 @@
    of the activations into float32 (on a 2-vCPU Zen 4 the float32 chain lost to torch's products from 8 rows,
    twentieth round, docs/results.md).
 
-   Shape of the work: each thread takes whole blocks of JB weight rows (JB1 for one activation row:
-   gemm_bf16_isa.h); a block's rows are read chunk by chunk
-   (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead into L2, then used by every group of
-   RB activation rows while it sits in the cache. None of JB, JB1, KC, KC_PAIRS, PREFETCH and RB changes the bits. */
+   Shape of the work: each thread takes whole blocks of JB weight rows (JB1 for one activation row: gemm_bf16_isa.h);
+   a block's rows are read chunk by chunk (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead
+   into L2, then used by every group of RB activation rows while it sits in the cache. None of JB, JB1, KC, KC_PAIRS,
+   PREFETCH and RB changes the bits. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -37,6 +37,7 @@
 #ifndef JB /* -DJB=... builds another to time (as JB1, RB, KC, KC_PAIRS, PREFETCH and Q4_X): none changes the bits */
 #define JB 4
 #endif
+#define JBMAX (JB > JB1 ? JB : JB1) /* the accumulators' columns: a block of JB rows, or JB1 for one activation row */
 /* Inputs a chunk: JB rows of KC bfloat16 read once from memory, then served from L1 to every group of RB activation
    rows, whose accumulators go to memory between chunks. The float32 chain's KC: 512 (4 KB of weights, the ninth
    round's choice; on AVX2 2048 measured 0.94-1.06x it, so kept). Bfloat16 pairs' KC_PAIRS: 4096, a 1536-wide input's
@@ -45,7 +46,6 @@
 #ifndef KC
 #define KC 512
 #endif
-#define JBMAX (JB > JB1 ? JB : JB1) /* the accumulators' columns: a block of JB rows, or JB1 for one activation row */
 #ifndef KC_PAIRS
 #define KC_PAIRS 4096
 #endif
