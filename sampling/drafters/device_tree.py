@@ -27,6 +27,7 @@ from torch import Tensor
 
 from sampling.drafters.model_drafter import ModelDrafter
 from utils.logits_processors import inverse_cdf
+from utils.runners.protocol import Runner
 
 Levels = list[tuple[list[int], list[float]]]  # a row's candidates depth by depth: tokens, factors (q of each)
 
@@ -108,6 +109,15 @@ def draw_without_replacement(q: Tensor, count: int, generator: torch.Generator) 
     return drawn
 
 
+def root_pass(runner: Runner, sequences: list[list[int]], depths: list[int]) -> tuple[int, dict[int, Tensor]]:
+    """A tree step's first drafter pass, whichever grows the tree: each row with room to draft (`depths[b]`) feeds
+    what its cache has not seen (a chain) -> (the widest block, row -> the logits at its root, the last accepted
+    token, for the rows that fed any)."""
+    pending = [s[runner.row_length(b) :] if depths[b] else [] for b, s in enumerate(sequences)]
+    logits = runner.forward_rows([(tokens, None) for tokens in pending], [int(bool(t)) for t in pending])
+    return max(map(len, pending)), {b: logits[b][-1] for b, tokens in enumerate(pending) if tokens}
+
+
 def grow(chain: ModelDrafter, sequences: list[list[int]], depths: list[int], widths: list[int], branching: int,
          generators: list[torch.Generator | None]) -> tuple[list[Levels], list[list[list[int]]], list[list[Tensor]],
                                                             list[int]]:
@@ -115,12 +125,11 @@ def grow(chain: ModelDrafter, sequences: list[list[int]], depths: list[int], wid
     per row its levels and each expanded depth's beams (read in one transfer; none for a row that did not
     draft), its levels' distributions (`Growth.qs`, on the device), and the widest block of each drafter pass."""
     runner = chain.runner
-    pending = [s[runner.row_length(b) :] if depths[b] else [] for b, s in enumerate(sequences)]
-    logits = runner.forward_rows([(tokens, None) for tokens in pending], [int(bool(t)) for t in pending])
-    passes = [max(map(len, pending))]
-    growths = {b: Growth() for b, tokens in enumerate(pending) if tokens}
+    width, roots = root_pass(runner, sequences, depths)
+    passes = [width]
+    growths = {b: Growth() for b in roots}
     for b, growth in growths.items():
-        q = chain.belief(logits[b][-1], None)[None]
+        q = chain.belief(roots[b], None)[None]
         growth.add(q, *children(chain, q, branching, b, len(sequences[b]), generators[b]))
     for depth in range(1, min(len(widths) + 1, max(depths))):
         growing = [b for b in growths if depth < depths[b]]

@@ -250,10 +250,9 @@ class ModelTreeDrafter:
         runner, trees = self.chain.runner, [RowTree(sequence) for sequence in sequences]
         generators = self._generators(sequences, depths)
         # 1. The root: each drafting row feeds what its cache has not seen (a chain).
-        pending = [s[runner.row_length(b) :] if depths[b] else [] for b, s in enumerate(sequences)]
-        logits = runner.forward_rows([(tokens, None) for tokens in pending], [int(bool(t)) for t in pending])
-        self._passes = [max(map(len, pending))]
-        self._expand_all([(trees[b], b, -1, logits[b][-1], generators[b]) for b, tokens in enumerate(pending) if tokens])
+        width, roots = device_tree.root_pass(runner, sequences, depths)
+        self._passes = [width]
+        self._expand_all([(trees[b], b, -1, root, generators[b]) for b, root in roots.items()])
         # 2. One pass per depth over the frontier's best candidates, each row's block a tree.
         for depth in range(1, max(depths, default=0)):
             picks = [tree.to_expand(depth, budget, self.branching) if depth < depths[b] else []

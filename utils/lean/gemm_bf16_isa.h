@@ -10,7 +10,7 @@
                      AVX-512 has 32 vector registers, 2 where AVX2 has 16; it does not change the bits
      JB1             weight rows a thread's block takes when there is one activation row (a one-token pass): more
                      rows read side by side than gemm.c's JB, one accumulator each. Measured on a 2-vCPU Zen 4
-                     against JB's 4, alternated: AVX-512 6 to 16 rows 1.00-1.10x, 8 kept; its Haswell build 6
+                     against 4 on the same path, alternated: AVX-512 6 to 16 rows 1.00-1.10x, 8 kept; Haswell's 6
                      1.05-1.06x, 8 1.02x (twenty-third round, docs/results.md); plain C keeps 4, unmeasured. It does
                      not change the bits
      vf, vi          float32 vector, the weights' integer vector
