@@ -15,11 +15,22 @@
 #include "attention_dots.h"
 
 #define HIDDEN (-1e30f) /* a mask value at or below this hides the key (the runner's masks hold the dtype's minimum) */
-/* The walk's sizes: how many (query, head) pairs share one conversion of the keys and values to float32, and how
-   many keys are converted at once. Not measured: chosen with the kernel (tenth round, docs/results.md "Our layer
-   operations"); no other value has been timed. Neither changes the bits (each pair's sums keep their order). */
+/* The walk's sizes: how many (query, head) pairs one walk over the keys and values serves, and how many keys each
+   sweep of PAIRS pairs covers (attention_dots.h). Not measured: chosen with the kernel (tenth round, docs/results.md
+   "Our layer operations"). The prefetch distance was timed (twenty-fourth round). None changes the bits (each pair's
+   sums keep their order). */
 #define CHUNK 32 /* (query, head) pairs a walk over the keys serves, at least one query's heads */
-#define KEYS 32  /* keys (then values) converted to float32 at once */
+#define KEYS 32  /* keys (then values) a sweep covers, in L1 for the walk's next PAIRS pairs */
+#ifndef ATTENTION_AHEAD /* -DATTENTION_AHEAD=... builds another to time */
+#define ATTENTION_AHEAD 16384 /* bytes of keys (values) prefetched into L2 ahead of the sweep */
+#endif
+
+/* Prefetches (into L2) the bytes ATTENTION_AHEAD past a block of n elements at offset in a buffer of `end` elements. */
+static inline void prefetch_ahead(const void* buffer, int64_t offset, int n, int64_t end, int bf16) {
+  int64_t size = bf16 ? 2 : 4, from = offset * size + ATTENTION_AHEAD, to = from + n * size;
+  for (int64_t byte = from; byte < to && byte < end * size; byte += 64)
+    __builtin_prefetch((const char*)buffer + byte, 0, 2);
+}
 
 /* One call's operands (specdec_attention's arguments) and the numbers derived from them. */
 typedef struct {
@@ -31,37 +42,51 @@ typedef struct {
   float scale, cap;
 } attention_t;
 
+/* Where a sweep reads a block of KEYS keys (values) of the buffer from `at`: the buffer itself, bfloat16 widened in
+   registers, when one sweep serves every pair; else `block`, the block widened to float32 once for the sweeps. */
+typedef struct {
+  const void* from;
+  int64_t at;
+  int bf16;
+} source_t;
+
+static source_t sweep_source(const attention_t* A, const void* buffer, int64_t at, int keys, int n, float* block) {
+  if (!A->bf16 || n <= PAIRS) return (source_t){buffer, at, A->bf16};
+  load_row(block, buffer, at, keys * A->d, 1);
+  return (source_t){block, 0, 0};
+}
+
 /* scores (n pairs of `padded`) = each (query, head) pair's dot products with the first `used` keys of the key head at
-   head_base, each alone (LANES accumulators, then hsum's tree). block: KEYS keys in float32. */
-static void attention_dots(const attention_t* A, const float* queries, float* scores, float* block, int64_t head_base,
-                           int n) {
+   head_base, each alone (LANES accumulators, then hsum's tree): PAIRS pairs a sweep over KEYS keys. */
+static void attention_dots(const attention_t* A, const float* queries, float* scores, int64_t head_base, int n,
+                           float* block) {
   int d = A->d, used = A->used, padded = A->padded;
   for (int j0 = 0; j0 < used; j0 += KEYS) {
     int keys_here = used - j0 < KEYS ? used - j0 : KEYS;
-    load_row(block, A->keys, head_base + (int64_t)j0 * d, keys_here * d, A->bf16);
-    for (int pair = 0; pair < n; pair += 2) { /* the dot products, each alone */
-      const float *a = queries + (size_t)pair * d, *b = pair + 1 < n ? a + d : a;
-      float *sa = scores + (size_t)pair * padded + j0, *sb = sa + padded;
+    prefetch_ahead(A->keys, head_base + (int64_t)j0 * d, keys_here * d, head_base + (int64_t)used * d, A->bf16);
+    source_t keys = sweep_source(A, A->keys, head_base + (int64_t)j0 * d, keys_here, n, block);
+    int bf16 = keys.bf16;
+    int64_t at = keys.at; /* the block's first key */
+    for (int pair = 0; pair < n; pair += PAIRS) { /* the dot products, each alone */
+      int count = n - pair < PAIRS ? n - pair : PAIRS;
+      const float* q = queries + (size_t)pair * d;
+      float* s = scores + (size_t)pair * padded + j0;
       int j = 0;
       for (; j + LANES <= keys_here; j += LANES) { /* sixteen keys' scores summed at once */
-        vec la[LANES], lb[LANES];
-        for (int k = 0; k < LANES; k += 4) lanes_2x4(a, b, block + (size_t)(j + k) * d, d, la + k, lb + k);
-        vstore(sa + j, hsum16(la));
-        if (pair + 1 < n) vstore(sb + j, hsum16(lb));
+        vec lanes[PAIRS * LANES]; /* pair h's sixteen keys at lanes[h LANES ...] */
+        for (int k = 0; k < LANES; k += 4)
+          lanes_x4(bf16, count, q, keys.from, at + (int64_t)(j + k) * d, d, lanes + k, LANES);
+        for (int h = 0; h < count; h++) vstore(s + (size_t)h * padded + j, hsum16(lanes + h * LANES));
       }
-      for (; j < keys_here; j += 4) {
-        float s[8];
-        if (j + 4 <= keys_here) {
-          dots_2x4(a, b, block + (size_t)j * d, d, s);
-        } else {
-          for (int k = 0; k < keys_here - j; k++)
-            s[k] = vdot(a, block + (size_t)(j + k) * d, d), s[4 + k] = vdot(b, block + (size_t)(j + k) * d, d);
-        }
-        for (int k = 0; k < 4 && j + k < keys_here; k++) {
-          sa[j + k] = s[k];
-          if (pair + 1 < n) sb[j + k] = s[4 + k];
-        }
+      for (; j + 4 <= keys_here; j += 4) {
+        vec four[PAIRS * 4];
+        lanes_x4(bf16, count, q, keys.from, at + (int64_t)j * d, d, four, 4);
+        for (int h = 0; h < count; h++)
+          for (int key = 0; key < 4; key++) s[(size_t)h * padded + j + key] = hsum(four[4 * h + key]);
       }
+      for (int h = 0; h < count; h++)
+        for (int key = j; key < keys_here; key++)
+          s[(size_t)h * padded + key] = key_dot(bf16, q + (size_t)h * d, keys.from, at + (int64_t)key * d, d);
     }
   }
 }
@@ -117,21 +142,28 @@ static float softmax_numerators(float* p, int used, int padded) {
   return most == -INFINITY ? 0.0f : hsum(sum);
 }
 
-/* acc (n pairs of d) = the values at head_base weighted by each pair's numerators, key after key. */
-static void attention_values(const attention_t* A, const float* scores, float* acc, float* block, int64_t head_base,
-                             int n) {
+/* acc (n pairs of d) = the values at head_base weighted by each pair's numerators, key after key: PAIRS pairs a sweep
+   over KEYS values. */
+static void attention_values(const attention_t* A, const float* scores, float* acc, int64_t head_base, int n,
+                             float* block) {
   int d = A->d, used = A->used;
   memset(acc, 0, (size_t)n * d * sizeof(float));
   for (int j0 = 0; j0 < used; j0 += KEYS) {
     int keys_here = used - j0 < KEYS ? used - j0 : KEYS;
-    load_row(block, A->values, head_base + (int64_t)j0 * d, keys_here * d, A->bf16);
-    for (int pair = 0; pair < n; pair += 2) {
-      const float *pa = scores + (size_t)pair * A->padded + j0, *pb = pair + 1 < n ? pa + A->padded : pa;
-      float* at = acc + (size_t)pair * d;
-      int i = 0, two = pair + 1 < n;
-      for (; i + 8 * LANES <= d; i += 8 * LANES) weighted_8(at + i, d, pa, pb, block + i, keys_here, two);
-      for (; i + 4 * LANES <= d; i += 4 * LANES) weighted_4(at + i, d, pa, pb, block + i, keys_here, two);
-      for (; i < d; i += LANES) weighted_1(at + i, d, pa, pb, block + i, keys_here, two);
+    prefetch_ahead(A->values, head_base + (int64_t)j0 * d, keys_here * d, head_base + (int64_t)used * d, A->bf16);
+    source_t values = sweep_source(A, A->values, head_base + (int64_t)j0 * d, keys_here, n, block);
+    int bf16 = values.bf16;
+    int64_t at = values.at;
+    for (int pair = 0; pair < n; pair += PAIRS) {
+      int count = n - pair < PAIRS ? n - pair : PAIRS;
+      const float* ps = scores + (size_t)pair * A->padded + j0;
+      float* out = acc + (size_t)pair * d;
+      int i = 0;
+      for (; i + WEIGHTED_NV * NATIVE <= d; i += WEIGHTED_NV * NATIVE)
+        weighted_x(bf16, count, out + i, d, ps, A->padded, values.from, at + i, keys_here);
+      for (; i < d; i += NATIVE)
+        for (int h = 0; h < count; h++)
+          weighted_one(bf16, out + (size_t)h * d + i, d, ps + (size_t)h * A->padded, values.from, at + i, keys_here);
     }
   }
 }
@@ -144,7 +176,7 @@ static void attention_walk(const attention_t* A, float* buffer, int r, int kvh, 
   int64_t head_base = ((int64_t)r * A->kv_heads + kvh) * A->slots * d;
   float* scores = (float*)(((uintptr_t)buffer + sizeof(vec) - 1) / sizeof(vec) * sizeof(vec));
   float *queries = scores + pairs * padded, *acc = queries + pairs * d, *masks = acc + pairs * d;
-  float* block = masks + pairs / group * padded; /* KEYS keys or values in float32 */
+  float* block = masks + pairs / group * padded; /* KEYS keys or values in float32 (sweep_source) */
   for (int c = 0; c < count; c++) { /* each query's mask in float32 and its heads' queries */
     load_row(masks + (size_t)c * padded, A->mask, r * A->m_row + (first + c) * A->m_token, A->used, A->bf16);
     for (int j = A->used; j < padded; j++) masks[(size_t)c * padded + j] = -INFINITY;
@@ -152,11 +184,11 @@ static void attention_walk(const attention_t* A, float* buffer, int r, int kvh, 
       load_row(queries + (size_t)(c * group + h) * d, A->q,
                r * A->q_row + (int64_t)(kvh * group + h) * A->q_head + (first + c) * A->q_token, d, A->bf16);
   }
-  attention_dots(A, queries, scores, block, head_base, n);
+  attention_dots(A, queries, scores, head_base, n, block);
   attention_mask(A, scores, masks, n);
   float sums[CHUNK > group ? CHUNK : group];
   for (int pair = 0; pair < n; pair++) sums[pair] = softmax_numerators(scores + (size_t)pair * padded, A->used, padded);
-  attention_values(A, scores, acc, block, head_base, n);
+  attention_values(A, scores, acc, head_base, n, block);
   for (int pair = 0; pair < n; pair++) {
     int t = first + pair / group, h = kvh * group + pair % group;
     int64_t to = (((int64_t)r * A->width + t) * A->heads + h) * d;

@@ -1,28 +1,192 @@
 /* Attention's dot products and weighted sums (attention.c), each in one fixed order over the keys: included after
-   fused.h, so products and sums fuse as the build fuses them (see there). */
+   fused.h, so products and sums fuse as the build fuses them (see there). Keys and values are read from the buffer as
+   they are (bfloat16 widened in registers, or float32): each function comes in both, `_bf16` and `_f32`.
+
+   The sweeps run on the machine's own vector, NATIVE float32 lanes (one AVX-512, AVX or 128-bit register), not on
+   `vec`: a 64-byte `vec` is two AVX registers, and gcc keeps arrays of them in memory (the AVX2 build ran 4-5x slower
+   than AVX-512 here for that, twenty-fourth round). A sum's LANES lanes are LANES / NATIVE parts, each lane summed
+   alone in the same order as in `vec`, so the bits are the same in every build. */
 #ifndef SPECDEC_ATTENTION_DOTS_H
 #define SPECDEC_ATTENTION_DOTS_H
 #include "fused.h"
 
-/* Two query heads a and b against four keys k0..k3 (float32 rows of n): each dot product's LANES accumulators, a's
-   four at sa[0..3], b's at sb[0..3], before their sums. */
-static inline void lanes_2x4(const float* a, const float* b, const float* k, int n, vec* sa, vec* sb) {
-  vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-  for (int i = 0; i < n; i += LANES) {
-    vec x = vload(a + i), y = vload(b + i), k0 = vload(k + i), k1 = vload(k + n + i), k2 = vload(k + 2 * n + i),
-        k3 = vload(k + 3 * n + i);
-    a0 = a0 + x * k0, a1 = a1 + x * k1, a2 = a2 + x * k2, a3 = a3 + x * k3;
-    b0 = b0 + y * k0, b1 = b1 + y * k1, b2 = b2 + y * k2, b3 = b3 + y * k3;
-  }
-  sa[0] = a0, sa[1] = a1, sa[2] = a2, sa[3] = a3, sb[0] = b0, sb[1] = b1, sb[2] = b2, sb[3] = b3;
+#if defined(__AVX512F__)
+#define NATIVE 16
+#elif defined(__AVX__)
+#define NATIVE 8
+#else
+#define NATIVE 4
+#endif
+#define PARTS (LANES / NATIVE)
+typedef float nvec __attribute__((vector_size(NATIVE * sizeof(float))));
+typedef uint32_t nuvec __attribute__((vector_size(NATIVE * sizeof(uint32_t))));
+typedef uint16_t nhvec __attribute__((vector_size(NATIVE * sizeof(uint16_t))));
+
+/* The (query, head) pairs a sweep over the keys serves, and the native vectors of each head's output a sweep over the
+   values covers: PAIRS x 4 accumulators in either, what the registers hold (32 with AVX-512, 16 with AVX). A register
+   count, not a measurement; neither changes a bit (each sum keeps its order). */
+#ifndef PAIRS
+#if NATIVE == 16
+#define PAIRS 6
+#else
+#define PAIRS 2
+#endif
+#endif
+#define WEIGHTED_NV 4
+
+/* Holds x in a register: the compiler would otherwise read a head's vector from memory again for each of its four
+   products (a load an FMA: the loads then bound the sweep). */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__) && (defined(__GNUC__) || defined(__clang__))
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) (void)(x)
+#endif
+
+static inline nvec nload(const float* p) {
+  nvec v;
+  memcpy(&v, p, sizeof(nvec));
+  return v;
 }
 
-/* Their scores: out[0..3] for a, out[4..7] for b, each one dot product in the same order as every other (LANES
-   accumulators, then hsum). */
-static inline void dots_2x4(const float* a, const float* b, const float* k, int n, float* out) {
-  vec sa[4], sb[4];
-  lanes_2x4(a, b, k, n, sa, sb);
-  for (int j = 0; j < 4; j++) out[j] = hsum(sa[j]), out[4 + j] = hsum(sb[j]);
+/* NATIVE elements of a buffer at element i, as float32 (a bfloat16's bits are a float32's upper half: exact). */
+static inline nvec at_bf16(const void* buffer, int64_t i) {
+  nhvec h;
+  memcpy(&h, (const uint16_t*)buffer + i, sizeof(nhvec));
+  return (nvec)(__builtin_convertvector(h, nuvec) << 16);
+}
+static inline nvec at_f32(const void* buffer, int64_t i) { return nload((const float*)buffer + i); }
+
+/* Part `part` (lanes part NATIVE ..) of the vec at v set to x. */
+static inline void set_part(vec* v, int part, nvec x) { memcpy((float*)v + part * NATIVE, &x, sizeof(nvec)); }
+
+/* P query heads (float32 rows of n at q) against the four keys at element `at` of the buffer k (rows of n): each dot
+   product's LANES accumulators, head p's four at out[p stride .. p stride + 3], before their sums; each key read once
+   for the P heads. Lane l of an accumulator sums the products at l, l + LANES, ... in order, part by part. */
+#define LANES_X4(P, T)                                                                                             \
+  static inline void lanes_##P##x4_##T(const float* q, const void* k, int64_t at, int n, vec* out, int stride) { \
+    for (int part = 0; part < PARTS; part++) {                                                                   \
+      nvec acc[4 * P];                                                                                           \
+      for (int a = 0; a < 4 * P; a++) acc[a] = (nvec){0};                                                        \
+      for (int i = part * NATIVE; i < n; i += LANES) {                                                           \
+        nvec k0 = at_##T(k, at + i), k1 = at_##T(k, at + n + i), k2 = at_##T(k, at + 2 * n + i),                 \
+             k3 = at_##T(k, at + 3 * n + i);                                                                     \
+        for (int p = 0; p < P; p++) {                                                                            \
+          nvec x = nload(q + (size_t)p * n + i);                                                                 \
+          IN_REGISTER(x);                                                                                        \
+          acc[4 * p] = acc[4 * p] + x * k0, acc[4 * p + 1] = acc[4 * p + 1] + x * k1;                            \
+          acc[4 * p + 2] = acc[4 * p + 2] + x * k2, acc[4 * p + 3] = acc[4 * p + 3] + x * k3;                    \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int p = 0; p < P; p++)                                                                                \
+        for (int key = 0; key < 4; key++) set_part(out + p * stride + key, part, acc[4 * p + key]);              \
+    }                                                                                                            \
+  }
+
+/* acc (P heads' outputs, rows of d; NV native vectors of each from acc's column) += p_h v_j over `keys` values from
+   element `at` of the buffer v (rows of d), in key order (head h's numerators at ps + h * stride): the accumulators
+   stay in registers for the whole block, each value vector read once for the P heads. */
+#define WEIGHTED(P, NV, T)                                                                                   \
+  static inline void weighted_##P##x##NV##_##T(float* acc, int d, const float* ps, size_t stride, const void* v, \
+                                                int64_t at, int keys) {                                      \
+    nvec x[P * NV];                                                                                          \
+    for (int h = 0; h < P; h++)                                                                              \
+      for (int u = 0; u < NV; u++) x[h * NV + u] = nload(acc + (size_t)h * d + u * NATIVE);                  \
+    for (int j = 0; j < keys; j++) {                                                                         \
+      nvec w[NV];                                                                                            \
+      for (int u = 0; u < NV; u++) w[u] = at_##T(v, at + (int64_t)j * d + u * NATIVE);                       \
+      for (int h = 0; h < P; h++) {                                                                          \
+        nvec p = (nvec){0} + ps[h * stride + j];                                                             \
+        for (int u = 0; u < NV; u++) x[h * NV + u] = x[h * NV + u] + p * w[u];                               \
+      }                                                                                                      \
+    }                                                                                                        \
+    for (int h = 0; h < P; h++)                                                                              \
+      for (int u = 0; u < NV; u++) memcpy(acc + (size_t)h * d + u * NATIVE, &x[h * NV + u], sizeof(nvec));   \
+  }
+
+/* One head's score against one key (its LANES accumulators, then hsum: the bits of lanes_Px4 and hsum). */
+#define KEY_DOT(T)                                                                  \
+  static inline float key_dot_##T(const float* a, const void* k, int64_t at, int n) { \
+    vec sum;                                                                        \
+    for (int part = 0; part < PARTS; part++) {                                      \
+      nvec acc = {0};                                                               \
+      for (int i = part * NATIVE; i < n; i += LANES) acc = acc + nload(a + i) * at_##T(k, at + i); \
+      set_part(&sum, part, acc);                                                    \
+    }                                                                               \
+    return hsum(sum);                                                               \
+  }
+
+/* Every function above for one element type T, and the dispatch on the heads' count (1..PAIRS). */
+#if PAIRS == 6
+#define KERNELS(T)                                                                                                 \
+  LANES_X4(1, T) LANES_X4(2, T) LANES_X4(3, T) LANES_X4(4, T) LANES_X4(5, T) LANES_X4(6, T)                         \
+  WEIGHTED(1, 4, T) WEIGHTED(2, 4, T) WEIGHTED(3, 4, T) WEIGHTED(4, 4, T) WEIGHTED(5, 4, T) WEIGHTED(6, 4, T)       \
+  WEIGHTED(1, 1, T) KEY_DOT(T)                                                                                     \
+  static inline void lanes_x4_##T(int count, const float* q, const void* k, int64_t at, int n, vec* out, int stride) { \
+    switch (count) {                                                                                               \
+      case 1: lanes_1x4_##T(q, k, at, n, out, stride); break;                                                      \
+      case 2: lanes_2x4_##T(q, k, at, n, out, stride); break;                                                      \
+      case 3: lanes_3x4_##T(q, k, at, n, out, stride); break;                                                      \
+      case 4: lanes_4x4_##T(q, k, at, n, out, stride); break;                                                      \
+      case 5: lanes_5x4_##T(q, k, at, n, out, stride); break;                                                      \
+      default: lanes_6x4_##T(q, k, at, n, out, stride); break;                                                     \
+    }                                                                                                              \
+  }                                                                                                                \
+  static inline void weighted_x_##T(int count, float* acc, int d, const float* ps, size_t stride, const void* v,    \
+                                    int64_t at, int keys) {                                                        \
+    switch (count) {                                                                                               \
+      case 1: weighted_1x4_##T(acc, d, ps, stride, v, at, keys); break;                                            \
+      case 2: weighted_2x4_##T(acc, d, ps, stride, v, at, keys); break;                                            \
+      case 3: weighted_3x4_##T(acc, d, ps, stride, v, at, keys); break;                                            \
+      case 4: weighted_4x4_##T(acc, d, ps, stride, v, at, keys); break;                                            \
+      case 5: weighted_5x4_##T(acc, d, ps, stride, v, at, keys); break;                                            \
+      default: weighted_6x4_##T(acc, d, ps, stride, v, at, keys); break;                                           \
+    }                                                                                                              \
+  }
+#elif PAIRS == 2
+#define KERNELS(T)                                                                                                 \
+  LANES_X4(1, T) LANES_X4(2, T) WEIGHTED(1, 4, T) WEIGHTED(2, 4, T) WEIGHTED(1, 1, T) KEY_DOT(T)                   \
+  static inline void lanes_x4_##T(int count, const float* q, const void* k, int64_t at, int n, vec* out, int stride) { \
+    if (count == 1)                                                                                                \
+      lanes_1x4_##T(q, k, at, n, out, stride);                                                                     \
+    else                                                                                                           \
+      lanes_2x4_##T(q, k, at, n, out, stride);                                                                     \
+  }                                                                                                                \
+  static inline void weighted_x_##T(int count, float* acc, int d, const float* ps, size_t stride, const void* v,    \
+                                    int64_t at, int keys) {                                                        \
+    if (count == 1)                                                                                                \
+      weighted_1x4_##T(acc, d, ps, stride, v, at, keys);                                                           \
+    else                                                                                                           \
+      weighted_2x4_##T(acc, d, ps, stride, v, at, keys);                                                           \
+  }
+#else
+#error "PAIRS is 6 or 2"
+#endif
+KERNELS(bf16)
+KERNELS(f32)
+
+/* The functions above for a buffer of bfloat16 (bf16 set) or float32. */
+static inline void lanes_x4(int bf16, int count, const float* q, const void* k, int64_t at, int n, vec* out,
+                            int stride) {
+  if (bf16)
+    lanes_x4_bf16(count, q, k, at, n, out, stride);
+  else
+    lanes_x4_f32(count, q, k, at, n, out, stride);
+}
+static inline void weighted_x(int bf16, int count, float* acc, int d, const float* ps, size_t stride, const void* v,
+                              int64_t at, int keys) {
+  if (bf16)
+    weighted_x_bf16(count, acc, d, ps, stride, v, at, keys);
+  else
+    weighted_x_f32(count, acc, d, ps, stride, v, at, keys);
+}
+static inline void weighted_one(int bf16, float* acc, int d, const float* ps, const void* v, int64_t at, int keys) {
+  if (bf16)
+    weighted_1x1_bf16(acc, d, ps, 0, v, at, keys);
+  else
+    weighted_1x1_f32(acc, d, ps, 0, v, at, keys);
+}
+static inline float key_dot(int bf16, const float* a, const void* k, int64_t at, int n) {
+  return bf16 ? key_dot_bf16(a, k, at, n) : key_dot_f32(a, k, at, n);
 }
 
 /* hsum of sixteen vectors at once, each in hsum's own tree: out[k] = hsum(v[k]), four shuffled additions in all
@@ -43,33 +207,4 @@ static inline vec hsum16(const vec* v) {
          SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-static inline float vdot(const float* a, const float* b, int n) {
-  vec acc = {0};
-  for (int i = 0; i < n; i += LANES) acc = acc + vload(a + i) * vload(b + i);
-  return hsum(acc);
-}
-
-/* acc (2 heads' outputs, NV vectors each, at acc and acc + d) += p_a v_j, p_b v_j over the keys of a block, in key
-   order: the accumulators stay in registers for the whole block. */
-#define WEIGHTED(NV)                                                                                      \
-  static inline void weighted_##NV(float* acc, int d, const float* pa, const float* pb, const float* v, \
-                                   int keys, int two) {                                                 \
-    vec x[NV], y[NV];                                                                                   \
-    for (int u = 0; u < NV; u++) x[u] = vload(acc + u * LANES), y[u] = two ? vload(acc + d + u * LANES) : x[u]; \
-    for (int j = 0; j < keys; j++) {                                                                    \
-      vec p = (vec){0} + pa[j], o = (vec){0} + (two ? pb[j] : 0.0f);                                    \
-      for (int u = 0; u < NV; u++) {                                                                    \
-        vec w = vload(v + (size_t)j * d + u * LANES);                                                   \
-        x[u] = x[u] + p * w;                                                                            \
-        if (two) y[u] = y[u] + o * w;                                                                   \
-      }                                                                                                 \
-    }                                                                                                   \
-    for (int u = 0; u < NV; u++) {                                                                      \
-      vstore(acc + u * LANES, x[u]);                                                                    \
-      if (two) vstore(acc + d + u * LANES, y[u]);                                                       \
-    }                                                                                                   \
-  }
-WEIGHTED(8)
-WEIGHTED(4)
-WEIGHTED(1)
 #endif
