@@ -17,8 +17,8 @@
 #define HIDDEN (-1e30f) /* a mask value at or below this hides the key (the runner's masks hold the dtype's minimum) */
 /* The walk's sizes: how many (query, head) pairs one walk over the keys and values serves, and how many keys each
    sweep of PAIRS pairs covers (attention_dots.h). Not measured: chosen with the kernel (tenth round, docs/results.md
-   "Our layer operations"). The prefetch distance was timed (twenty-fourth round). None changes the bits (each pair's
-   sums keep their order). */
+   "Our layer operations"). The prefetch distance was timed (docs/results.md, "Figures behind the code's rules"). None
+   changes the bits (each pair's sums keep their order). */
 #define CHUNK 32 /* (query, head) pairs a walk over the keys serves, at least one query's heads */
 #define KEYS 32  /* keys (then values) a sweep covers, in L1 for the walk's next PAIRS pairs */
 #ifndef ATTENTION_AHEAD /* -DATTENTION_AHEAD=... builds another to time */
@@ -52,7 +52,10 @@ typedef struct {
 
 static source_t sweep_source(const attention_t* A, const void* buffer, int64_t at, int keys, int n, float* block) {
   if (!A->bf16 || n <= PAIRS) return (source_t){buffer, at, A->bf16};
-  load_row(block, buffer, at, keys * A->d, 1);
+  for (int i = 0; i < keys * A->d; i += NATIVE) { /* d is a multiple of LANES */
+    nvec x = at_bf16(buffer, at + i);
+    memcpy(block + i, &x, sizeof(nvec));
+  }
   return (source_t){block, 0, 0};
 }
 

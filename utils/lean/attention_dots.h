@@ -9,6 +9,7 @@
 #ifndef SPECDEC_ATTENTION_DOTS_H
 #define SPECDEC_ATTENTION_DOTS_H
 #include "fused.h"
+#include "bf16_x86.h"
 
 #if defined(__AVX512F__)
 #define NATIVE 16
@@ -48,11 +49,35 @@ static inline nvec nload(const float* p) {
   return v;
 }
 
-/* NATIVE elements of a buffer at element i, as float32 (a bfloat16's bits are a float32's upper half: exact). */
+/* NATIVE elements of a buffer at element i, as float32 (a bfloat16's bits are a float32's upper half: exact); on x86
+   by bf16_x86.h's widening load, where the instruction is the point. */
 static inline nvec at_bf16(const void* buffer, int64_t i) {
+  const uint16_t* p = (const uint16_t*)buffer + i;
+#if NATIVE == 16 && defined(__AVX512F__)
+  return (nvec)bf16_widen16(p);
+#elif NATIVE == 8 && defined(__AVX2__)
+  return (nvec)bf16_widen8(p);
+#else
   nhvec h;
-  memcpy(&h, (const uint16_t*)buffer + i, sizeof(nhvec));
+  memcpy(&h, p, sizeof(nhvec));
   return (nvec)(__builtin_convertvector(h, nuvec) << 16);
+#endif
+}
+
+/* x in every lane: one broadcast (gcc makes a lane-by-lane loop sixteen masked ones, and `(nvec){0} + x` an addition
+   and a broadcast). */
+static inline nvec splat(float x) {
+  nvec v = {x};
+#if defined(__clang__) && NATIVE == 16
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+#elif defined(__clang__) && NATIVE == 8
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
+#elif defined(__clang__)
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0);
+#else
+  typedef int32_t nivec __attribute__((vector_size(NATIVE * sizeof(int32_t))));
+  return __builtin_shuffle(v, (nivec){0});
+#endif
 }
 static inline nvec at_f32(const void* buffer, int64_t i) { return nload((const float*)buffer + i); }
 
@@ -95,7 +120,7 @@ static inline void set_part(vec* v, int part, nvec x) { memcpy((float*)v + part 
       nvec w[NV];                                                                                            \
       for (int u = 0; u < NV; u++) w[u] = at_##T(v, at + (int64_t)j * d + u * NATIVE);                       \
       for (int h = 0; h < P; h++) {                                                                          \
-        nvec p = (nvec){0} + ps[h * stride + j];                                                             \
+        nvec p = splat(ps[h * stride + j]);                                                                  \
         for (int u = 0; u < NV; u++) x[h * NV + u] = x[h * NV + u] + p * w[u];                               \
       }                                                                                                      \
     }                                                                                                        \

@@ -1,8 +1,8 @@
 /* The layer operations' one SIMD dialect (norm.c, rope.c, attention.c, gated.c): GCC and clang vector extensions,
    LANES float32 lanes whatever the CPU (the compiler maps a vector onto its registers: one AVX-512 register, two
    AVX2 ones, four NEON ones), so every sum has the same lanes in the same order in every build. Intrinsics appear
-   only in the GEMMs' per-ISA files (gemm_bf16_isa.h, gemm_amx.c, gemm_q4_*.c), where the instruction (VNNI, AMX,
-   F16C) is the point.
+   only in the GEMMs' per-ISA files (gemm_bf16_isa.h, gemm_amx.c, gemm_q4_*.c) and bf16_x86.h's conversions (used
+   by them and by attention's reads), where the instruction (VNNI, AMX, F16C, a widening load) is the point.
 
    Bit casts: a cast between vector types of one size reinterprets the bits (GCC's and clang's rule), so `vec_bits`,
    `bits_vec` and `vselect` below are the one way a vector's bits are read here; memcpy remains only for unaligned
