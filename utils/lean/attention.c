@@ -60,9 +60,10 @@ static source_t sweep_source(const attention_t* A, const void* buffer, int64_t a
 }
 
 /* scores (n pairs of `padded`) = each (query, head) pair's dot products with the first `used` keys of the key head at
-   head_base, each alone (LANES accumulators, then hsum's tree): PAIRS pairs a sweep over KEYS keys. */
-static void attention_dots(const attention_t* A, const float* queries, float* scores, int64_t head_base, int n,
-                           float* block) {
+   head_base, each alone (LANES accumulators, then hsum's tree): PAIRS pairs a sweep over KEYS keys. block: KEYS keys
+   in float32 where `sweep_source` widens them. */
+static void attention_dots(const attention_t* A, const float* queries, float* scores, float* block, int64_t head_base,
+                           int n) {
   int d = A->d, used = A->used, padded = A->padded;
   for (int j0 = 0; j0 < used; j0 += KEYS) {
     int keys_here = used - j0 < KEYS ? used - j0 : KEYS;
@@ -147,8 +148,8 @@ static float softmax_numerators(float* p, int used, int padded) {
 
 /* acc (n pairs of d) = the values at head_base weighted by each pair's numerators, key after key: PAIRS pairs a sweep
    over KEYS values. */
-static void attention_values(const attention_t* A, const float* scores, float* acc, int64_t head_base, int n,
-                             float* block) {
+static void attention_values(const attention_t* A, const float* scores, float* acc, float* block, int64_t head_base,
+                             int n) {
   int d = A->d, used = A->used;
   memset(acc, 0, (size_t)n * d * sizeof(float));
   for (int j0 = 0; j0 < used; j0 += KEYS) {
@@ -187,11 +188,11 @@ static void attention_walk(const attention_t* A, float* buffer, int r, int kvh, 
       load_row(queries + (size_t)(c * group + h) * d, A->q,
                r * A->q_row + (int64_t)(kvh * group + h) * A->q_head + (first + c) * A->q_token, d, A->bf16);
   }
-  attention_dots(A, queries, scores, head_base, n, block);
+  attention_dots(A, queries, scores, block, head_base, n);
   attention_mask(A, scores, masks, n);
   float sums[CHUNK > group ? CHUNK : group];
   for (int pair = 0; pair < n; pair++) sums[pair] = softmax_numerators(scores + (size_t)pair * padded, A->used, padded);
-  attention_values(A, scores, acc, head_base, n, block);
+  attention_values(A, scores, acc, block, head_base, n);
   for (int pair = 0; pair < n; pair++) {
     int t = first + pair / group, h = kvh * group + pair % group;
     int64_t to = (((int64_t)r * A->width + t) * A->heads + h) * d;

@@ -3,9 +3,9 @@
    they are (bfloat16 widened in registers, or float32): each function comes in both, `_bf16` and `_f32`.
 
    The sweeps run on the machine's own vector, NATIVE float32 lanes (one AVX-512, AVX or 128-bit register), not on
-   `vec`: a 64-byte `vec` is two AVX registers, and gcc keeps arrays of them in memory (the AVX2 build ran 4-5x slower
-   than AVX-512 here for that, twenty-fourth round). A sum's LANES lanes are LANES / NATIVE parts, each lane summed
-   alone in the same order as in `vec`, so the bits are the same in every build. */
+   `vec`: a 64-byte `vec` is two AVX registers, and gcc keeps arrays of them in memory (what that cost the AVX2 build:
+   docs/results.md, twenty-fourth round). A sum's LANES lanes are LANES / NATIVE parts, each lane summed alone in the
+   same order as in `vec`, so the bits are the same in every build. */
 #ifndef SPECDEC_ATTENTION_DOTS_H
 #define SPECDEC_ATTENTION_DOTS_H
 #include "fused.h"
@@ -63,6 +63,7 @@ static inline nvec at_bf16(const void* buffer, int64_t i) {
   return (nvec)(__builtin_convertvector(h, nuvec) << 16);
 #endif
 }
+static inline nvec at_f32(const void* buffer, int64_t i) { return nload((const float*)buffer + i); }
 
 /* x in every lane: one broadcast (gcc makes a lane-by-lane loop sixteen masked ones, and `(nvec){0} + x` an addition
    and a broadcast). */
@@ -79,8 +80,6 @@ static inline nvec splat(float x) {
   return __builtin_shuffle(v, (nivec){0});
 #endif
 }
-static inline nvec at_f32(const void* buffer, int64_t i) { return nload((const float*)buffer + i); }
-
 /* Part `part` (lanes part NATIVE ..) of the vec at v set to x. */
 static inline void set_part(vec* v, int part, nvec x) { memcpy((float*)v + part * NATIVE, &x, sizeof(nvec)); }
 
