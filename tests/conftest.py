@@ -35,8 +35,12 @@ def _drafts_judged_from_the_prior():
 
 
 # Calibrations (utils/calibration.py) of the tiny models go to a fresh folder, not the user's cache
-# (tests/test_examples.py runs the built-in model with the user's cache, as the README does).
-USER_CACHE = os.environ.get("SPECDEC_CACHE")
+# (tests/test_examples.py runs the built-in model with the user's cache, as the README does). pytest-xdist's workers
+# inherit the controller's environment, its fresh folder included: the user's own setting ("" for the default
+# folder) travels to them in USER_CACHE_ENV, else each `make test` converted and calibrated the built-in model anew.
+USER_CACHE_ENV = "SPECDEC_TESTS_USER_CACHE"
+os.environ.setdefault(USER_CACHE_ENV, os.environ.get("SPECDEC_CACHE", ""))
+USER_CACHE = os.environ[USER_CACHE_ENV] or None
 os.environ["SPECDEC_CACHE"] = tempfile.mkdtemp(prefix="specdec-tests-")
 
 
