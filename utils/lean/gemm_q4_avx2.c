@@ -6,11 +6,24 @@
 #ifdef Q4_AVX2
 #include <immintrin.h>
 
-static inline __m256i q4_dot(__m256i sum, __m256i w, __m256i x) { /* sum + 8 int32 lanes, each of 4 products */
+/* A row's eight broadcast quads of inputs x4 against a half's eight vectors of nibbles q: 8 int32 lanes, each the
+   exact integer sum of its row's 32 products (the AVX-512 kernel's s + t). */
+static inline __m256i q4_sums(const __m256i q[8], const int32_t* x4) {
 #if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(sum, w, x);
+  __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+  for (int u = 0; u < 4; u++) {
+    s = _mm256_dpbusd_avx_epi32(s, q[u], _mm256_set1_epi32(x4[u]));
+    t = _mm256_dpbusd_avx_epi32(t, q[u + 4], _mm256_set1_epi32(x4[u + 4]));
+  }
+  return _mm256_add_epi32(s, t);
 #else
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))); /* 2 * 15 * 127 fits 16 bits */
+  /* maddubs's pairs are at most 2 * 15 * 127 = 3810: eight of them summed in 16 bits reach 30480, no overflow, so
+     one widening (madd by ones) a row rather than eight (twenty-fifth round) */
+  __m256i p[8];
+  for (int u = 0; u < 8; u++) p[u] = _mm256_maddubs_epi16(q[u], _mm256_set1_epi32(x4[u]));
+  __m256i sum = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                 _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+  return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -21,7 +34,7 @@ void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t* qx, const flo
   for (int r = 0; r < Q4_X; r++) acc[r][0] = acc[r][1] = accm[r][0] = accm[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f);
   for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES) {
-    const uint16_t* dm = dm0 + (size_t)(b / per) * 2 * Q4_ROWS; /* a scale and a minimum serve `per` blocks */
+    const uint16_t* dm = dm0 + (size_t)(b >> (per - 1)) * 2 * Q4_ROWS; /* a scale and a minimum serve per = 1 or 2 blocks */
     q4_prefetch(w, dm);
     for (int h = 0; h < 2; h++) {
       __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + 8 * h)));
@@ -34,13 +47,8 @@ void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t* qx, const flo
       }
       for (int r = 0; r < nr; r++) {
         const int32_t* x4 = (const int32_t*)(qx + (size_t)r * in + (size_t)b * Q4_BLOCK);
-        __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
-        for (int u = 0; u < 4; u++) {
-          s = q4_dot(s, q[u], _mm256_set1_epi32(x4[u]));
-          t = q4_dot(t, q[u + 4], _mm256_set1_epi32(x4[u + 4]));
-        }
         __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[(size_t)r * blocks + b]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s, t)), scale, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_sums(q, x4)), scale, acc[r][h]);
         accm[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(size_t)r * blocks + b]), accm[r][h]);
       }
     }

@@ -12,7 +12,7 @@ void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t* qx, const flo
   for (int r = 0; r < Q4_X; r++) acc[r] = accm[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES) {
-    const uint16_t* dm = dm0 + (size_t)(b / per) * 2 * Q4_ROWS; /* a scale and a minimum serve `per` blocks */
+    const uint16_t* dm = dm0 + (size_t)(b >> (per - 1)) * 2 * Q4_ROWS; /* a scale and a minimum serve per = 1 or 2 blocks */
     q4_prefetch(w, dm);
     __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dm));
     __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + Q4_ROWS)));

@@ -36,7 +36,7 @@ void q4_group(const uint8_t* w, const uint16_t* dm0, const int8_t* qx, const flo
             int blocks, int per, int in, int nr, float out[Q4_X][Q4_ROWS]) {
   float acc[Q4_X][Q4_ROWS] = {{0}}, accm[Q4_X][Q4_ROWS] = {{0}};
   for (int b = 0; b < blocks; b++, w += Q4_GROUP_BYTES) {
-    const uint16_t* dm = dm0 + (size_t)(b / per) * 2 * Q4_ROWS; /* a scale and a minimum serve `per` blocks */
+    const uint16_t* dm = dm0 + (size_t)(b >> (per - 1)) * 2 * Q4_ROWS; /* a scale and a minimum serve per = 1 or 2 blocks */
     q4_prefetch(w, dm);
     for (int l = 0; l < Q4_ROWS; l++) {
       uint8_t q[Q4_BLOCK];
