@@ -52,3 +52,9 @@ def test_the_readme_snippet_runs(user_cache, capsys):
     snippet = re.search(r"```python\n(.*?)```", readme, re.DOTALL).group(1)
     exec(compile(snippet, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip()  # it prints the generated text
+
+
+def test_the_user_cache_is_the_users_under_xdist_too():
+    """pytest-xdist's workers inherit the controller's environment, the suite's fresh folder included: the built-in
+    model's tests must still see the user's cache folder (tests/conftest.py), not a folder of the suite's."""
+    assert conftest.USER_CACHE is None or not Path(conftest.USER_CACHE).name.startswith("specdec-tests-")
