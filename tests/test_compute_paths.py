@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -33,7 +35,8 @@ from utils.logits_processors import GreedyProcessor
 VOCAB = 128
 TOKENS = 12
 LLAMAS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-          "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+          "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+          "phi3": (Phi3Config, Phi3ForCausalLM)}
 FAMILIES = [*LLAMAS, "gemma", "gemma2", "gemma3"]
 PATHS = {"bfloat16 arithmetic": (torch.bfloat16, True), "float32 over bfloat16": (torch.bfloat16, False),
          "float32": (torch.float32, False)}  # the model's dtype, and whether the CPU is said to compute in bfloat16

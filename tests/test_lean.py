@@ -9,7 +9,16 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tests.conftest import require_native
 from tests.models import SMALL, VOCAB, gemma_config, prompt, tiny_model
@@ -25,8 +34,9 @@ EAGER_TOLERANCE = 1e-5
 
 
 def _extra_model(name: str, attention: str, seed: int = 0):
-    """Families and options the suite's tiny models lack: Qwen3's q/k norms, Llama-3 rope scaling, tied heads, the
-    Gemma family (`gemma_config`; Gemma 2 always eager: transformers runs no other attention for it)."""
+    """Families and options the suite's tiny models lack: Qwen3's q/k norms, Llama-3 rope scaling, tied heads, Phi-3's
+    fused projections (and its longrope), the Gemma family (`gemma_config`; Gemma 2 always eager: transformers runs no
+    other attention for it)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
                   num_key_value_heads=2, initializer_range=0.3, **SMALL)
@@ -44,6 +54,12 @@ def _extra_model(name: str, attention: str, seed: int = 0):
     if name == "qwen3":
         config = Qwen3Config(head_dim=16, **common)
         model_class = Qwen3ForCausalLM
+    elif name.startswith("phi3"):  # q/k/v and gate/up held fused; "phi3-longrope": short factors to 16, long after
+        rope = ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                 "short_factor": [1.0 + i / 8 for i in range(4)], "long_factor": [2.0 + i for i in range(4)]}
+                if name == "phi3-longrope" else None)
+        config = Phi3Config(rope_parameters=rope, sliding_window=None, original_max_position_embeddings=16, **common)
+        model_class = Phi3ForCausalLM
     else:
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -53,7 +69,7 @@ def _extra_model(name: str, attention: str, seed: int = 0):
     return model_class(config).to(torch.float64).eval()
 
 
-FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3-tied", "gemma", "gemma2", "gemma3"]
+FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3-tied", "phi3", "gemma", "gemma2", "gemma3"]
 
 
 def _model(name: str, attention: str):
@@ -83,7 +99,7 @@ def test_chains_equal_the_hugging_face_logits(family, attention):
     assert (torch.cat(pieces) - reference).abs().max() < (EAGER_TOLERANCE if eager else TOLERANCE)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3", "gemma", "gemma2", "gemma3"])
 def test_a_ragged_batch_with_a_tree_equals_each_row_alone(family):
     """Row 0 verifies a tree (two branches), row 1 a chain; each node's logits are those of its path (Gemma 2 and
     3: rows longer than their sliding layers' window)."""
@@ -100,6 +116,39 @@ def test_a_ragged_batch_with_a_tree_equals_each_row_alone(family):
     runner.keep_path_row(0, len(first), [1, 2])  # keep 5 -> 7 -> 8 (nodes after the root), then go on
     after = runner.forward_rows([([12], None), ([], None)], [1, 0])[0]
     assert (after[0] - _reference(model, first + [5, 7, 8, 12])[-1]).abs().max() < tolerance
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_longrope_turns_each_position_as_token_by_token_decoding_does(attention):
+    """A longrope model's rotary module takes its long factors for a whole pass once it reaches past the original
+    context (16 here): decoding token by token, each position gets the short factors before 16 and the long ones from
+    it. The lean forward's rows are those at any width (a prompt within 16, then passes of 1 to 6 tokens across it)."""
+    model = _extra_model("phi3-longrope", attention)
+    ids = prompt(5, 34)
+    with torch.no_grad():  # the model's own passes: the prompt, then one token a pass over its cache
+        out = model(input_ids=torch.tensor([ids[:10]]), use_cache=True)
+        reference, cache = [out.logits[0]], out.past_key_values
+        for token in ids[10:]:
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            reference.append(out.logits[0])
+    reference = torch.cat(reference)
+    runner = StaticRunner(model, rows=1, slots=64)
+    pieces, at = [], 0
+    for width in (10, 3, 1, 6, 2, 5, 4, 3):  # across position 16 inside a pass of 6 (12..17)
+        pieces.append(runner.forward_rows([(ids[at:at + width], None)], [width])[0])
+        at += width
+    assert at == len(ids)
+    tolerance = EAGER_TOLERANCE if attention == "eager" else TOLERANCE
+    assert (torch.cat(pieces) - reference).abs().max() < tolerance
+    whole = _reference(model, ids)  # one pass past 16: the long factors throughout, so its first 16 rows differ
+    assert (whole[:16] - reference[:16]).abs().max() > 1e-3
+
+
+def test_a_partial_rotary_step_takes_the_models_path_and_says_why():
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    config = Phi3Config(vocab_size=VOCAB, pad_token_id=0, rope_parameters=rope, max_position_embeddings=256, **SMALL)
+    assert "partial_rotary_factor 0.5" in forward_path(Phi3ForCausalLM(config).eval())
 
 
 def test_fused_weights_are_the_models_own():

@@ -12,7 +12,16 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from sampling import quantized_drafter
 from tests.conftest import require_native
@@ -22,14 +31,14 @@ from utils.lean.decoder import NativeStack
 from utils.runners.static import StaticRunner
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # `llama.py`'s
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}  # `llama.py`'s
 GEMMAS = ("gemma", "gemma2", "gemma3")  # `gemma.py`'s, from `gemma_config`
 
 
 def _model(family: str, dtype: torch.dtype):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3)
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3, pad_token_id=0)
     if family in FAMILIES:
         config, model_class = FAMILIES[family][0](**common), FAMILIES[family][1]
     else:
@@ -179,7 +188,7 @@ def test_the_numbers_a_spec_is_told_in_are_checked_against_decoder_c(monkeypatch
     assert lean_decoder(model).stack is None and "are not decoder.c's [1, 2, 1, 0, 18]" in forward_path(model)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def test_each_family_states_its_layer_once(name):
     """`LayerSpec`: what the Python layers branch on and decoder.c reads, from the model's config and modules."""
     model = _model(name, torch.bfloat16)

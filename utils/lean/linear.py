@@ -34,10 +34,11 @@ def _plain(module: nn.Module) -> bool:
 
 class Linear:
     """y = x W^T + b over `modules` in one GEMM when they can be fused (their outputs side by side), else each
-    module run in turn and concatenated. `widths`: each module's output width, to split the result."""
+    module run in turn and concatenated. `widths`: each module's output width, to split the result (or the parts of
+    one module's output, `parts`: Phi-3's fused q/k/v)."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.widths = [module.out_features for module in modules]
+    def __init__(self, modules: list[nn.Module], parts: list[int] | None = None) -> None:
+        self.widths = parts or [module.out_features for module in modules]
         self.q4 = None  # the fused 4-bit weight and its scales (`native.pack_q4`'s layout), where the modules are ours
         if _our_four_bits(modules):  # their packed weights are on huge pages already (`QuantizedLinear`)
             self.q4 = ((modules[0].weight_q, modules[0].scales) if len(modules) == 1 else

@@ -1,6 +1,7 @@
-"""Our own forward pass for the Llama family (Llama and SmolLM2, Qwen2, Qwen3, Mistral), gpt-fast's `model.py`
-way, over the Hugging Face model's own tensors: q/k/v in one GEMM and gate/up in one (`linear.py`), the rotary
-table computed once by the model's own rotary module (every rope type it knows but the dynamic ones), keys and
+"""Our own forward pass for the Llama family (Llama and SmolLM2, Qwen2, Qwen3, Mistral, Phi-3), gpt-fast's `model.py`
+way, over the Hugging Face model's own tensors: q/k/v in one GEMM and gate/up in one (`linear.py`; Phi-3 holds them
+fused already), the rotary table computed once by the model's own rotary module (every rope type it knows but the
+dynamic ones; longrope's per position, `LeanLlama._table`), keys and
 values written in place into the runner's static buffer (`utils/lean/static_kv.py`) and read up to the
 longest row, nothing built per layer per pass. Where our kernels run every step of a layer at a pass's width, all
 the layers run in one native call (`decoder.py`), step for step the Python layers below.
@@ -26,16 +27,35 @@ from utils.lean.linear import Linear, numerics
 from utils.lean.spec import LayerSpec
 from utils.lean.static_kv import PassSlots, StaticKV
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # config.model_type this file serves
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3")  # config.model_type this file serves
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # transformers' names
 QUERY_BLOCK = 16  # width-invariant attention pads a pass's queries to a multiple of this
 KV_BLOCK = 512  # and reads the keys in whole blocks of torch's CPU attention kernel
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # one table for every position
 
 
+def rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
 def rope_type(config) -> str:
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    parameters = rope_parameters(config)
     return parameters.get("rope_type", parameters.get("type", "default"))
+
+
+def partial_rotary(config) -> float:
+    """The share of each head the rotary step turns (Phi-4-mini's 0.75; 1: all of it)."""
+    return rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def longrope_original(config) -> int | None:
+    """Where a longrope model's rotary module switches from its short factors to its long ones (the original
+    context), None for any other rope type."""
+    if rope_type(config) != "longrope":
+        return None
+    parameters = rope_parameters(config)
+    return parameters.get("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
 
 
 def activation(config) -> str:
@@ -52,6 +72,8 @@ def unsupported(model) -> str | None:
         return f"activation {config.hidden_act!r}"
     if rope_type(config) not in STATIC_ROPE:
         return f"rope type {rope_type(config)!r} (its table changes with the length)"
+    if partial_rotary(config) != 1.0:
+        return f"a rotary step over part of each head (partial_rotary_factor {partial_rotary(config)})"
     if len(set(getattr(config, "layer_types", None) or [])) > 1:
         return "sliding and full attention layers mixed"
     if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
@@ -85,15 +107,25 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def side_by_side(owner: nn.Module, fused: str, parts: tuple[str, ...], widths: list[int]) -> Linear:
+    """One product of the modules `parts` of `owner`, or of the one module computing them side by side where the model
+    has it (Phi-3's qkv_proj and gate_up_proj: their outputs in the same order, of `widths`)."""
+    if hasattr(owner, fused):
+        return Linear([getattr(owner, fused)], parts=widths)
+    return Linear([getattr(owner, name) for name in parts])
+
+
 class Layer:
     """One decoder layer's tensors: attention (q/k/v fused), its norms, the MLP (gate/up fused); how it computes
     is the model's `LayerSpec`, which says which norms it has (`qk_norms`: Qwen3's, Gemma 3's)."""
 
     def __init__(self, layer, spec: LayerSpec) -> None:
         attention, mlp = layer.self_attn, layer.mlp
-        self.qkv = Linear([attention.q_proj, attention.k_proj, attention.v_proj])
+        config = attention.config
+        q, kv = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
+        self.qkv = side_by_side(attention, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [q, kv, kv])
         self.o = Linear([attention.o_proj])
-        self.gate_up = Linear([mlp.gate_proj, mlp.up_proj])
+        self.gate_up = side_by_side(mlp, "gate_up_proj", ("gate_proj", "up_proj"), [config.intermediate_size] * 2)
         self.down = Linear([mlp.down_proj])
         self.linears = [self.qkv, self.o, self.gate_up, self.down]
         self.attention_norm = contiguous(layer.input_layernorm.weight)
@@ -151,6 +183,7 @@ class LeanLlama(nn.Module):
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
+        self._longrope = longrope_original(config)
         self._tables: dict[str | None, tuple[Tensor, Tensor]] = {}
         # Every layer in one native call where our kernels run each of its steps (`decoder.py`), else in Python.
         self.stack = NativeStack.build(self) if self.native else None
@@ -161,13 +194,27 @@ class LeanLlama(nn.Module):
         `kind`: the layer type a rotary module of several tables is asked for (Gemma 3's), None: its only one.
         Where our rotary step runs (`native`), the tables themselves, (positions, head_dim): it reads them."""
         if kind not in self._tables or slots > self._tables[kind][0].shape[0]:
-            probe = torch.empty(0, dtype=self.dtype, device=self.norm.device)
-            cos, sin = self._rotary_at(probe, torch.arange(slots, device=self.norm.device)[None], kind)
-            self._tables[kind] = cos[0].contiguous(), sin[0].contiguous()
+            self._tables[kind] = self._table(slots, kind)
         cos, sin = self._tables[kind]
         if self.native:
             return cos, sin
         return cos[positions][:, None], sin[positions][:, None]
+
+    def _table(self, slots: int, kind: str | None) -> tuple[Tensor, Tensor]:
+        """cos and sin (slots, head_dim) of positions 0..slots - 1 by the model's rotary module. A longrope module
+        turns a whole pass by its long factors once the pass reaches past the original context, by its short ones
+        before: a pass's width would then change its rows. Here each position takes what a pass ending at it takes
+        (the short table before the original context, the long one from it), as decoding token by token gets them:
+        the model's logits for prompts within the original context; a longer prompt, which the model's own pass
+        turns by the long factors throughout, differs at its positions before it."""
+        probe = torch.empty(0, dtype=self.dtype, device=self.norm.device)
+        positions = torch.arange(slots, device=self.norm.device)[None]
+        cos, sin = self._rotary_at(probe, positions, kind)
+        original = self._longrope if kind is None else None
+        if original is not None and slots > original:
+            short_cos, short_sin = self._rotary_at(probe, positions[:, :original], kind)
+            cos, sin = torch.cat((short_cos, cos[:, original:]), 1), torch.cat((short_sin, sin[:, original:]), 1)
+        return cos[0].contiguous(), sin[0].contiguous()
 
     def _rotary_at(self, probe: Tensor, positions: Tensor, kind: str | None) -> tuple[Tensor, Tensor]:
         """The model's rotary module's cos and sin at `positions` (1, n), in `probe`'s dtype."""
