@@ -54,10 +54,14 @@ def _extra_model(name: str, attention: str, seed: int = 0):
     if name == "qwen3":
         config = Qwen3Config(head_dim=16, **common)
         model_class = Qwen3ForCausalLM
-    elif name.startswith("phi3"):  # q/k/v and gate/up held fused; "phi3-longrope": short factors to 16, long after
-        rope = ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-                 "short_factor": [1.0 + i / 8 for i in range(4)], "long_factor": [2.0 + i for i in range(4)]}
-                if name == "phi3-longrope" else None)
+    elif name.startswith("phi3"):  # q/k/v and gate/up held fused; "longrope": short factors to 16, long after;
+        # "partial": half of each head turned (Phi-4-mini turns 0.75)
+        turned = 0.5 if "partial" in name else 1.0
+        pairs = int(common["hidden_size"] / common["num_attention_heads"] * turned) // 2
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": turned}
+        if "longrope" in name:
+            rope.update(rope_type="longrope", original_max_position_embeddings=16,
+                        short_factor=[1.0 + i / 8 for i in range(pairs)], long_factor=[2.0 + i for i in range(pairs)])
         config = Phi3Config(rope_parameters=rope, sliding_window=None, original_max_position_embeddings=16, **common)
         model_class = Phi3ForCausalLM
     else:
@@ -69,7 +73,7 @@ def _extra_model(name: str, attention: str, seed: int = 0):
     return model_class(config).to(torch.float64).eval()
 
 
-FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3-tied", "phi3", "gemma", "gemma2", "gemma3"]
+FAMILIES = ["llama", "qwen2", "mistral", "qwen3", "llama3-tied", "phi3", "phi3-partial", "gemma", "gemma2", "gemma3"]
 
 
 def _model(name: str, attention: str):
@@ -119,11 +123,12 @@ def test_a_ragged_batch_with_a_tree_equals_each_row_alone(family):
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_longrope_turns_each_position_as_token_by_token_decoding_does(attention):
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi3-longrope-partial"])
+def test_longrope_turns_each_position_as_token_by_token_decoding_does(name, attention):
     """A longrope model's rotary module takes its long factors for a whole pass once it reaches past the original
     context (16 here): decoding token by token, each position gets the short factors before 16 and the long ones from
     it. The lean forward's rows are those at any width (a prompt within 16, then passes of 1 to 6 tokens across it)."""
-    model = _extra_model("phi3-longrope", attention)
+    model = _extra_model(name, attention)
     ids = prompt(5, 34)
     with torch.no_grad():  # the model's own passes: the prompt, then one token a pass over its cache
         out = model(input_ids=torch.tensor([ids[:10]]), use_cache=True)
@@ -144,11 +149,13 @@ def test_longrope_turns_each_position_as_token_by_token_decoding_does(attention)
     assert (whole[:16] - reference[:16]).abs().max() > 1e-3
 
 
-def test_a_partial_rotary_step_takes_the_models_path_and_says_why():
-    torch.manual_seed(0)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    config = Phi3Config(vocab_size=VOCAB, pad_token_id=0, rope_parameters=rope, max_position_embeddings=256, **SMALL)
-    assert "partial_rotary_factor 0.5" in forward_path(Phi3ForCausalLM(config).eval())
+def test_a_partial_rotary_step_runs_our_layers_in_python_and_says_why():
+    """Our rotary step (rope.c) turns whole heads: a model turning part of each (Phi-4-mini) runs the Python layers,
+    over our GEMMs where they run, and says why."""
+    require_native()
+    model = _extra_model("phi3-partial", "sdpa").float()
+    assert forward_path(model) == ("lean forward (llama.py, layers in Python: a rotary step over 4 of each head's 8 "
+                                   "dimensions (ours turns whole heads))")
 
 
 def test_fused_weights_are_the_models_own():

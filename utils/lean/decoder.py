@@ -83,6 +83,9 @@ class NativeStack:
         """Why `NativeStack` cannot run `lean`'s layers (`unreadable` included), None when it can."""
         if not lean.native:
             dtype = str(lean.dtype).removeprefix("torch.")
+            if native.unavailable() is None and lean.rotary_dim != lean.head_dim:
+                return (f"a rotary step over {lean.rotary_dim} of each head's {lean.head_dim} dimensions (ours turns "
+                        f"whole heads)")
             return native.unavailable() or (f"our norms, rotary step and attention do not run a {dtype} pass over "
                                              f"{lean.layers[0].attention_norm.shape[-1]} features, heads of "
                                              f"{lean.head_dim} (float32 or bfloat16, multiples of {layer_ops.LANES})")

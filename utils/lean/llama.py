@@ -72,8 +72,6 @@ def unsupported(model) -> str | None:
         return f"activation {config.hidden_act!r}"
     if rope_type(config) not in STATIC_ROPE:
         return f"rope type {rope_type(config)!r} (its table changes with the length)"
-    if partial_rotary(config) != 1.0:
-        return f"a rotary step over part of each head (partial_rotary_factor {partial_rotary(config)})"
     if len(set(getattr(config, "layer_types", None) or [])) > 1:
         return "sliding and full attention layers mixed"
     if getattr(config, "_attn_implementation", None) not in ("eager", "sdpa"):
@@ -97,7 +95,11 @@ def contiguous(parameter: Tensor) -> Tensor:
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding, the model's `apply_rotary_pos_emb` for one tensor: x (rows, heads, width, d)."""
+    """Rotary embedding, the model's `apply_rotary_pos_emb` for one tensor: x (rows, heads, width, d); tables narrower
+    than a head turn its first dimensions only, the rest passing as they are (a partial rotary step: Phi-4-mini's)."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat((rotate(x[..., :turned], cos, sin), x[..., turned:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -172,14 +174,15 @@ class LeanLlama(nn.Module):
         # whatever its width (up to 32 tokens, our GEMMs' and attention's limit).
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype,
                                               [len(self.layers)] * len(self.layers[0].linears) + [1])
-        # Our own norms, rotary step and attention (`norm.c`, `rope.c`, `attention.c`) where they run: one call each for several eager
+        # Our own norms, rotary step and attention (`norm.c`, `rope.c`: whole heads only) where they run: one call each for several eager
         # operations, the attention width-invariant by construction (q's and k's norms, Qwen3's and Gemma 3's, are
         # ours too, before our rotary step). Where ours do not run, invariance pads
         # torch's attention's queries (`_sdpa`) and reads the keys in whole blocks of its CPU kernel (512), so that
         # a row's bits do not depend on how far the others reach.
         self._head_dtype = self.dtype if self.head.weight is None else torch.promote_types(self.dtype,
                                                                                              self.head.weight.dtype)
-        self.native = layer_ops.runs(self.dtype, config.hidden_size, self.head_dim)
+        self.rotary_dim = int(self.head_dim * partial_rotary(config))  # the dimensions of a head the rotary step turns
+        self.native = layer_ops.runs(self.dtype, config.hidden_size, self.head_dim) and self.rotary_dim == self.head_dim
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb
