@@ -40,7 +40,7 @@ def _require_ours() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_norms_and_the_rotary_step_give_torchs_bits(dtype):
+def test_the_norms_give_torchs_bits(dtype):
     _require_ours()
     torch.manual_seed(0)
     x, delta, weight = torch.randn(3, 5, 96).to(dtype), torch.randn(3, 5, 96).to(dtype), torch.randn(96).to(dtype)
@@ -55,9 +55,17 @@ def test_the_norms_and_the_rotary_step_give_torchs_bits(dtype):
     as_float = layer_ops.rms_norm(x.float(), weight.to(torch.bfloat16), 1e-6)
     assert torch.allclose(as_float, rms_norm(x.float(), weight.to(torch.bfloat16), 1e-6), atol=2e-6)
 
-    rows, width, heads, kv_heads, head_dim, slots = 2, 3, 6, 2, 32, 40
+
+@pytest.mark.parametrize("turned", [64, 32, 48], ids=["whole_heads", "half_of_each", "three_quarters"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_rotary_step_gives_torchs_bits_and_writes_only_its_slots(dtype, turned):
+    """Whole heads, and a partial rotary step (Phi-4-mini turns 96 of 128): tables `turned` wide turn each head's
+    first dimensions (32 of 64 through rope.c's vector loop, 48 through its scalar one), the rest passed as they are."""
+    _require_ours()
+    torch.manual_seed(0)
+    rows, width, heads, kv_heads, head_dim, slots = 2, 3, 6, 2, 64, 40
     qkv = torch.randn(rows, width, (heads + 2 * kv_heads) * head_dim).to(dtype)
-    cos, sin = torch.randn(slots, head_dim).to(dtype), torch.randn(slots, head_dim).to(dtype)
+    cos, sin = torch.randn(slots, turned).to(dtype), torch.randn(slots, turned).to(dtype)
     positions, write_index = torch.tensor([[3, 4, 5], [9, 7, 8]]), torch.tensor([[5, 6, 7], [10, 11, 12]])
     keys, values = torch.zeros(rows, kv_heads, slots, head_dim, dtype=dtype), torch.zeros(rows, kv_heads, slots, head_dim, dtype=dtype)
     q = layer_ops.rope_write(qkv, cos, sin, positions, write_index, keys, values, heads)
@@ -71,10 +79,10 @@ def test_the_norms_and_the_rotary_step_give_torchs_bits(dtype):
 
 def rotated_reference(qkv, cos, sin, positions, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     """The q/k/v product's output (rows, width, (heads + 2 kv_heads) head_dim) in torch's steps -> q and k rotated
-    at `positions`, and v, each (rows, heads of its kind, width, head_dim): what `layer_ops.rope_write` returns and
-    writes."""
+    at `positions` (by `llama.rotate`: tables narrower than a head turn its first dimensions), and v, each (rows,
+    heads of its kind, width, head_dim): what `layer_ops.rope_write` returns and writes."""
     rows, width = positions.shape
-    head_dim = cos.shape[-1]
+    head_dim = qkv.shape[-1] // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     c, s = cos[positions][:, None], sin[positions][:, None]
     q = rotate(q.reshape(rows, width, heads, head_dim).transpose(1, 2), c, s)

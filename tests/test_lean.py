@@ -149,13 +149,31 @@ def test_longrope_turns_each_position_as_token_by_token_decoding_does(name, atte
     assert (whole[:16] - reference[:16]).abs().max() > 1e-3
 
 
-def test_a_partial_rotary_step_runs_our_layers_in_python_and_says_why():
-    """Our rotary step (rope.c) turns whole heads: a model turning part of each (Phi-4-mini) runs the Python layers,
-    over our GEMMs where they run, and says why."""
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_a_partial_rotary_step_turns_each_heads_first_dimensions_in_our_rotary_step(weights, monkeypatch):
+    """Phi-4-mini turns 96 of each head's 128 dimensions: our rotary step (rope.c) turns a head's first ones and passes
+    the rest, as the model does. A Phi-3 turning 12 of 16 gives the model's float32 logits to float32 rounding: in
+    float32 through our layers, and over bfloat16 weights computed in float32 (an AVX2-only CPU's path) with every
+    layer in one native call."""
+    from utils.lean import native
+
     require_native()
-    model = _extra_model("phi3-partial", "sdpa").float()
-    assert forward_path(model) == ("lean forward (llama.py, layers in Python: a rotary step over 4 of each head's 8 "
-                                   "dimensions (ours turns whole heads))")
+    monkeypatch.setattr(native, "bfloat16_arithmetic", lambda: False)
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                        initializer_range=0.3, rope_parameters=rope)
+    config._attn_implementation = "sdpa"
+    model = Phi3ForCausalLM(config).eval().to(weights)
+    ids = prompt(1, 30)
+    with torch.no_grad():  # the model in float32 over the same weights' values
+        reference = copy.deepcopy(model).float()(input_ids=torch.tensor([ids])).logits[0]
+    lean = lean_decoder(model)
+    assert lean.native and (lean.stack is not None) == (weights == torch.bfloat16), forward_path(model)
+    runner = StaticRunner(model, rows=1, slots=64)
+    ours = torch.cat([runner.forward_rows([(ids[a:b], None)], [b - a])[0] for a, b in ((0, 11), (11, 12), (12, 30))])
+    assert ours.dtype == torch.float32 and (ours - reference).abs().max() < 1e-4
 
 
 def test_fused_weights_are_the_models_own():

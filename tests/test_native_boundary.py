@@ -217,7 +217,8 @@ def _rope_case(rng: random.Random, g: torch.Generator) -> bool:
     qkv_width = (heads + 2 * kv_heads) * head_dim if rng.random() < 0.95 else rng.randint(1, 64)
     qkv = _laid_out(_randn(rows, width, qkv_width, dtype=dtype, generator=g), rng)
     table = rng.randint(1, 40)
-    cos, sin = _randn(table, head_dim, dtype=dtype, generator=g), _randn(table, head_dim, dtype=dtype, generator=g)
+    turned = head_dim if rng.random() < 0.7 else rng.randint(0, head_dim + 2)  # a partial rotary step, or a bad width
+    cos, sin = _randn(table, turned, dtype=dtype, generator=g), _randn(table, turned, dtype=dtype, generator=g)
     positions = torch.randint(0, table, (rows, width), generator=g)
     write_index = torch.stack([torch.randperm(max(slots, width), generator=g)[:width] for _ in range(rows)])
     if rng.random() < 0.2:  # a slot or a position out of range
@@ -229,8 +230,8 @@ def _rope_case(rng: random.Random, g: torch.Generator) -> bool:
     if rng.random() < 0.05:
         keys = _laid_out(keys, rng)
     keys_before, values_before = keys.clone(), values.clone()
-    valid = (dtype in READABLE and buffer_dtype == dtype and head_dim % 2 == 0
-             and qkv_width == (heads + 2 * kv_heads) * head_dim and keys.is_contiguous()
+    valid = (dtype in READABLE and buffer_dtype == dtype and head_dim % 2 == 0 and turned % 2 == 0
+             and 2 <= turned <= head_dim and qkv_width == (heads + 2 * kv_heads) * head_dim and keys.is_contiguous()
              and int(write_index.min()) >= 0 and int(write_index.max()) < slots
              and int(positions.min()) >= 0 and int(positions.max()) < table)
     try:

@@ -1,9 +1,9 @@
 """The lean forward's layers in one native call (`utils/lean/decoder.py`, `decoder.c`): the Python layers' logits to
 float32 rounding (the only step of its own, the MLP's activation, has its own e^x), over chains, a rollback, a tree
 and a batch; each row the same bits whatever the pass's width; bfloat16 weights computed in float32 (an AVX2-only
-CPU's path) and 4-bit ones (the self-drafter's); Llama, Qwen2, Qwen3's q/k norms and the Gemma family (gelu, norms
-times 1 + weight, Gemma 2 and 3's sliding layers and extra norms, Gemma 2's caps, Gemma 3's two rotary tables). Where
-our kernels cannot be built, no lean forward takes the stack."""
+CPU's path) and 4-bit ones (the self-drafter's); Llama, Qwen2, Qwen3's q/k norms, Phi-3 (a partial rotary step too)
+and the Gemma family (gelu, norms times 1 + weight, Gemma 2 and 3's sliding layers and extra norms, Gemma 2's caps,
+Gemma 3's two rotary tables). Where our kernels cannot be built, no lean forward takes the stack."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ from utils.lean.decoder import NativeStack
 from utils.runners.static import StaticRunner
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}  # `llama.py`'s
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+            "phi3-partial": (Phi3Config, Phi3ForCausalLM)}  # `llama.py`'s; "partial": 12 of each head's 16 turned
+PARTIAL = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
 GEMMAS = ("gemma", "gemma2", "gemma3")  # `gemma.py`'s, from `gemma_config`
 
 
@@ -40,7 +42,8 @@ def _model(family: str, dtype: torch.dtype):
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3, pad_token_id=0)
     if family in FAMILIES:
-        config, model_class = FAMILIES[family][0](**common), FAMILIES[family][1]
+        config = FAMILIES[family][0](**common, **(PARTIAL if family.endswith("partial") else {}))
+        model_class = FAMILIES[family][1]
     else:
         config, model_class = gemma_config(family, common)
     config._attn_implementation = "eager" if family == "gemma2" else "sdpa"  # transformers runs Gemma 2 eager only

@@ -263,7 +263,7 @@ static void check_rms_norm(int tokens, int n, int bf16, int with_delta, int plus
 
 /* ---- the rotary step and the buffer's write ---- */
 typedef struct {
-  int rows, width, heads, kv_heads, slots, d, bf16, table;
+  int rows, width, heads, kv_heads, slots, d, bf16, table, rotary; /* rotary: a head's dimensions turned (0: all d) */
 } rope_case;
 
 static float rnd(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
@@ -271,7 +271,7 @@ static float rnd(float v, int bf16) { return bf16 ? round_bf16(v) : v; }
 /* The expected q_out, keys and values (keys and values start as copies of the buffer). */
 static void rope_ref(rope_case c, const void* qkv, const void* cs, const void* sn, const int64_t* pos,
                      const int64_t* slot, void* q, void* keys, void* values) {
-  int half = c.d / 2, per = (c.heads + 2 * c.kv_heads) * c.d;
+  int half = c.rotary / 2, per = (c.heads + 2 * c.kv_heads) * c.d;
   for (int token = 0; token < c.rows * c.width; token++) {
     int r = token / c.width;
     for (int h = 0; h < c.heads + 2 * c.kv_heads; h++) {
@@ -280,13 +280,14 @@ static void rope_ref(rope_case c, const void* qkv, const void* cs, const void* s
       void* dst = h < c.heads ? q : h < c.heads + c.kv_heads ? keys : values;
       for (int i = 0; i < c.d; i++) {
         float x = get(qkv, (size_t)token * per + h * c.d + i, c.bf16);
-        if (h >= c.heads + c.kv_heads) { /* a value: copied */
+        if (h >= c.heads + c.kv_heads || i >= c.rotary) { /* a value, or past the turned dimensions: copied */
           set(dst, to + i, x, c.bf16);
           continue;
         }
         int other = i < half ? i + half : i - half;
         float partner = get(qkv, (size_t)token * per + h * c.d + other, c.bf16);
-        float co = get(cs, (size_t)pos[token] * c.d + i, c.bf16), si = get(sn, (size_t)pos[token] * c.d + i, c.bf16);
+        float co = get(cs, (size_t)pos[token] * c.rotary + i, c.bf16);
+        float si = get(sn, (size_t)pos[token] * c.rotary + i, c.bf16);
         float first = rnd(x * co, c.bf16), second = rnd((i < half ? -partner : partner) * si, c.bf16);
         set(dst, to + i, rnd(first + second, c.bf16), c.bf16);
       }
@@ -295,17 +296,18 @@ static void rope_ref(rope_case c, const void* qkv, const void* cs, const void* s
 }
 
 static void check_rope(rope_case c, int threads) {
+  if (!c.rotary) c.rotary = c.d;
   int size = c.bf16 ? 2 : 4, tokens = c.rows * c.width;
   size_t nq = (size_t)tokens * c.heads * c.d, nkv = (size_t)c.rows * c.kv_heads * c.slots * c.d;
   void *qkv = tensor((size_t)tokens * (c.heads + 2 * c.kv_heads) * c.d, c.bf16, 1.0f);
-  void *cs = tensor((size_t)c.table * c.d, c.bf16, 1.0f), *sn = tensor((size_t)c.table * c.d, c.bf16, 1.0f);
+  void *cs = tensor((size_t)c.table * c.rotary, c.bf16, 1.0f), *sn = tensor((size_t)c.table * c.rotary, c.bf16, 1.0f);
   int64_t *pos = malloc(8 * (size_t)tokens), *slot = malloc(8 * (size_t)tokens);
   for (int t = 0; t < tokens; t++) pos[t] = below(c.table), slot[t] = (t % c.width) * c.slots / c.width + below(c.slots / c.width);
   void *q = calloc(nq, 4), *keys = tensor(nkv, c.bf16, 1.0f), *values = tensor(nkv, c.bf16, 1.0f);
   void *q_want = calloc(nq, 4), *k_want = copy(keys, nkv * size), *v_want = copy(values, nkv * size);
   rope_ref(c, qkv, cs, sn, pos, slot, q_want, k_want, v_want);
   CHECK(specdec_rope_write_checked(qkv, cs, sn, c.table, pos, slot, q, keys, values, c.rows, c.width, c.heads,
-                                   c.kv_heads, c.slots, c.d, c.bf16, threads) == SPECDEC_OK, "rope status");
+                                   c.kv_heads, c.slots, c.d, c.rotary, c.bf16, threads) == SPECDEC_OK, "rope status");
   CHECK(same_bytes(q, q_want, nq * size), "rope: queries d=%d bf16=%d", c.d, c.bf16);
   CHECK(same_bytes(keys, k_want, nkv * size), "rope: keys (or a slot written that should not be)");
   CHECK(same_bytes(values, v_want, nkv * size), "rope: values");
@@ -316,7 +318,7 @@ static void check_rope(rope_case c, int threads) {
   for (int i = 0; i < 3; i++) {
     slot[tokens - 1] = bad_slots[i];
     CHECK(specdec_rope_write_checked(qkv, cs, sn, c.table, pos, slot, q, keys, values, c.rows, c.width, c.heads,
-                                     c.kv_heads, c.slots, c.d, c.bf16, threads) == SPECDEC_BAD_INDEX, "rope: bad slot");
+                                     c.kv_heads, c.slots, c.d, c.rotary, c.bf16, threads) == SPECDEC_BAD_INDEX, "rope: bad slot");
     CHECK(specdec_rope_write(qkv, cs, sn, pos, slot, q, keys, values, c.rows, c.width, c.heads, c.kv_heads, c.slots,
                              c.d, c.bf16, threads) == SPECDEC_BAD_INDEX, "rope (unchecked table): bad slot");
   }
@@ -324,7 +326,7 @@ static void check_rope(rope_case c, int threads) {
   for (int i = 0; i < 2; i++) {
     pos[tokens - 1] = bad_pos[i];
     CHECK(specdec_rope_write_checked(qkv, cs, sn, c.table, pos, slot, q, keys, values, c.rows, c.width, c.heads,
-                                     c.kv_heads, c.slots, c.d, c.bf16, threads) == SPECDEC_BAD_INDEX, "rope: bad position");
+                                     c.kv_heads, c.slots, c.d, c.rotary, c.bf16, threads) == SPECDEC_BAD_INDEX, "rope: bad position");
   }
   pos[tokens - 1] = keep_pos;
   CHECK(same_bytes(keys, k_now, nkv * size) && same_bytes(q, q_now, nq * size), "rope: written though refused");
@@ -446,8 +448,14 @@ static void check_statuses(void) {
   CHECK(specdec_dequantize_q4((uint8_t*)w, w, y, 4, 32, 16, 0, 1) == SPECDEC_UNSUPPORTED, "dequantize: group 16");
   CHECK(specdec_rms_norm(x, NULL, x, y, 1, 24, 1e-6f, 0, 0, 0, 1) == SPECDEC_BAD_SHAPE, "rms_norm: n %% 16");
   CHECK(specdec_rms_norm(x, NULL, x, y, -1, 16, 1e-6f, 0, 0, 0, 1) == SPECDEC_BAD_SHAPE, "rms_norm: tokens < 0");
-  CHECK(specdec_rope_write_checked(x, x, x, 4, index, index, y, y, y, 1, 1, 1, 1, 4, 3, 0, 1) == SPECDEC_BAD_SHAPE,
+  CHECK(specdec_rope_write_checked(x, x, x, 4, index, index, y, y, y, 1, 1, 1, 1, 4, 3, 3, 0, 1) == SPECDEC_BAD_SHAPE,
         "rope: odd d");
+  CHECK(specdec_rope_write_checked(x, x, x, 4, index, index, y, y, y, 1, 1, 1, 1, 4, 4, 3, 0, 1) == SPECDEC_BAD_SHAPE,
+        "rope: odd rotary");
+  CHECK(specdec_rope_write_checked(x, x, x, 4, index, index, y, y, y, 1, 1, 1, 1, 4, 4, 6, 0, 1) == SPECDEC_BAD_SHAPE,
+        "rope: rotary > d");
+  CHECK(specdec_rope_write_checked(x, x, x, 4, index, index, y, y, y, 1, 1, 1, 1, 4, 4, 0, 0, 1) == SPECDEC_BAD_SHAPE,
+        "rope: rotary 0");
   CHECK(specdec_attention(x, 0, 0, 0, x, x, x, 0, 0, y, 1, 2, 0, 1, 1, 1, 16, 1, 0, 0, 1) == SPECDEC_BAD_SHAPE,
         "attention: no key heads");
   CHECK(specdec_attention(x, 0, 0, 0, x, x, x, 0, 0, y, 1, 3, 2, 1, 1, 1, 16, 1, 0, 0, 1) == SPECDEC_BAD_SHAPE,
@@ -498,7 +506,7 @@ static void model_make(model* m, int kind, int bf16, int qk_norms, int threads) 
   s.hidden = HIDDEN, s.intermediate = INTERMEDIATE, s.heads = HEADS, s.kv_heads = KV_HEADS, s.head_dim = HEAD_DIM;
   for (int i = 0; i < SPECDEC_LINEARS; i++) s.kinds[i] = kind, s.outs[i] = outs[i], s.groups[i] = 32;
   s.bf16 = bf16, s.norm_bf16 = bf16, s.threads = threads, s.activation = 0, s.eps = 1e-6f, s.scale = 0.25f;
-  s.table_rows = TABLE;
+  s.table_rows = TABLE, s.rotary = HEAD_DIM;
   m->shape = s;
   m->cos = tensor((size_t)TABLE * HEAD_DIM, bf16, 1.0f), m->sin = tensor((size_t)TABLE * HEAD_DIM, bf16, 1.0f);
 }
@@ -565,7 +573,7 @@ static void check_decoder(int kind, int bf16, int qk_norms, int width, int threa
 
 /* Each iteration's random numbers drawn first, in order: arguments are evaluated in an order of the compiler's own,
    and every build should meet the same shapes. */
-#define DRAWS 48
+#define DRAWS 50
 static void draw(uint32_t* z) {
   for (int k = 0; k < DRAWS; k++) z[k] = next();
 }
@@ -593,13 +601,18 @@ static void check_all(void) {
       check_rms_norm(w, 16 * (1 + Z(4, 8)), bf16, i % 2, i % 3 == 0, bf16 ? Z(5, 2) : 0, 1 + i % 3);
       check_gated(w, 16 * (1 + Z(6, 80)), i % 2, bf16, 1 + i % 3);
       rope_case r = {1 + Z(7, 2), w, 1 + Z(8, 4), 1 + Z(9, 2), 2 * w + Z(10, 9), ZPICK(44, 5, 2, 6, 16, 40, 64),
-                     bf16, 8 + Z(11, 64)};
+                     bf16, 8 + Z(11, 64), 0};
+      r.rotary = i % 3 ? r.d : 2 + 2 * Z(47, r.d / 2); /* a third of the cases turn part of each head */
       check_rope(r, 1 + i % 3);
       int kv = 1 + Z(12, 2);
       attention_case a = {1 + Z(13, 2), kv * (1 + Z(14, 4)), kv, w, 0, 0, 16 * (1 + Z(15, 8)), bf16, 0.3f, i % 3 ? 0 : 8.0f};
       a.slots = w + Z(16, 50), a.used = a.slots - Z(17, a.slots + 1);
       check_attention(a, 1 + i % 4);
     }
+  for (int bf16 = 0; bf16 < 2; bf16++) { /* part of each head through the vector loop: Phi-4-mini's 96 of 128, 32 of 64 */
+    rope_case phi4 = {2, 3, 3, 1, 8, 128, bf16, 16, 96}, half = {1, 5, 2, 2, 12, 64, bf16, 16, 32};
+    check_rope(phi4, 2), check_rope(half, 1);
+  }
   for (int kind = 0; kind < 2; kind++)
     for (int bf16 = 0; bf16 < 2; bf16++) check_decoder(kind, bf16, kind == bf16, 6 + 3 * bf16, 2);
 }
@@ -617,7 +630,8 @@ static void fuzz(long n) {
     else CHECK(specdec_gemm_q4(NULL, NULL, NULL, NULL, NULL, w, 4, 64, ZPICK(46, 3, 16, 48, 96), 0, 0, 1) == SPECDEC_UNSUPPORTED, "q4");
     check_rms_norm(w, 16 * (1 + Z(29, 2)), bf16, Z(30, 2), Z(31, 2), bf16 ? Z(32, 2) : 0, threads);
     check_gated(w, 16, Z(33, 2), bf16, threads);
-    rope_case r = {1 + Z(34, 2), w, 1 + Z(35, 2), 1, 2 * w + Z(36, 3), 2 * (1 + Z(37, 9)), bf16, 1 + Z(38, 8)};
+    rope_case r = {1 + Z(34, 2), w, 1 + Z(35, 2), 1, 2 * w + Z(36, 3), 2 * (1 + Z(37, 9)), bf16, 1 + Z(38, 8), 0};
+    r.rotary = Z(48, 2) ? r.d : 2 + 2 * Z(49, r.d / 2);
     check_rope(r, threads);
     attention_case a = {1, 2, 1 + Z(39, 2), w, 0, 0, 16, bf16, 0.3f, Z(40, 2) ? 0 : 5.0f};
     a.heads = a.kv_heads * (1 + Z(41, 2)), a.slots = w + Z(42, 5), a.used = a.slots - Z(43, a.slots + 1);
@@ -708,10 +722,11 @@ static void digest(void) {
     int d = 16 * (1 + below(2)), table = 32;
     int64_t pos[32], slot[32];
     for (int t = 0; t < rows; t++) pos[t] = below(table), slot[t] = t;
-    void *cs = tensor((size_t)table * d, bf16, 1.0f), *sn = tensor((size_t)table * d, bf16, 1.0f);
+    int rotary = it % 4 == 3 ? d / 2 : d; /* part of each head: 8 or 16 dimensions */
+    void *cs = tensor((size_t)table * rotary, bf16, 1.0f), *sn = tensor((size_t)table * rotary, bf16, 1.0f);
     void *qkv = tensor((size_t)rows * 4 * d, bf16, 1.0f), *q = calloc((size_t)rows * 2 * d, 4);
     void *k = calloc((size_t)rows * d, 4), *v = calloc((size_t)rows * d, 4);
-    specdec_rope_write_checked(qkv, cs, sn, table, pos, slot, q, k, v, 1, rows, 2, 1, rows, d, bf16, 2);
+    specdec_rope_write_checked(qkv, cs, sn, table, pos, slot, q, k, v, 1, rows, 2, 1, rows, d, rotary, bf16, 2);
     h[4] = fnv(fnv(fnv(h[4], q, (size_t)rows * 2 * d * size), k, (size_t)rows * d * size), v, (size_t)rows * d * size);
     q4_free(w);
     free(W), free(x), free(y), free(dense), free(weight), free(normed), free(cs), free(sn), free(qkv), free(q), free(k),

@@ -57,7 +57,7 @@ static int norm_in_place(void* x, const void* weight, int tokens, int n, const s
 /* h (rows * width tokens of `hidden`, the embeddings) -> h after every layer, in place. `work`: room for
    tokens * (2 hidden + the q/k/v width + 2 heads head_dim + 3 intermediate) values of the pass's dtype; `kv`: each
    layer's keys then values buffer (rows, kv_heads, slots, head_dim); `layer_kinds`: each layer's kind bits; cos and
-   sin: the rotary tables (positions, head_dim), cos2 and sin2 the second kind's (or NULL); positions and
+   sin: the rotary tables (positions, s->rotary), cos2 and sin2 the second kind's (or NULL); positions and
    write_index (rows, width); mask (rows, 1, width, used), added to the scores, and `sliding` the sliding window's
    (or NULL). Returns SPECDEC_OK, else the failing step's status (a specdec_status) times 100 plus the step (1 norm,
    2 q/k/v, 3 rotary, 4 attention, 5 output, 6 norm, 7 gate/up, 8 activation, 9 down, 10 q/k norms, 11 output norm,
@@ -98,7 +98,7 @@ int specdec_decoder(void* h, void* work, const void* const* layers, void* const*
     }
     STEP(specdec_rope_write_checked(qkv, second ? cos2 : cos, second ? sin2 : sin, s->table_rows, positions, write_index,
                                     q, keys, values, (int)s->rows, (int)s->width, (int)s->heads, (int)s->kv_heads,
-                                    (int)s->slots, d, bf16, threads), 3);
+                                    (int)s->slots, d, (int)s->rotary, bf16, threads), 3);
     STEP(specdec_attention(q, s->width * attended, s->head_dim, attended, keys, values, window ? sliding : mask,
                            window ? s->sliding_row : s->mask_row, window ? s->sliding_token : s->mask_token,
                            attention, (int)s->rows, (int)s->heads, (int)s->kv_heads, (int)s->width, (int)s->used,
@@ -140,8 +140,8 @@ int specdec_shape_layout(int64_t* out, int n) {
       offsetof(specdec_shape_t, outs), offsetof(specdec_shape_t, groups), offsetof(specdec_shape_t, bf16),
       offsetof(specdec_shape_t, norm_bf16), offsetof(specdec_shape_t, threads), offsetof(specdec_shape_t, plus_one),
       offsetof(specdec_shape_t, activation), offsetof(specdec_shape_t, sliding_row),
-      offsetof(specdec_shape_t, sliding_token), offsetof(specdec_shape_t, table_rows), offsetof(specdec_shape_t, eps),
-      offsetof(specdec_shape_t, scale), offsetof(specdec_shape_t, cap)};
+      offsetof(specdec_shape_t, sliding_token), offsetof(specdec_shape_t, table_rows), offsetof(specdec_shape_t, rotary),
+      offsetof(specdec_shape_t, eps), offsetof(specdec_shape_t, scale), offsetof(specdec_shape_t, cap)};
   int count = (int)(sizeof layout / sizeof layout[0]);
   for (int i = 0; i < count && i < n; i++) out[i] = layout[i];
   return count < n ? count : n;

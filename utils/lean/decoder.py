@@ -41,7 +41,7 @@ class Shape(ctypes.Structure):
                                                        "heads", "kv_heads", "head_dim", "mask_row", "mask_token")),
                 ("kinds", ctypes.c_int64 * 4), ("outs", ctypes.c_int64 * 4), ("groups", ctypes.c_int64 * 4),
                 *((name, ctypes.c_int64) for name in ("bf16", "norm_bf16", "threads", "plus_one", "activation",
-                                                       "sliding_row", "sliding_token", "table_rows")),
+                                                       "sliding_row", "sliding_token", "table_rows", "rotary")),
                 *((name, ctypes.c_float) for name in ("eps", "scale", "cap"))]
 
 
@@ -83,9 +83,6 @@ class NativeStack:
         """Why `NativeStack` cannot run `lean`'s layers (`unreadable` included), None when it can."""
         if not lean.native:
             dtype = str(lean.dtype).removeprefix("torch.")
-            if native.unavailable() is None and lean.rotary_dim != lean.head_dim:
-                return (f"a rotary step over {lean.rotary_dim} of each head's {lean.head_dim} dimensions (ours turns "
-                        f"whole heads)")
             return native.unavailable() or (f"our norms, rotary step and attention do not run a {dtype} pass over "
                                              f"{lean.layers[0].attention_norm.shape[-1]} features, heads of "
                                              f"{lean.head_dim} (float32 or bfloat16, multiples of {layer_ops.LANES})")
@@ -194,8 +191,9 @@ class NativeStack:
         if mask.shape[-1] > kv.slots:
             raise ValueError(f"mask covers {mask.shape[-1]} slots, the buffer holds {kv.slots}")
         tables = [ropes[kind] for kind in lean._rope_kinds]
+        rotary = layer_ops.rotary_width(check.tensor(tables[0][0], "a rotary table"), lean.head_dim)
         for table in (table for pair in tables for table in pair):
-            check.shape(table, "a rotary table", (None, lean.head_dim))
+            check.shape(table, "a rotary table", (None, rotary))
             check.dtype(table, "a rotary table", (h.dtype,))
             if not table.is_contiguous():
                 raise ValueError(f"a rotary table must be contiguous, got strides {table.stride()}")
@@ -212,7 +210,7 @@ class NativeStack:
                       lean.head_dim, mask.stride(0), mask.stride(2), *per_linear, bf16,
                       int(lean.norm.dtype == torch.bfloat16), torch.get_num_threads(), int(spec.norm_plus_one),
                       layer_ops.ACTIVATION_KINDS[spec.activation], sliding.stride(0), sliding.stride(2),
-                      min(table.shape[0] for pair in tables for table in pair), spec.eps, spec.scaling,
+                      min(table.shape[0] for pair in tables for table in pair), rotary, spec.eps, spec.scaling,
                       spec.softcap or 0.0)
         status = layer_ops.decoder(h.data_ptr(), work.data_ptr(), self._pointers,
                                 (ctypes.c_void_p * len(buffers))(*buffers), self._layer_kinds, len(lean.layers),

@@ -27,7 +27,7 @@ from utils.lean import native
 from utils.lean.boundary import READABLE
 
 __all__ = ["ACTIVATION_KINDS", "LANES", "add_rms_norm", "attention", "check_slots", "decoder", "gated_mul",
-           "readable_mask", "rms_norm", "rope_write", "runs", "shape_layout", "spec_numbers"]
+           "readable_mask", "rms_norm", "rope_write", "rotary_width", "runs", "shape_layout", "spec_numbers"]
 
 ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # gated.c's `specdec_gated` kinds, by transformers' names
 LANES = 16  # simd.h's LANES: a norm's width and a head's size must be multiples of it
@@ -109,8 +109,10 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
     """The q/k/v product's output (rows, width, (heads + 2 kv_heads) head_dim) -> the rotated queries (rows, width,
     heads, head_dim); the rotated keys and the values are written into the buffer `keys` and `values` (rows, kv_heads,
     slots, head_dim; contiguous, qkv's dtype) at `write_index` (rows, width). cos and sin: the rotary tables
-    (positions, head_dim) in qkv's dtype, taken at `positions` (rows, width). `indices_checked`: the caller checked
-    positions and write_index for this buffer and table already (`check_slots`, once a pass)."""
+    (positions, head_dim) in qkv's dtype, taken at `positions` (rows, width); tables narrower than a head (an even
+    width) turn its first dimensions only, the rest passing as they are (a partial rotary step, as `llama.rotate`).
+    `indices_checked`: the caller checked positions and write_index for this buffer and table already
+    (`check_slots`, once a pass)."""
     qkv, keys, values = check.tensor(qkv, "qkv"), check.tensor(keys, "keys"), check.tensor(values, "values")
     check.dtype(qkv, "qkv", READABLE)
     check.shape(keys, "keys", (None, None, None, None))
@@ -123,8 +125,9 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
         check.shape(tensor, name, (rows, kv_heads, slots, head_dim))
         check.dtype(tensor, name, (qkv.dtype,))
         check.written(tensor, name)
-    for name, table in (("cos", check.tensor(cos, "cos")), ("sin", check.tensor(sin, "sin"))):
-        check.shape(table, name, (cos.shape[0] if cos.dim() else None, head_dim))
+    rotary = rotary_width(check.tensor(cos, "cos"), head_dim)
+    for name, table in (("cos", cos), ("sin", check.tensor(sin, "sin"))):
+        check.shape(table, name, (cos.shape[0], rotary))
         check.dtype(table, name, (qkv.dtype,))
     for value, name in ((rows * width, "the tokens"), (slots, "slots"), ((heads + 2 * kv_heads) * head_dim, "qkv's width")):
         check.c_int(value, name)
@@ -136,10 +139,20 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
     status = _ops().specdec_rope_write_checked(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
                                                positions.data_ptr(), write_index.data_ptr(), q.data_ptr(),
                                                keys.data_ptr(), values.data_ptr(), rows, width, heads, kv_heads, slots,
-                                               head_dim, native.bf16(qkv), torch.get_num_threads())
+                                               head_dim, rotary, native.bf16(qkv), torch.get_num_threads())
     check.status(status, "rope.c's rotary step", f"qkv {tuple(qkv.shape)}, keys {tuple(keys.shape)}, write_index "
                                              f"{write_index.tolist()}, positions {positions.tolist()}")
     return q
+
+
+def rotary_width(table: Tensor, head_dim: int) -> int:
+    """The dimensions of a head that a rotary `table` (positions, width) turns: its width, an even number from 2 to
+    `head_dim`; else a ValueError naming it."""
+    width = table.shape[-1] if table.dim() == 2 else None
+    if width is None or width % 2 or not 2 <= width <= head_dim:
+        raise ValueError(f"a rotary table must be (positions, an even width of 2 to {head_dim}, the head's "
+                         f"dimensions), got {tuple(table.shape)}")
+    return width
 
 
 def readable_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:

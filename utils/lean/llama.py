@@ -43,11 +43,6 @@ def rope_type(config) -> str:
     return parameters.get("rope_type", parameters.get("type", "default"))
 
 
-def partial_rotary(config) -> float:
-    """The share of each head the rotary step turns (Phi-4-mini's 0.75; 1: all of it)."""
-    return rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-
-
 def longrope_original(config) -> int | None:
     """Where a longrope model's rotary module switches from its short factors to its long ones (the original
     context), None for any other rope type."""
@@ -174,15 +169,14 @@ class LeanLlama(nn.Module):
         # whatever its width (up to 32 tokens, our GEMMs' and attention's limit).
         self.dtype, self.invariant = numerics(self.layers[0].linears + [self.head], self.norm.dtype,
                                               [len(self.layers)] * len(self.layers[0].linears) + [1])
-        # Our own norms, rotary step and attention (`norm.c`, `rope.c`: whole heads only) where they run: one call each for several eager
-        # operations, the attention width-invariant by construction (q's and k's norms, Qwen3's and Gemma 3's, are
-        # ours too, before our rotary step). Where ours do not run, invariance pads
+        # Our own norms, rotary step and attention (`norm.c`, `rope.c`: a partial rotary step too) where they run: one
+        # call each for several eager operations, the attention width-invariant by construction (q's and k's norms,
+        # Qwen3's and Gemma 3's, are ours too, before our rotary step). Where ours do not run, invariance pads
         # torch's attention's queries (`_sdpa`) and reads the keys in whole blocks of its CPU kernel (512), so that
         # a row's bits do not depend on how far the others reach.
         self._head_dtype = self.dtype if self.head.weight is None else torch.promote_types(self.dtype,
                                                                                              self.head.weight.dtype)
-        self.rotary_dim = int(self.head_dim * partial_rotary(config))  # the dimensions of a head the rotary step turns
-        self.native = layer_ops.runs(self.dtype, config.hidden_size, self.head_dim) and self.rotary_dim == self.head_dim
+        self.native = layer_ops.runs(self.dtype, config.hidden_size, self.head_dim)
         padded = self.invariant and not self.native  # torch's attention, padded for invariance (`_sdpa`)
         self.kv_step = KV_BLOCK if padded else 64  # the buffer's slots a pass reads: the longest row's, rounded up
         self._rotary = decoder.rotary_emb

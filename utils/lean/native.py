@@ -73,7 +73,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.specdec_dequantize_q4.restype = ctypes.c_int
     pointer, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     library.specdec_rms_norm.argtypes = [pointer] * 4 + [i32, i32, f32, i32, i32, i32, i32]
-    library.specdec_rope_write_checked.argtypes = [pointer] * 3 + [i64] + [pointer] * 5 + [i32] * 8
+    library.specdec_rope_write_checked.argtypes = [pointer] * 3 + [i64] + [pointer] * 5 + [i32] * 9
     library.specdec_attention.argtypes = ([pointer, i64, i64, i64, pointer, pointer, pointer, i64, i64, pointer]
                                           + [i32] * 7 + [f32, f32, i32, i32])
     library.specdec_gated.argtypes = [pointer] * 2 + [i32] * 5

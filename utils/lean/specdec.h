@@ -46,8 +46,8 @@ int specdec_rms_norm(void* x, const void* delta, const void* weight, void* out, 
 /* rope.c */
 int specdec_rope_write_checked(const void* qkv, const void* cos, const void* sin, int64_t table_rows,
                                const int64_t* positions, const int64_t* write_index, void* q_out, void* keys,
-                               void* values, int rows, int width, int heads, int kv_heads, int slots, int d, int bf16,
-                               int threads);
+                               void* values, int rows, int width, int heads, int kv_heads, int slots, int d, int rotary,
+                               int bf16, int threads);
 int specdec_rope_write(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
                        const int64_t* write_index, void* q_out, void* keys, void* values, int rows, int width,
                        int heads, int kv_heads, int slots, int d, int bf16, int threads);
@@ -79,6 +79,7 @@ typedef struct {
   int64_t plus_one, activation;          /* norms times (1 + weight) (Gemma's); `specdec_gated`'s kind */
   int64_t sliding_row, sliding_token;    /* the sliding window mask's strides (its last one 1) */
   int64_t table_rows;                    /* the rotary tables' positions (a position past them is refused) */
+  int64_t rotary;                        /* the dimensions of a head the rotary step turns (head_dim: all) */
   float eps, scale, cap;                 /* the norms' epsilon; attention's scale and logits' cap (0: none) */
 } specdec_shape_t;
 
