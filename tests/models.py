@@ -4,6 +4,7 @@ several tokens and the same tokens one at a time agree to the last bit that matt
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -89,6 +90,18 @@ def gemma_config(name: str, common: dict):
     rope = {"full_attention": {"rope_type": "default", "rope_theta": 100000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
     return Gemma3TextConfig(rope_parameters=rope, **common), Gemma3ForCausalLM
+
+
+def phi3_rope(turned: float = 1.0, longrope: dict | None = None) -> dict:
+    """Phi3Config's keyword arguments for a rotary step turning `turned` of each head, with longrope's factors where
+    given ({"short_factor": ..., "long_factor": ...}), as the installed transformers takes them: 5.x one
+    `rope_parameters`, 4.x `rope_theta`, `partial_rotary_factor` and `rope_scaling` (a 4.x config keeps an unknown
+    `rope_parameters` without reading it: the model would turn whole heads by the default table)."""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": {"rope_type": "default" if longrope is None else "longrope", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": turned, **(longrope or {})}}
+    scaling = None if longrope is None else {"type": "longrope", **longrope}  # 4.x: these three fields exactly
+    return {"rope_theta": 10000.0, "partial_rotary_factor": turned, "rope_scaling": scaling}
 
 
 def prompt(seed: int, length: int = 12, vocab: int = VOCAB) -> list[int]:

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from tests.conftest import require_native
-from tests.models import SMALL, VOCAB, gemma_config, prompt, tiny_model
+from tests.models import SMALL, VOCAB, gemma_config, phi3_rope, prompt, tiny_model
 from utils import settings
 from utils.lean import LEAN_ENV, forget, forward_path, lean_decoder
 from utils.runners.factory import make_runner
@@ -58,11 +58,9 @@ def _extra_model(name: str, attention: str, seed: int = 0):
         # "partial": half of each head turned (Phi-4-mini turns 0.75)
         turned = 0.5 if "partial" in name else 1.0
         pairs = int(common["hidden_size"] / common["num_attention_heads"] * turned) // 2
-        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": turned}
-        if "longrope" in name:
-            rope.update(rope_type="longrope", original_max_position_embeddings=16,
-                        short_factor=[1.0 + i / 8 for i in range(pairs)], long_factor=[2.0 + i for i in range(pairs)])
-        config = Phi3Config(rope_parameters=rope, sliding_window=None, original_max_position_embeddings=16, **common)
+        longrope = {"short_factor": [1.0 + i / 8 for i in range(pairs)], "long_factor": [2.0 + i for i in range(pairs)]}
+        rope = phi3_rope(turned, longrope if "longrope" in name else None)
+        config = Phi3Config(sliding_window=None, original_max_position_embeddings=16, **rope, **common)
         model_class = Phi3ForCausalLM
     else:
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -160,10 +158,9 @@ def test_a_partial_rotary_step_turns_each_heads_first_dimensions_in_our_rotary_s
     require_native()
     monkeypatch.setattr(native, "bfloat16_arithmetic", lambda: False)
     torch.manual_seed(0)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
     config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-                        initializer_range=0.3, rope_parameters=rope)
+                        initializer_range=0.3, **phi3_rope(0.75))
     config._attn_implementation = "sdpa"
     model = Phi3ForCausalLM(config).eval().to(weights)
     ids = prompt(1, 30)

@@ -25,7 +25,7 @@ from transformers import (
 
 from sampling import quantized_drafter
 from tests.conftest import require_native
-from tests.models import VOCAB, gemma_config, prompt
+from tests.models import VOCAB, gemma_config, phi3_rope, prompt
 from utils.lean import forget, forward_path, layer_ops, lean_decoder, linear, native
 from utils.lean.decoder import NativeStack
 from utils.runners.static import StaticRunner
@@ -33,7 +33,6 @@ from utils.runners.static import StaticRunner
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
             "phi3-partial": (Phi3Config, Phi3ForCausalLM)}  # `llama.py`'s; "partial": 12 of each head's 16 turned
-PARTIAL = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
 GEMMAS = ("gemma", "gemma2", "gemma3")  # `gemma.py`'s, from `gemma_config`
 
 
@@ -42,7 +41,7 @@ def _model(family: str, dtype: torch.dtype):
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3, pad_token_id=0)
     if family in FAMILIES:
-        config = FAMILIES[family][0](**common, **(PARTIAL if family.endswith("partial") else {}))
+        config = FAMILIES[family][0](**common, **(phi3_rope(0.75) if family.endswith("partial") else {}))
         model_class = FAMILIES[family][1]
     else:
         config, model_class = gemma_config(family, common)
