@@ -21,8 +21,9 @@
 
    Shape of the work: each thread takes whole blocks of JB weight rows (JB1 for one activation row: gemm_bf16_isa.h);
    a block's rows are read chunk by chunk (KC elements), each chunk once from memory, prefetched PREFETCH bytes ahead
-   into L2, then used by every group of RB activation rows while it sits in the cache. None of JB, JB1, KC, KC_PAIRS,
-   PREFETCH and RB changes the bits. */
+   into L2, then used by every group of RB activation rows while it sits in the cache; one bfloat16 activation row
+   over at most STRAIGHT_IN inputs reads each weight row of its block straight through instead. None of JB, JB1, KC,
+   KC_PAIRS, PREFETCH, RB and STRAIGHT_IN changes the bits. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -58,6 +59,16 @@
 #endif
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
+#endif
+/* One bfloat16 activation row over inputs up to this many: each weight row of a block read straight through, one
+   after another, with no prefetch (`chunk_pairs_straight`), rather than the block's rows side by side: one stream
+   the hardware's prefetchers follow instead of eight. On a 2-vCPU Zen 4, alternated, the 1.5B's one-token pass
+   1.18-1.20x where the VM's memory ran fast, 1.06x where it ran slow (256 cached tokens), 1.17x after 4096, the
+   0.5B's 1.13x; alone, 1536 to 4864 inputs 1.02-1.28x, but at 8960 one row's chain of dependent products bounds the
+   stream (0.90x), so wider inputs keep the rows side by side (twenty-sixth round, docs/results.md). The float32
+   chain (two dependent multiply-adds a block) stays side by side: built for Haswell the pass ran 0.98x so. */
+#ifndef STRAIGHT_IN
+#define STRAIGHT_IN 4096
 #endif
 #define HALF (KB / 2)
 /* Holds x in a register (AVX-512's 32 have room for RB rows' blocks): gcc otherwise reads it from memory again for
@@ -132,6 +143,20 @@ static inline __attribute__((always_inline)) void chunk_pairs(const uint16_t* W,
   }
   ACCUMULATORS_OUT(acc, a, nr, nj);
 }
+
+/* acc[0][b] += weight row j0+b times the one bfloat16 activation row over elements [k0, k1): `chunk_pairs`' chain
+   for one row, each weight row read straight through before the next (STRAIGHT_IN). Called outside the chunks' loop
+   nest: inside it (as one chunk of `in` inputs) the same loop measured no faster than the rows side by side. */
+static inline __attribute__((always_inline)) void chunk_pairs_straight(const uint16_t* W, const uint16_t* x, int in,
+                                                                       int j0, int nj, vf acc[RB][JBMAX], int k0,
+                                                                       int k1) {
+  for (int b = 0; b < nj; b++) {
+    vf a = acc[0][b];
+    const uint16_t* w_row = W + (size_t)(j0 + b) * in;
+    for (int k = k0; k < k1; k += KB) a = _mm512_dpbf16_ps(a, (__m512bh)load_w(w_row + k), (__m512bh)load_w(x + k));
+    acc[0][b] = a;
+  }
+}
 #else
 #define PAIRS 0
 #endif
@@ -158,23 +183,28 @@ static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void*
     for (int r = 0; r < RB; r++)
       for (int b = 0; b < JBMAX; b++) acc[g][r][b] = vzero();
   int kc = pairs ? KC_PAIRS : KC;
-  for (int k0 = 0; k0 < in; k0 += kc) {
-    int k1 = k0 + kc < in ? k0 + kc : in;
-    for (int g = 0; g < groups; g++) {
-      int r0 = g * RB, nr = rows - r0 < RB ? rows - r0 : RB;
 #if PAIRS
-      if (pairs) {
-        if (nj == JB && nr == RB) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB, r0, RB, acc[g], k0, k1);
-        else if (nj == JB1 && rows == 1) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB1, 0, 1, acc[g], k0, k1);
-        else chunk_pairs(W, (const uint16_t*)xs, in, j0, nj, r0, nr, acc[g], k0, k1);
-        continue;
-      }
+  if (pairs && rows == 1 && in <= STRAIGHT_IN) /* one activation row: each weight row read straight through */
+    chunk_pairs_straight(W, (const uint16_t*)xs, in, j0, nj, acc[0], 0, in);
+  else
 #endif
-      if (nj == JB && nr == RB) chunk(W, xp, in, j0, JB, r0, RB, acc[g], k0, k1); /* unrolled: the common cases */
-      else if (nj == JB1 && rows == 1) chunk(W, xp, in, j0, JB1, 0, 1, acc[g], k0, k1);
-      else chunk(W, xp, in, j0, nj, r0, nr, acc[g], k0, k1);
+    for (int k0 = 0; k0 < in; k0 += kc) {
+      int k1 = k0 + kc < in ? k0 + kc : in;
+      for (int g = 0; g < groups; g++) {
+        int r0 = g * RB, nr = rows - r0 < RB ? rows - r0 : RB;
+#if PAIRS
+        if (pairs) {
+          if (nj == JB && nr == RB) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB, r0, RB, acc[g], k0, k1);
+          else if (nj == JB1 && rows == 1) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB1, 0, 1, acc[g], k0, k1);
+          else chunk_pairs(W, (const uint16_t*)xs, in, j0, nj, r0, nr, acc[g], k0, k1);
+          continue;
+        }
+#endif
+        if (nj == JB && nr == RB) chunk(W, xp, in, j0, JB, r0, RB, acc[g], k0, k1); /* unrolled: the common cases */
+        else if (nj == JB1 && rows == 1) chunk(W, xp, in, j0, JB1, 0, 1, acc[g], k0, k1);
+        else chunk(W, xp, in, j0, nj, r0, nr, acc[g], k0, k1);
+      }
     }
-  }
   for (int r = 0; r < rows; r++)
     for (int b = 0; b < nj; b++) {
       float v = vsum(acc[r / RB][r % RB][b]);
