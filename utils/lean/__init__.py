@@ -6,7 +6,7 @@ being the reference (tests) and the fallback for every other model.
     forward_path(model)   one line: which path the model's passes take, and why (where the lean forward's layers run
                           in Python, not in one native call: why not)
 
-One file per family group: `llama.py` (Llama and SmolLM2, Qwen2, Qwen3, Mistral, Phi-3), `gemma.py` (Gemma, Gemma 2,
+One file per family group: `llama.py` (Llama and SmolLM2, Qwen2, Qwen3, Mistral, Phi-3 and 4-mini), `gemma.py` (Gemma, Gemma 2,
 Gemma 3's text model; layers of two kinds, sliding-window and full, each attend through their own mask, which the
 static runner builds for our own forward only). A model dispatched by accelerate (offloaded or split over devices)
 keeps the Hugging Face path: its hooks move weights per layer.
