@@ -61,7 +61,7 @@
 #define PREFETCH_LOCALITY 2
 #endif
 /* One bfloat16 activation row over inputs up to this many: each weight row of a block read straight through, one
-   after another, with no prefetch (`chunk_pairs_straight`), rather than the block's rows side by side: one stream
+   after another, with no prefetch (`rows_straight`), rather than the block's rows side by side: one stream
    the hardware's prefetchers follow instead of eight. On a 2-vCPU Zen 4, alternated, the 1.5B's one-token pass
    1.18-1.20x where the VM's memory ran fast, 1.06x where it ran slow (256 cached tokens), 1.17x after 4096, the
    0.5B's 1.13x; alone, 1536 to 4864 inputs 1.02-1.28x, but at 8960 one row's chain of dependent products bounds the
@@ -144,16 +144,15 @@ static inline __attribute__((always_inline)) void chunk_pairs(const uint16_t* W,
   ACCUMULATORS_OUT(acc, a, nr, nj);
 }
 
-/* acc[0][b] += weight row j0+b times the one bfloat16 activation row over elements [k0, k1): `chunk_pairs`' chain
-   for one row, each weight row read straight through before the next (STRAIGHT_IN). Called outside the chunks' loop
+/* acc[0][b] = weight row j0+b times the one bfloat16 activation row: `chunk_pairs`' chain for one row over all its
+   inputs, each weight row read straight through before the next (STRAIGHT_IN). Called outside the chunks' loop
    nest: inside it (as one chunk of `in` inputs) the same loop measured no faster than the rows side by side. */
-static inline __attribute__((always_inline)) void chunk_pairs_straight(const uint16_t* W, const uint16_t* x, int in,
-                                                                       int j0, int nj, vf acc[RB][JBMAX], int k0,
-                                                                       int k1) {
+static inline __attribute__((always_inline)) void rows_straight(const uint16_t* W, const uint16_t* x, int in, int j0,
+                                                                int nj, vf acc[RB][JBMAX]) {
   for (int b = 0; b < nj; b++) {
-    vf a = acc[0][b];
+    vf a = vzero();
     const uint16_t* w_row = W + (size_t)(j0 + b) * in;
-    for (int k = k0; k < k1; k += KB) a = _mm512_dpbf16_ps(a, (__m512bh)load_w(w_row + k), (__m512bh)load_w(x + k));
+    for (int k = 0; k < in; k += KB) a = _mm512_dpbf16_ps(a, (__m512bh)load_w(w_row + k), (__m512bh)load_w(x + k));
     acc[0][b] = a;
   }
 }
@@ -185,7 +184,7 @@ static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void*
   int kc = pairs ? KC_PAIRS : KC;
 #if PAIRS
   if (pairs && rows == 1 && in <= STRAIGHT_IN) /* one activation row: each weight row read straight through */
-    chunk_pairs_straight(W, (const uint16_t*)xs, in, j0, nj, acc[0], 0, in);
+    rows_straight(W, (const uint16_t*)xs, in, j0, nj, acc[0]);
   else
 #endif
     for (int k0 = 0; k0 < in; k0 += kc) {
