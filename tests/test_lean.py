@@ -173,6 +173,18 @@ def test_a_partial_rotary_step_turns_each_heads_first_dimensions_in_our_rotary_s
     assert ours.dtype == torch.float32 and (ours - reference).abs().max() < 1e-4
 
 
+def test_parts_that_do_not_split_one_modules_outputs_are_refused():
+    from torch import nn
+
+    from utils.lean.linear import Linear
+
+    module = nn.Linear(16, 8)
+    assert Linear([module], parts=[3, 5]).widths == [3, 5]
+    for modules, parts in (([module], [3, 4]), ([module, nn.Linear(16, 8)], [8, 8])):
+        with pytest.raises(ValueError, match="must split one module's 8 outputs"):
+            Linear(modules, parts=parts)
+
+
 def test_fused_weights_are_the_models_own():
     """q/k/v and gate/up become one tensor each; the model's parameters are views into it: same values, no copy."""
     model = _extra_model("llama3-tied", "sdpa")

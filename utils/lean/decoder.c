@@ -62,7 +62,7 @@ static int norm_in_place(void* x, const void* weight, int tokens, int n, const s
    (or NULL). Returns SPECDEC_OK, else the failing step's status (a specdec_status) times 100 plus the step (1 norm,
    2 q/k/v, 3 rotary, 4 attention, 5 output, 6 norm, 7 gate/up, 8 activation, 9 down, 10 q/k norms, 11 output norm,
    12 MLP output norm); a shape whose sizes do not fit the kernels' int counts fails as step 1's SPECDEC_BAD_SHAPE.
-   The rotary tables' length is not in shape_t: positions are checked only for >= 0 (specdec_rope_write). */
+   Each slot and position is checked against the buffer and the tables' `table_rows` (specdec_rope_write_checked). */
 int specdec_decoder(void* h, void* work, const void* const* layers, void* const* kv, const int64_t* layer_kinds,
                     int n_layers, const void* cos, const void* sin, const void* cos2, const void* sin2,
                     const int64_t* positions, const int64_t* write_index, const void* mask, const void* sliding,

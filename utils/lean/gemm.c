@@ -43,7 +43,7 @@
    rows, whose accumulators go to memory between chunks. The float32 chain's KC: 512 (4 KB of weights, the ninth
    round's choice; on AVX2 2048 measured 0.94-1.06x it, so kept). Bfloat16 pairs' KC_PAIRS: 4096, a 1536-wide input's
    whole row; against 512 on a 2-vCPU Zen 4 1.02-1.05x at 8 and 16 rows, 1.11-1.17x at 32, the same at one (2048 to
-   8192 alike; twenty-second round, docs/results.md). */
+   8192 alike; twenty-second round, docs/results.md; one row over at most STRAIGHT_IN inputs now reads whole rows). */
 #ifndef KC
 #define KC 512
 #endif
@@ -53,7 +53,8 @@
 /* How far ahead of the row being read its weights are prefetched, in bytes: 8 to 64 KB within the noise on a Zen 4
    (twenty-first round). Into L2 (prefetcht1, locality 2), as the 4-bit kernel's: a prefetch into L1 holds one of its
    few fill buffers until the line comes; on a 2-vCPU Zen 4 a one-row product read 18-19.5 GB/s so and 29-33 into L2,
-   of a 30-37 GB/s read (no gain on the Xeon of the thirteenth round: docs/results.md). */
+   of a 30-37 GB/s read (no gain on the Xeon of the thirteenth round: docs/results.md). Not for one bfloat16 row over
+   at most STRAIGHT_IN inputs, read straight through without it (below). */
 #ifndef PREFETCH
 #define PREFETCH 16384
 #endif

@@ -134,14 +134,17 @@ def _probe_bytes() -> int:
     `PROBE_BYTES`, which is what is taken where sysfs says nothing. On a 2-vCPU Zen 4 (32 MB of L3) a 135M model's
     tables took 7.5 s over 128 MB against 14.5 s over 512 MB, the same kernels chosen (twenty-sixth round)."""
     caches = {}
-    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index3"):
+    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
+            if (index / "level").read_text().strip() != "3":
+                continue
             size = (index / "size").read_text().strip()  # "32768K"
             shift = {"K": 10, "M": 20, "G": 30}.get(size[-1:], 0)
             caches[(index / "shared_cpu_list").read_text().strip()] = int(size.rstrip("KMG")) << shift
         except (OSError, ValueError):
             continue
-    return min(PROBE_BYTES, PROBE_CACHES * sum(caches.values())) if caches else PROBE_BYTES
+    total = sum(caches.values())
+    return min(PROBE_BYTES, PROBE_CACHES * total) if total else PROBE_BYTES
 
 
 def _probe_rows(shape: tuple[int, int], dtype: torch.dtype, device: str) -> Tensor:

@@ -38,6 +38,9 @@ class Linear:
     one module's output, `parts`: Phi-3's fused q/k/v)."""
 
     def __init__(self, modules: list[nn.Module], parts: list[int] | None = None) -> None:
+        if parts is not None and (len(modules) != 1 or sum(parts) != modules[0].out_features):
+            raise ValueError(f"parts {parts} must split one module's {modules[0].out_features} outputs, got "
+                             f"{len(modules)} modules")
         self.widths = parts or [module.out_features for module in modules]
         self.q4 = None  # the fused 4-bit weight and its scales (`native.pack_q4`'s layout), where the modules are ours
         if _our_four_bits(modules):  # their packed weights are on huge pages already (`QuantizedLinear`)

@@ -48,9 +48,11 @@ def longrope_original(config) -> int | None:
     context), None for any other rope type."""
     if rope_type(config) != "longrope":
         return None
-    parameters = rope_parameters(config)
-    return parameters.get("original_max_position_embeddings",
-                          getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if "original_max_position_embeddings" in parameters:  # transformers 5.x's module reads it there
+        return parameters["original_max_position_embeddings"]
+    # 4.x's reads the config's attribute (never rope_scaling's key), else the model's context
+    return getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
 
 
 def activation(config) -> str:
@@ -186,10 +188,11 @@ class LeanLlama(nn.Module):
         self.stack = NativeStack.build(self) if self.native else None
 
     def _rope(self, positions: Tensor, slots: int, kind: str | None = None) -> tuple[Tensor, Tensor]:
-        """cos and sin at `positions` (rows, width) -> each (rows, 1, width, head_dim), from a table computed
-        once by the model's rotary module for a buffer's `slots` positions (a position never passes them);
-        `kind`: the layer type a rotary module of several tables is asked for (Gemma 3's), None: its only one.
-        Where our rotary step runs (`native`), the tables themselves, (positions, head_dim): it reads them."""
+        """cos and sin at `positions` (rows, width) -> each (rows, 1, width, R), from a table computed once by the
+        model's rotary module for a buffer's `slots` positions (a position never passes them); R: the dimensions of a
+        head it turns (head_dim, or fewer: a partial rotary step); `kind`: the layer type a rotary module of several
+        tables is asked for (Gemma 3's), None: its only one. Where our rotary step runs (`native`), the tables
+        themselves, (positions, R): it reads them."""
         if kind not in self._tables or slots > self._tables[kind][0].shape[0]:
             self._tables[kind] = self._table(slots, kind)
         cos, sin = self._tables[kind]
@@ -198,7 +201,7 @@ class LeanLlama(nn.Module):
         return cos[positions][:, None], sin[positions][:, None]
 
     def _table(self, slots: int, kind: str | None) -> tuple[Tensor, Tensor]:
-        """cos and sin (slots, head_dim) of positions 0..slots - 1 by the model's rotary module. A longrope module
+        """cos and sin (slots, R: `_rope`) of positions 0..slots - 1 by the model's rotary module. A longrope module
         turns a whole pass by its long factors once the pass reaches past the original context, by its short ones
         before: a pass's width would then change its rows. Here each position takes what a pass ending at it takes
         (the short table before the original context, the long one from it), as decoding token by token gets them:
