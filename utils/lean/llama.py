@@ -34,12 +34,8 @@ KV_BLOCK = 512  # and reads the keys in whole blocks of torch's CPU attention ke
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # one table for every position
 
 
-def rope_parameters(config) -> dict:
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-
-
 def rope_type(config) -> str:
-    parameters = rope_parameters(config)
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return parameters.get("rope_type", parameters.get("type", "default"))
 
 
