@@ -8,7 +8,8 @@ import torch
 
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from sampling.drafters.device_tree import Growth, expansion_widths, path_layout
-from sampling.drafters.model_tree import ModelTreeDrafter, RowTree
+from sampling.drafters.model_drafter import ModelDrafter
+from sampling.drafters.model_tree import RowTree
 from sampling.policy.tree_choice import TreeAcceptance, positional_tree
 from tests import test_model_trees
 from tests.models import DECODER_ONLY, prompt, tiny_model
@@ -19,7 +20,7 @@ from utils.logits_processors import MultinomialProcessor, NucleusProcessor
 
 @pytest.fixture
 def on_device(monkeypatch):
-    monkeypatch.setattr(ModelTreeDrafter, "DEVICE_GROWTH", True)
+    monkeypatch.setattr(ModelDrafter, "DEVICE", True)
 
 
 def test_a_pass_feeds_the_root_then_each_path_depth_by_depth():

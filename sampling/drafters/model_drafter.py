@@ -52,8 +52,13 @@ class ModelDrafter:
     Every emitted token is then F_p^{-1}(u_t), plain sampling's own, whatever was drafted.
 
     `stop` (adaptive drafting): the per-token rule that ends each chain (`sampling.policy.draft_confidence`);
-    None: every row drafts the `max_drafts` it is given.
+    None: every row drafts the `max_drafts` it is given. Where a host read waits for the drafter's device
+    (`judges_after`), the rule is not asked draft by draft: each chain drafts the stop's `planned_length`, its
+    confidences stay on the device beside its drafts, both are read in the step's one transfer, and the stop
+    keeps the best prefix then (and learns the next length from where it would have stopped).
     """
+
+    DEVICE: bool | None = None  # draft as where a host read waits for the device: True, False, or None (`on_device`)
 
     def __init__(
         self,
@@ -157,8 +162,29 @@ class ModelDrafter:
         tokenizer), the confidence stop (q of each draft), the cascade (compares it with its
         proposal) or a processor that needs the history. Otherwise drafts stay on the device, each
         fed to the next pass from there, and a step reads them once (`_read_drafts`)."""
-        return (self.reading is not self or self.stop is not None or self.cascade is not None
-                or self.processor.needs_history)
+        return (self.reading is not self or (self.stop is not None and not self.judges_after)
+                or self.cascade is not None or self.processor.needs_history)
+
+    @classmethod
+    def read_waits(cls, device: torch.device) -> bool:
+        """Whether a host read waits for a drafter on `device` (`DEVICE` None: it is not a CPU)."""
+        return cls.DEVICE if cls.DEVICE is not None else device.type != "cpu"
+
+    @property
+    def on_device(self) -> bool:
+        """Whether a host read waits for the drafter's device (`read_waits`): there its chains are judged once
+        drafted (`judges_after`), its trees grow on the device (`ModelTreeDrafter.on_device`) and the cascade is off
+        unless asked for (`sampling.drafters.model_kind`)."""
+        return self.read_waits(self.runner.device)
+
+    @property
+    def judges_after(self) -> bool:
+        """Whether the per-token stop judges a step's chains once they are drafted and read (one host read a step)
+        rather than draft by draft: `on_device`, for drafts the drafter reads on the device (no cascade, no other
+        reading, no processor that reads the history)."""
+        if self.stop is None or self.cascade is not None or self.reading is not self or self.processor.needs_history:
+            return False
+        return self.on_device
 
     def _next_draft(self, q: Tensor, row: int, position: int) -> Tensor | int:
         """Row `row`'s draft at `position`: on the device unless `reads_each_draft`."""
@@ -168,15 +194,21 @@ class ModelDrafter:
         return int(token) if self.reads_each_draft else token
 
     @staticmethod
-    def _read_drafts(drafts: list[list[Tensor | int]]) -> list[list[int]]:
-        """Every row's drafts as ids: those still on the device read in one host transfer."""
-        on_device = [token for chain in drafts for token in chain if isinstance(token, Tensor)]
+    def _read_drafts(drafts: list[list[Tensor | int]], confidences: list[list[Tensor | float]]
+                     ) -> tuple[list[list[int]], list[list[float]]]:
+        """Every row's drafts as ids and their confidences as floats: those still on the device read in one host
+        transfer (ids in float64, exact below 2^53)."""
+        on_device = [token.double() for chain in drafts for token in chain if isinstance(token, Tensor)]
+        on_device += [c.double() for row in confidences for c in row if isinstance(c, Tensor)]
         values = iter(torch.stack(on_device).tolist() if on_device else [])
-        return [[next(values) if isinstance(token, Tensor) else token for token in chain] for chain in drafts]
+        ids = [[int(next(values)) if isinstance(token, Tensor) else token for token in chain] for chain in drafts]
+        return ids, [[next(values) if isinstance(c, Tensor) else c for c in row] for row in confidences]
 
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
         self._confidences, self._kept = [[] for _ in sequences], [0] * len(sequences)
+        if self.judges_after:  # the rule judges the chain once it is drafted: draft as far as it stopped lately
+            max_drafts = min(max_drafts, self.stop.planned_length())
         lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
@@ -191,7 +223,7 @@ class ModelDrafter:
         cold = max(len(tokens) for tokens in pending) > max(lengths) + 1
         drafts: list[list[Tensor | int]] = [[] for _ in sequences]  # read to the host once, after the loop
         qs: list[list[Tensor]] = [[] for _ in sequences]
-        confidences: list[list[float]] = [[] for _ in sequences]
+        confidences: list[list[Tensor | float]] = [[] for _ in sequences]  # on the device where judged after
         while any(map(len, pending)):
             proposals = [self.cascade.propose(b, sequence, drafts[b], lengths[b] - len(drafts[b]), len(pending[b]),
                                               len(sequences)) if len(pending[b]) and self.cascade is not None and not cold else []
@@ -204,13 +236,15 @@ class ModelDrafter:
             for b, sequence in enumerate(sequences):
                 if len(pending[b]):
                     pending[b] = self._take(b, sequence, logits[b], proposals[b], drafts, qs, confidences, lengths)
-        drafts = self._read_drafts(drafts)  # the step's one host read of its drafts
+        drafts, confidences = self._read_drafts(drafts, confidences)  # the step's one host read of its drafts
         if self.cascade is not None:
             for b, chain in enumerate(drafts):
                 self.cascade.finish(b, chain)
         if self.timed:
             self.draft_time.add((self._clock() - start) / max(lengths))
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
+            if self.judges_after:
+                self.stop.observe_lengths(confidences)
             kept = [self.stop.keep(c, len(sequences)) for c in confidences]
             for c, k in zip(confidences, kept, strict=True):
                 if c and not k:
@@ -240,7 +274,9 @@ class ModelDrafter:
             q = self.reading.distribution(logits[j], history)
             drafts[b].append(self._next_draft(q, b, len(sequence) + i))
             qs[b].append(q)
-            if self.stop is not None:
+            if self.judges_after:  # judged once the chain is drafted and read
+                confidences[b].append(self._belief_in(logits[j], q, drafts[b][-1], history))
+            elif self.stop is not None:
                 confidences[b].append(self._confidence(logits[j], q, drafts[b][-1], history))
                 if not self.stop.keep_drafting(confidences[b], len(lengths)):  # lengths: one per row drafting
                     lengths[b] = i + 1
@@ -264,9 +300,14 @@ class ModelDrafter:
         scores = self.processor.scores(logits[None, : self.vocab_size], history)[0]
         return scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))  # bfloat16's: too coarse
 
+    def _belief_in(self, logits: Tensor, q: Tensor, draft: Tensor | int, history: list[int] | None) -> Tensor:
+        """The drafter's probability of its draft, a 0-d tensor on its device (`belief`, q itself when it is one)."""
+        belief = q if not self.processor.is_greedy else self.belief(logits, history)
+        return belief[draft] if isinstance(draft, int) else belief.gather(0, draft.view(1)).view(())  # no read
+
     def _confidence(self, logits: Tensor, q: Tensor, draft: int, history: list[int] | None) -> float:
-        """The drafter's probability of its draft (for the per-token stop; `belief`, q itself when it is one)."""
-        return float((q if not self.processor.is_greedy else self.belief(logits, history))[draft])
+        """The drafter's probability of its draft, read to the host (for the per-token stop draft by draft)."""
+        return float(self._belief_in(logits, q, draft, history))
 
     def update(self, sequences, paths, target_logits, p) -> None:
         # Keep the accepted drafts each row's cache has seen; drop the rejected ones.

@@ -27,7 +27,7 @@ from sampling.policy.draft_policy import MAX_ADAPTIVE_GAMMA, CostAwareDraftLengt
 from sampling.policy.tree_choice import TreeAcceptance, TreePlanner, shape_record, tree_branching
 from utils.calibration import pass_costs
 from utils.cost_model import PassCosts
-from utils.runners.model_info import pass_bytes, vocab_size
+from utils.runners.model_info import input_device, pass_bytes, vocab_size
 from utils.validation import check_bool, check_int, check_model
 
 
@@ -106,8 +106,9 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     """A drafter model over the rows of `gen`, from a speculative call's options (checked;
     `universal`: it has another tokenizer, `check_model_drafter`) -> (its drafter, the cost-aware
     policy of its chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step).
-    `cascade` (None: on with `adaptive_gamma`): the drafter checks a proposer's tokens in passes of its
-    own (`sampling/drafters/cascade.py`), priced by its measured costs. `branching`
+    `cascade` (None: on with `adaptive_gamma` where a host read does not wait for the drafter's device): the drafter
+    checks a proposer's tokens in passes of its own (`sampling/drafters/cascade.py`), priced by its measured costs.
+    `branching`
     (`sampling.drafters.model_tree`): token trees where both models' runners verify them, else chains.
     `priced`: the caller prices the drafter's chains with the cost-aware policy even with a fixed gamma
     (its drafting is then timed, as with `adaptive_gamma`; otherwise it is not: no synchronization).
@@ -129,7 +130,10 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     # None: drafter-invariant exactly where draft lengths follow timings (adaptive_gamma), so that a
     # seed means one output; with a fixed gamma the standard rule already reproduces and accepts more.
     coupled = adaptive if options.drafter_invariant is None else options.drafter_invariant
-    proposer = Cascade(drafter_costs) if (adaptive if options.cascade is None else options.cascade) else None
+    # The cascade compares each draft with its proposal on the host: by default not where a read waits for the device.
+    cascade = options.cascade if options.cascade is not None else \
+        adaptive and not ModelDrafter.read_waits(input_device(drafter))
+    proposer = Cascade(drafter_costs) if cascade else None
     if universal:  # drafts in its own vocabulary, from its own tokens of the text (sampling/drafters/universal.py)
         model_drafter = UniversalDrafter(drafter, shared.logits_processor, tokenizer=shared.habits.tokenizer,
                                          drafter_tokenizer=options.drafter_tokenizer, target_vocab_size=vocab_size(target),

@@ -158,8 +158,6 @@ class ModelTreeDrafter:
     not pay or the record says trees did not (`sampling/policy/tree_choice.py`). `planner` None: a tree of
     `max_drafts` nodes every step (a fixed gamma); `record` None: the planner alone chooses."""
 
-    DEVICE_GROWTH: bool | None = None  # grow trees on the device: True, False, or None (`on_device`)
-
     def __init__(self, chain: ModelDrafter, branching: int, planner: TreePlanner | None,
                  acceptance: TreeAcceptance, record: ShapeRecord | None = None) -> None:
         assert branching >= 2 and chain.runner.supports_trees
@@ -220,10 +218,8 @@ class ModelTreeDrafter:
     @property
     def on_device(self) -> bool:
         """Whether this drafter's trees grow on the device (`device_tree.py`): where a host read waits for the
-        drafter's device (`DEVICE_GROWTH` None: not a CPU), for a processor that reads no history."""
-        if self.chain.processor.needs_history:
-            return False
-        return self.DEVICE_GROWTH if self.DEVICE_GROWTH is not None else self.chain.runner.device.type != "cpu"
+        drafter's device (`ModelDrafter.on_device`), for a processor that reads no history."""
+        return self.chain.on_device and not self.chain.processor.needs_history
 
     def _grow_on_device(self, sequences: list[list[int]], budget: int, depths: list[int]) -> list[RowTree]:
         """Every row's candidates grown on the device, as many expanded per depth as the positional model's best

@@ -22,6 +22,9 @@ the measured costs instead:
 - `ConfidenceStop` drafts token after token while the drafts' expected accepted tokens per unit of
   cost can still grow (looking ahead over further drafts as likely as the last), then keeps the
   best prefix: the tokens drafted are paid for, so only the verification's cost counts there.
+  Where a host read waits for the drafter's device, the rule is not asked draft by draft: a chain of
+  `planned_length` drafts is drafted on the device, read once, and judged then (`stopped_at`, `observe_lengths`:
+  the length learned from where the rule would have stopped).
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sampling.policy.draft_policy import ChainRecord, CostAwarePolicy, best_tree_size
-from sampling.policy.estimators import DecayedRate
+from sampling.policy.estimators import DecayedRate, RunningAverage
+
+# A chain drafted on the device, judged after it (`ConfidenceStop.planned_length`): the first one's length, from
+# which a rule that would draft on doubles it; and how fast the length follows where the rule stops (roughly the last
+# three chains' rows).
+FIRST_LENGTH = 2
+LENGTH_WEIGHT = 0.3
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # bucket b holds c in [EDGES[b-1], EDGES[b])
 
@@ -67,6 +76,8 @@ class PairRecord:
 
     odds: ConfidenceAcceptance = field(default_factory=ConfidenceAcceptance)
     chains: ChainRecord = field(default_factory=ChainRecord)
+    # Where the rule would stop a chain drafted on the device (`ConfidenceStop.observe_lengths`): its next length.
+    lengths: RunningAverage = field(default_factory=lambda: RunningAverage(LENGTH_WEIGHT))
 
 
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> target -> greedy -> its record
@@ -101,7 +112,7 @@ class ConfidenceStop:
         self.policy = policy
         # What it reads and moves: a pair's, shared across its generations (`pair_record`), or its own.
         record = PairRecord() if record is None else record
-        self.acceptance, self.chains = record.odds, record.chains
+        self.acceptance, self.chains, self.lengths = record.odds, record.chains, record.lengths
 
     def on_discard(self) -> None:
         self.policy.discard()
@@ -130,6 +141,29 @@ class ConfidenceStop:
             if expected / self.policy.cost(k, rows) > now:
                 return True
         return False
+
+    def stopped_at(self, confidences: Sequence[float], rows: int) -> int:
+        """Where `keep_drafting` would have ended a chain whose drafts had these confidences: its length, or one
+        past them where it would still draft on."""
+        for j in range(1, len(confidences) + 1):
+            if not self.keep_drafting(confidences[:j], rows):
+                return j
+        return len(confidences) + 1
+
+    def planned_length(self) -> int:
+        """How many drafts a chain drafted on the device gets (judged only once it is drafted and read): where the
+        rule stopped the pair's recent chains (`observe_lengths`), at most `max_budget`."""
+        learned = self.lengths.value
+        return max(1, min(self.policy.max_budget, FIRST_LENGTH if learned is None else round(learned)))
+
+    def observe_lengths(self, confidences: Sequence[Sequence[float]]) -> None:
+        """A step of chains judged after drafting: each drafting row's stop (`stopped_at`) teaches the next length;
+        a row whose rule would have drafted on counts as twice its chain (the length grows until the rule stops
+        within it)."""
+        for c in confidences:
+            if c:
+                stop = self.stopped_at(c, len(confidences))
+                self.lengths.add(stop if stop <= len(c) else 2 * len(c))
 
     def observe_step(self, confidences: Sequence[Sequence[float]], kept: Sequence[int], accepted: Sequence[int]) -> None:
         """A step that started chains: each row's drafts' `confidences` (all it drafted), how many the stop `kept`
