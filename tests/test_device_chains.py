@@ -1,7 +1,7 @@
 """Chains judged once drafted (`ModelDrafter.DEVICE`: where a host read waits for the drafter's device): the per-token
 stop is not asked draft by draft; each chain drafts the stop's planned length with its drafts and their confidences
 kept on the device, read in one transfer, and the stop keeps the best prefix then. Checked here: the length it
-plans (short at first, growing while the rule would draft on, following where it stops), greedy output
+plans (the cost model's best for the acceptance learned at each position), greedy output
 token-identical to plain greedy (four families, the self-drafter, a batch), sampling in law, the cascade off by
 default there, and at most two host reads a step where the host-judged chain reads every draft."""
 
@@ -43,20 +43,24 @@ def sure_pair(name: str = "llama"):
     return target, drafter
 
 
-def test_the_planned_length_starts_short_grows_while_the_rule_drafts_on_and_follows_where_it_stops():
+def test_the_planned_length_is_the_cost_models_best_for_the_recent_acceptance_at_each_position():
     cost, verify = linear_cost(0.05)
     stop = ConfidenceStop(prices(cost, verify, max_budget=16))
-    assert stop.planned_length() == 2
-    assert stop.stopped_at([0.99, 0.99], 1) == 3  # the rule would draft a third
-    assert stop.stopped_at([0.99, 0.05, 0.99], 1) == 2  # it ends at the doubtful second draft
-    lengths = [stop.planned_length()]
-    for _ in range(10):  # every draft sure: the length grows to the budget
-        stop.observe_lengths([[0.99] * lengths[-1]])
-        lengths.append(stop.planned_length())
-    assert lengths[1] == 4 and lengths == sorted(lengths) and lengths[-1] == 16
-    for _ in range(12):  # then every chain's second draft is doubtful: it follows the rule down to 2
-        stop.observe_lengths([[0.99, 0.05] + [0.99] * (stop.planned_length() - 2)])
-    assert stop.planned_length() == 2
+    assert stop.planned_length(1) == 2  # the prior, a half at every position: two drafts pay best
+    lengths = []
+    for _ in range(30):  # chains accepted whole: longer ones pay
+        k = stop.planned_length(1)
+        stop.observe_step([[0.9] * k], [k], [k])
+        lengths.append(stop.planned_length(1))
+    assert lengths == sorted(lengths) and lengths[3] == 16  # fast: a position no chain reached is as likely as the last
+    lengths = []
+    for _ in range(30):  # then every chain's second draft is rejected: one draft pays best
+        lengths.append(stop.planned_length(1))
+        stop.observe_step([[0.9] * lengths[-1]], [lengths[-1]], [1])
+    # within a few chains at most two (a second draft, priced near the break-even point, is still tried)
+    assert lengths[0] == 16 and max(lengths[8:]) <= 2 and 1 in lengths
+    dear, dear_verify = linear_cost(1.0)  # nothing pays, but the policy started a chain: one draft
+    assert ConfidenceStop(prices(dear, dear_verify, 16)).planned_length(1) == 1
 
 
 @pytest.mark.parametrize("name", DECODER_ONLY)

@@ -53,9 +53,9 @@ class ModelDrafter:
 
     `stop` (adaptive drafting): the per-token rule that ends each chain (`sampling.policy.draft_confidence`);
     None: every row drafts the `max_drafts` it is given. Where a host read waits for the drafter's device
-    (`judges_after`), the rule is not asked draft by draft: each chain drafts the stop's `planned_length`, its
-    confidences stay on the device beside its drafts, both are read in the step's one transfer, and the stop
-    keeps the best prefix then (and learns the next length from where it would have stopped).
+    (`judges_after`), the rule is not asked draft by draft: each chain drafts the stop's `planned_length` (the cost
+    model's best for the pair's recent acceptance by position), its confidences stay on the device beside its
+    drafts, both are read in the step's one transfer, and the stop keeps the best prefix then.
     """
 
     DEVICE: bool | None = None  # draft as where a host read waits for the device: True, False, or None (`on_device`)
@@ -207,8 +207,8 @@ class ModelDrafter:
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
         self._confidences, self._kept = [[] for _ in sequences], [0] * len(sequences)
-        if self.judges_after:  # the rule judges the chain once it is drafted: draft as far as it stopped lately
-            max_drafts = min(max_drafts, self.stop.planned_length())
+        if self.judges_after:  # the chain is judged once drafted: as long as the pair's recent chains say pays
+            max_drafts = min(max_drafts, self.stop.planned_length(len(sequences)))
         lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
             return [(DraftTree.chain([]), None) for _ in sequences]
@@ -243,8 +243,6 @@ class ModelDrafter:
         if self.timed:
             self.draft_time.add((self._clock() - start) / max(lengths))
         if self.stop is not None:  # drafted already: keep what the verification pass can afford
-            if self.judges_after:
-                self.stop.observe_lengths(confidences)
             kept = [self.stop.keep(c, len(sequences)) for c in confidences]
             for c, k in zip(confidences, kept, strict=True):
                 if c and not k:

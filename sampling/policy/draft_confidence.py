@@ -23,8 +23,8 @@ the measured costs instead:
   cost can still grow (looking ahead over further drafts as likely as the last), then keeps the
   best prefix: the tokens drafted are paid for, so only the verification's cost counts there.
   Where a host read waits for the drafter's device, the rule is not asked draft by draft: a chain of
-  `planned_length` drafts is drafted on the device, read once, and judged then (`stopped_at`, `observe_lengths`:
-  the length learned from where the rule would have stopped).
+  `planned_length` drafts is drafted on the device, read once, and judged then; its length is the cost model's best
+  for the pair's recent acceptance by position (`PositionAcceptance`), the confidences unseen until it is drafted.
 """
 
 from __future__ import annotations
@@ -35,14 +35,8 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sampling.policy.draft_policy import ChainRecord, CostAwarePolicy, best_tree_size
-from sampling.policy.estimators import DecayedRate, RunningAverage
-
-# A chain drafted on the device, judged after it (`ConfidenceStop.planned_length`): the first one's length, from
-# which a rule that would draft on doubles it; and how fast the length follows where the rule stops (roughly the last
-# three chains' rows).
-FIRST_LENGTH = 2
-LENGTH_WEIGHT = 0.3
+from sampling.policy.draft_policy import ChainRecord, CostAwarePolicy, best_draft_length, best_tree_size
+from sampling.policy.estimators import DecayedRate
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)  # bucket b holds c in [EDGES[b-1], EDGES[b])
 
@@ -70,14 +64,48 @@ class ConfidenceAcceptance:
             self.buckets[bisect_right(EDGES, c)].add(float(i < num_accepted), 1.0)
 
 
+class PositionAcceptance:
+    """P(draft j accepted | the drafts before it were), per position j of a chain, learned online from the judged
+    drafts of chains (what sizes a chain drafted before any of its confidences is read: `ConfidenceStop.planned_length`).
+    A position's prior is the rate of the position before it (the first's, a half), worth `PRIOR_WEIGHT` judged
+    drafts: a position no chain has reached yet is taken as likely as the last one reached, so that chains accepted
+    whole grow by more than one draft a step."""
+
+    FIRST_PRIOR, PRIOR_WEIGHT = 0.5, 2.0
+    FORGET = 0.8  # per judged chain: the estimates follow roughly the last five (a stretch of code, then prose)
+
+    def __init__(self, positions: int) -> None:
+        self.accepted, self.judged = [0.0] * positions, [0.0] * positions
+
+    def rates(self, count: int) -> list[float]:
+        """The first `count` positions' rates (a position past those learned: the last one's)."""
+        rates, prior = [], self.FIRST_PRIOR
+        for j in range(count):
+            j = min(j, len(self.judged) - 1)
+            prior = (self.accepted[j] + self.PRIOR_WEIGHT * prior) / (self.judged[j] + self.PRIOR_WEIGHT)
+            rates.append(prior)
+        return rates
+
+    def update(self, kept: int, num_accepted: int) -> None:
+        """A chain of `kept` judged drafts, its first `num_accepted` accepted, the next (if any) rejected."""
+        self.accepted = [a * self.FORGET for a in self.accepted]
+        self.judged = [n * self.FORGET for n in self.judged]
+        for j in range(min(kept, num_accepted + 1, len(self.judged))):
+            self.accepted[j] += float(j < num_accepted)
+            self.judged[j] += 1.0
+
+
+POSITIONS = 32  # a chain's positions learned apart: a chain drafts at most 31 (gamma's bound)
+
+
 @dataclass
 class PairRecord:
     """What a drafter learns drafting for a target in one decoding kind, kept across its generations."""
 
     odds: ConfidenceAcceptance = field(default_factory=ConfidenceAcceptance)
     chains: ChainRecord = field(default_factory=ChainRecord)
-    # Where the rule would stop a chain drafted on the device (`ConfidenceStop.observe_lengths`): its next length.
-    lengths: RunningAverage = field(default_factory=lambda: RunningAverage(LENGTH_WEIGHT))
+    # What sizes a chain judged only once drafted (`ConfidenceStop.planned_length`).
+    positions: PositionAcceptance = field(default_factory=lambda: PositionAcceptance(POSITIONS))
 
 
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> target -> greedy -> its record
@@ -112,7 +140,7 @@ class ConfidenceStop:
         self.policy = policy
         # What it reads and moves: a pair's, shared across its generations (`pair_record`), or its own.
         record = PairRecord() if record is None else record
-        self.acceptance, self.chains, self.lengths = record.odds, record.chains, record.lengths
+        self.acceptance, self.chains, self.positions = record.odds, record.chains, record.positions
 
     def on_discard(self) -> None:
         self.policy.discard()
@@ -142,28 +170,12 @@ class ConfidenceStop:
                 return True
         return False
 
-    def stopped_at(self, confidences: Sequence[float], rows: int) -> int:
-        """Where `keep_drafting` would have ended a chain whose drafts had these confidences: its length, or one
-        past them where it would still draft on."""
-        for j in range(1, len(confidences) + 1):
-            if not self.keep_drafting(confidences[:j], rows):
-                return j
-        return len(confidences) + 1
-
-    def planned_length(self) -> int:
-        """How many drafts a chain drafted on the device gets (judged only once it is drafted and read): where the
-        rule stopped the pair's recent chains (`observe_lengths`), at most `max_budget`."""
-        learned = self.lengths.value
-        return max(1, min(self.policy.max_budget, FIRST_LENGTH if learned is None else round(learned)))
-
-    def observe_lengths(self, confidences: Sequence[Sequence[float]]) -> None:
-        """A step of chains judged after drafting: each drafting row's stop (`stopped_at`) teaches the next length;
-        a row whose rule would have drafted on counts as twice its chain (the length grows until the rule stops
-        within it)."""
-        for c in confidences:
-            if c:
-                stop = self.stopped_at(c, len(confidences))
-                self.lengths.add(stop if stop <= len(c) else 2 * len(c))
+    def planned_length(self, rows: int) -> int:
+        """How many drafts a chain gets where none of its confidences is read until it is drafted (on a device): the
+        length that maximises its expected tokens per unit of cost, drafter passes included, by the pair's recent
+        acceptance at each position; at least one (the policy chose to start a chain)."""
+        rates = self.positions.rates(self.policy.max_budget)
+        return max(1, best_draft_length(rates, functools.partial(self.policy.cost, rows=rows)))
 
     def observe_step(self, confidences: Sequence[Sequence[float]], kept: Sequence[int], accepted: Sequence[int]) -> None:
         """A step that started chains: each row's drafts' `confidences` (all it drafted), how many the stop `kept`
@@ -173,6 +185,7 @@ class ConfidenceStop:
         for c, k, n in zip(confidences, kept, accepted, strict=True):
             if k:
                 self.acceptance.update(c[:k], n)
+                self.positions.update(k, n)
         drafted = max(map(len, confidences))
         cost = (self.policy.verify_cost(max(kept), rows)
                 + self.policy.cost(drafted, rows) - self.policy.verify_cost(drafted, rows))

@@ -140,8 +140,9 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, write_i
                                                positions.data_ptr(), write_index.data_ptr(), q.data_ptr(),
                                                keys.data_ptr(), values.data_ptr(), rows, width, heads, kv_heads, slots,
                                                head_dim, rotary, native.bf16(qkv), torch.get_num_threads())
-    check.status(status, "rope.c's rotary step", f"qkv {tuple(qkv.shape)}, keys {tuple(keys.shape)}, write_index "
-                                             f"{write_index.tolist()}, positions {positions.tolist()}")
+    if status:  # its message reads the slots: not formatted (nor read from the device) on every call
+        check.status(status, "rope.c's rotary step", f"qkv {tuple(qkv.shape)}, keys {tuple(keys.shape)}, write_index "
+                                                 f"{write_index.tolist()}, positions {positions.tolist()}")
     return q
 
 
