@@ -107,13 +107,14 @@ def test_sampled_chains_judged_once_drafted_follow_the_target_law(on_device):
     assert chi_square_p_value(pairs, joint) > P_VALUE_THRESHOLD
 
 
-@pytest.mark.parametrize("case", ["greedy", "sampled", "batch"])
+@pytest.mark.parametrize("case", ["greedy", "sampled", "batch", "chains or trees"])
 def test_an_adaptive_chain_judged_once_drafted_reads_the_host_at_most_twice_a_step(case, monkeypatch):
     """On the host (a CPU) the same generation reads each draft and its confidence (57 reads in 3 steps when this
-    test was written); judged once drafted, its drafts and confidences in one transfer, then the verdict."""
+    test was written); judged once drafted, its drafts and confidences in one transfer, then the verdict. "chains or
+    trees": the defaults (`branching=None`: chains, and trees where they measure better, grown on the device)."""
     rows = ROWS if case == "batch" else ROWS[0]
     kwargs = {"logits_processor": MultinomialProcessor(temperature=1.0), "drafter_invariant": False} \
-        if case == "sampled" else {}
+        if case == "sampled" else {"branching": None} if case == "chains or trees" else {}
 
     def reads(device: bool) -> tuple[int, SpeculativeStats]:
         monkeypatch.setattr(ModelDrafter, "DEVICE", device)
@@ -121,8 +122,8 @@ def test_an_adaptive_chain_judged_once_drafted_reads_the_host_at_most_twice_a_st
 
         def run(stats):
             generator = [seeded(b) for b in range(len(rows))] if case == "batch" else seeded(0)
-            speculative_generate(rows, drafter, target, adaptive_gamma=True, branching=1, max_gen_len=24,
-                                 generator=generator, stats=stats, **kwargs)
+            speculative_generate(rows, drafter, target, adaptive_gamma=True, max_gen_len=24, generator=generator,
+                                 stats=stats, **{"branching": 1, **kwargs})
 
         run(SpeculativeStats())  # calibrated before counting
         stats = SpeculativeStats()

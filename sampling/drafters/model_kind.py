@@ -108,8 +108,7 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
     policy of its chains, the loop's policy: that one with `adaptive_gamma`, else `gamma` every step).
     `cascade` (None: on with `adaptive_gamma` where a host read does not wait for the drafter's device): the drafter
     checks a proposer's tokens in passes of its own (`sampling/drafters/cascade.py`), priced by its measured costs.
-    `branching`
-    (`sampling.drafters.model_tree`): token trees where both models' runners verify them, else chains.
+    `branching` (`sampling.drafters.model_tree`): token trees where both models' runners verify them, else chains.
     `priced`: the caller prices the drafter's chains with the cost-aware policy even with a fixed gamma
     (its drafting is then timed, as with `adaptive_gamma`; otherwise it is not: no synchronization).
     `share_cache`: a self-drafter of `target` drafts over the target's cache where its runner allows
