@@ -198,9 +198,10 @@ class ModelDrafter:
                      ) -> tuple[list[list[int]], list[list[float]]]:
         """Every row's drafts as ids and their confidences as floats: those still on the device read in one host
         transfer (ids in float64, exact below 2^53)."""
-        on_device = [token.double() for chain in drafts for token in chain if isinstance(token, Tensor)]
-        on_device += [c.double() for row in confidences for c in row if isinstance(c, Tensor)]
-        values = iter(torch.stack(on_device).tolist() if on_device else [])
+        ids = [token for chain in drafts for token in chain if isinstance(token, Tensor)]
+        beliefs = [c for row in confidences for c in row if isinstance(c, Tensor)]
+        parts = [torch.stack(part).double() for part in (ids, beliefs) if part]  # ids first, then the confidences
+        values = iter(torch.cat(parts).tolist() if parts else [])
         ids = [[int(next(values)) if isinstance(token, Tensor) else token for token in chain] for chain in drafts]
         return ids, [[next(values) if isinstance(c, Tensor) else c for c in row] for row in confidences]
 

@@ -81,8 +81,8 @@ class PositionAcceptance:
         """The first `count` positions' rates (a position past those learned: the last one's)."""
         rates, prior = [], self.FIRST_PRIOR
         for j in range(count):
-            j = min(j, len(self.judged) - 1)
-            prior = (self.accepted[j] + self.PRIOR_WEIGHT * prior) / (self.judged[j] + self.PRIOR_WEIGHT)
+            at = min(j, len(self.judged) - 1)
+            prior = (self.accepted[at] + self.PRIOR_WEIGHT * prior) / (self.judged[at] + self.PRIOR_WEIGHT)
             rates.append(prior)
         return rates
 
