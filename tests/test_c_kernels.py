@@ -38,11 +38,23 @@ class Variant:
     x86_only: bool = False
 
 
+HASWELL = frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})
+AVX512 = HASWELL | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 VARIANTS = {v.name: v for v in (
     Variant("gcc-native", "gcc", (NATIVE, "-fopenmp")),
     Variant("clang-native", "clang", (NATIVE, "-fopenmp")),
-    Variant("gcc-haswell", "gcc", ("-march=haswell", "-fopenmp"),
-            cpu=frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"}), x86_only=True),
+    Variant("gcc-haswell", "gcc", ("-march=haswell", "-fopenmp"), cpu=HASWELL, x86_only=True),
+    # AVX-512 before bfloat16 arithmetic (Skylake-SP, Cascade and Ice Lake servers): the GEMM's float32 chain on
+    # AVX-512 for bfloat16 activations too, the 4-bit kernel by AVX-512 VNNI, or by AVX2's maddubs without VNNI
+    Variant("gcc-avx512-no-bf16", "gcc", ("-march=cascadelake", "-fopenmp"), cpu=AVX512 | {"avx512_vnni"},
+            x86_only=True),
+    Variant("gcc-avx512-no-vnni", "gcc", ("-march=skylake-avx512", "-fopenmp"), cpu=AVX512, x86_only=True),
+    # AVX-VNNI (Alder Lake and later desktops): the 4-bit kernel's vpdpbusd on 256 bits, here in its AVX-512 VL
+    # encoding (gemm_q4_avx2.c, Q4_AVX_VNNI_AS_EVEX): no CPU or emulator here runs the VEX one
+    Variant("gcc-avx-vnni-as-evex", "gcc", ("-march=haswell", "-mavx512f", "-mavx512vl", "-mavx512vnni",
+                                            "-DQ4_AVX_VNNI_AS_EVEX", "-fopenmp"),
+            cpu=HASWELL | {"avx512f", "avx512vl", "avx512_vnni"}, x86_only=True),
+    Variant("gcc-avx-no-avx2", "gcc", ("-march=sandybridge", "-fopenmp"), cpu=frozenset({"avx"}), x86_only=True),
     Variant("gcc-x86-64-no-openmp", "gcc", ("-march=x86-64",), x86_only=True),  # plain C, OpenMP's pragmas ignored
     Variant("clang-x86-64-no-openmp", "clang", ("-march=x86-64",), x86_only=True),
     Variant("gcc-sanitizers", "gcc", (NATIVE, "-fopenmp", *SANITIZE)),
@@ -141,7 +153,9 @@ def _digest(name: str, tmp_path_factory) -> dict[str, str]:
     return {"block": block, **{line.split()[1]: line.split()[2] for line in lines[1:]}}
 
 
-@pytest.mark.parametrize("other", _params(["gcc-x86-64-no-openmp", "gcc-haswell", "clang-native", "aarch64-gcc-qemu"]))
+@pytest.mark.parametrize("other", _params(["gcc-x86-64-no-openmp", "gcc-haswell", "clang-native", "aarch64-gcc-qemu",
+                                            "gcc-avx512-no-bf16", "gcc-avx512-no-vnni", "gcc-avx-vnni-as-evex",
+                                            "gcc-avx-no-avx2"]))
 def test_builds_give_the_same_bits_where_their_steps_are_the_same(other, tmp_path_factory):
     """The 4-bit GEMM and its dequantization (integer sums, then the same float32 steps per lane), RMSNorm and the
     rotary step: the same bits in every build; the bfloat16 GEMM in builds of the same block (plain C takes AVX2's
@@ -155,3 +169,34 @@ def test_builds_give_the_same_bits_where_their_steps_are_the_same(other, tmp_pat
         reference = _digest("gcc-x86-64-no-openmp", tmp_path_factory) if X86 and other != "gcc-x86-64-no-openmp" else None
         if reference is not None and reference["block"] == theirs["block"]:
             assert reference["gemm"] == theirs["gemm"]
+
+
+
+# CPUs this machine cannot run, built here to check that their kernel is the one compiled: (-march, the file, an
+# instruction its kernel takes, one it must not). Alder Lake (AVX-VNNI, no AVX-512): the 4-bit kernel's VEX vpdpbusd,
+# the steps "gcc-avx-vnni-as-evex" runs; Sapphire Rapids: the tile kernel (clang names the tile extensions otherwise
+# than gcc, and its builds once left it out).
+UNRUNNABLE = {
+    "alderlake": ("gemm_q4_avx2.c", "{vex} vpdpbusd", "vpmaddubsw"),
+    "sapphirerapids": ("gemm_amx.c", "tdpbf16ps", None),
+}
+
+
+@pytest.mark.portable
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize("march", sorted(UNRUNNABLE))
+def test_a_build_for_a_cpu_not_here_compiles_its_own_kernel(march, cc, tmp_path):
+    if not X86:
+        pytest.skip(f"an x86-64 build; this machine is {platform.machine()}")
+    for tool in (cc, "objdump"):
+        if shutil.which(tool) is None:
+            missing_native(f"no {tool} on PATH")
+    source, wanted, unwanted = UNRUNNABLE[march]
+    lean = ROOT / "utils" / "lean"
+    built = subprocess.run([cc, "-O3", f"-march={march}", "-ffp-contract=off", "-c", str(lean / source), f"-I{lean}",
+                            "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-2000:]
+    code = subprocess.run(["objdump", "-d", str(tmp_path / "kernel.o")], capture_output=True, text=True,
+                          timeout=60).stdout
+    assert wanted in code, f"{cc} -march={march}: no {wanted} in {source}'s code"
+    assert unwanted is None or unwanted not in code, f"{cc} -march={march}: {unwanted} in {source}'s code"

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.conftest import USER_CACHE
 from tests.models import VOCAB, prompt
 from tests.test_layer_ops import attention_reference, rotated_reference
 from utils.lean import forget, layer_ops, lean_decoder, native
@@ -459,8 +460,14 @@ def test_past_the_buffer_under_python_O_the_runner_refuses_with_one_line():
               "except ValueError as error:\n"
               "    print('refused:', error)\n")
     root = Path(__file__).resolve().parent.parent
+    # This session's cache folder (conftest.py: its kernel tables); the -O bytecode of torch and transformers kept in
+    # the user's cache (none is installed: compiled again on every run, ~15 s, where PYTHONDONTWRITEBYTECODE is set).
+    user = Path(USER_CACHE) if USER_CACHE else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
+        "speculative-decoding"
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(user / "bytecode-optimized")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, cwd=root, timeout=300,
-                          env=dict(os.environ))  # this session's cache folder (conftest.py): its kernel tables
+                          env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: the static buffer holds 8 slots a row: a pass of 4 tokens after 6 does not fit" in done.stdout
 

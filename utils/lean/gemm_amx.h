@@ -5,7 +5,10 @@
 
 #include "specdec.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+/* gcc names the tile unit's extensions __AMX_TILE__ and __AMX_BF16__; clang (14 here) __AMXTILE__ and __AMXBF16__: a
+   clang build took the vector kernel on a Xeon with tiles until both were read. */
+#if (defined(__AMX_TILE__) || defined(__AMXTILE__)) && (defined(__AMX_BF16__) || defined(__AMXBF16__)) && \
+    defined(__AVX512F__) && defined(__linux__)
 #define HAVE_AMX 1
 #endif
 

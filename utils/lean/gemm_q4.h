@@ -32,7 +32,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q4_X86 1
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(Q4_AVX_VNNI_AS_EVEX) /* gemm_q4_avx2.c */
 #define Q4_AVX512 1
 #else
 #define Q4_AVX2 1

@@ -6,14 +6,23 @@
 #ifdef Q4_AVX2
 #include <immintrin.h>
 
+/* AVX-VNNI's dot product (vpdpbusd on 256 bits). Q4_AVX_VNNI_AS_EVEX, for the C kernels' tests only: the same
+   instruction in its AVX-512 VL encoding, so that a CPU with AVX-512 VNNI and no AVX-VNNI (qemu 7.2 runs neither)
+   takes these steps: tests/test_c_kernels.py's "gcc-avx-vnni-as-evex" build. */
+#if defined(__AVXVNNI__)
+#define Q4_DPBUSD _mm256_dpbusd_avx_epi32
+#elif defined(Q4_AVX_VNNI_AS_EVEX) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q4_DPBUSD _mm256_dpbusd_epi32
+#endif
+
 /* A row's eight broadcast quads of inputs x4 against a half's eight vectors of nibbles q: 8 int32 lanes, each the
    exact integer sum of its row's 32 products (the AVX-512 kernel's s + t). */
 static inline __m256i q4_sums(const __m256i q[8], const int32_t* x4) {
-#if defined(__AVXVNNI__)
+#if defined(Q4_DPBUSD)
   __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
   for (int u = 0; u < 4; u++) {
-    s = _mm256_dpbusd_avx_epi32(s, q[u], _mm256_set1_epi32(x4[u]));
-    t = _mm256_dpbusd_avx_epi32(t, q[u + 4], _mm256_set1_epi32(x4[u + 4]));
+    s = Q4_DPBUSD(s, q[u], _mm256_set1_epi32(x4[u]));
+    t = Q4_DPBUSD(t, q[u + 4], _mm256_set1_epi32(x4[u + 4]));
   }
   return _mm256_add_epi32(s, t);
 #else
