@@ -11,6 +11,14 @@ from tests.conftest import torch_threads
 from utils import threads
 from utils.threads import Fit
 
+read_quota = threads.cpu_quota  # the function itself, for the test of its reading
+
+
+@pytest.fixture(autouse=True)
+def no_quota(monkeypatch):
+    """The machine's own CPU quota (a CI container's) out of every test here but those that set one."""
+    monkeypatch.setattr(threads, "cpu_quota", lambda: None)
+
 
 def test_the_cores_are_the_affinitys_and_the_other_load_is_a_share_of_them():
     assert 1 <= threads.available_cores() <= (os.cpu_count() or 1)
@@ -118,3 +126,62 @@ def test_loading_a_model_takes_the_watchers_first_reading(tmp_path, monkeypatch)
     monkeypatch.setattr(threads, "fair_share", lambda: calls.append(1))
     load_model(str(save_tiny_chat_model(tmp_path / "model")))
     assert calls == [1]
+
+
+def _group(root, path: str, files: dict[str, str]) -> None:
+    folder = root.joinpath(*[part for part in path.split("/") if part])
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_a_cpu_quota_is_read_from_the_tightest_group_up_to_the_root_in_cgroup_v1_and_v2(tmp_path):
+    """v2: `cpu.max` ("max" for none), the parent's limit binding a child without one; v1: the cpu controller's
+    folder (joined with cpuacct or not), quota over period, -1 for none; no group, or no file to read: None."""
+    v2, membership = tmp_path / "v2", tmp_path / "cgroup"
+    _group(v2, "/", {"cpu.max": "max 100000\n"})
+    _group(v2, "/kubepods/pod1", {"cpu.max": "250000 100000\n"})
+    _group(v2, "/kubepods/pod1/app", {"cpu.max": "max 100000\n"})
+    membership.write_text("0::/kubepods/pod1/app\n")
+    assert read_quota(str(v2), str(membership)) == 2.5
+    _group(v2, "/kubepods/pod1/app", {"cpu.max": "50000 100000\n"})
+    assert read_quota(str(v2), str(membership)) == 0.5
+    _group(v2, "/kubepods/pod1", {"cpu.max": "max 100000\n"})
+    _group(v2, "/kubepods/pod1/app", {"cpu.max": "max 100000\n"})
+    assert read_quota(str(v2), str(membership)) is None
+
+    v1 = tmp_path / "v1"
+    _group(v1 / "cpu,cpuacct", "/", {"cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n"})
+    _group(v1 / "cpu,cpuacct", "/docker/abc", {"cpu.cfs_quota_us": "150000\n", "cpu.cfs_period_us": "100000\n"})
+    _group(v1 / "memory", "/docker/abc", {"cpu.cfs_quota_us": "10000\n", "cpu.cfs_period_us": "100000\n"})
+    membership.write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    assert read_quota(str(v1), str(membership)) == 1.5  # the memory controller's folder is not read
+    membership.write_text("3:cpu,cpuacct:/docker/other\n")  # a host's path the container's mount does not hold
+    assert read_quota(str(v1), str(membership)) is None
+    _group(v1 / "cpu,cpuacct", "/", {"cpu.cfs_quota_us": "200000\n", "cpu.cfs_period_us": "100000\n"})
+    assert read_quota(str(v1), str(membership)) == 2.0  # the container's own group, the mount's root
+    assert read_quota(str(v1), str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("quota, cores, expected", [(None, 4, 4), (1.5, 2, 1), (0.3, 2, 1), (2.0, 2, 2), (8.0, 4, 4)])
+def test_the_threads_keep_to_a_quotas_whole_cores(monkeypatch, quota, cores, expected):
+    monkeypatch.setattr(threads, "cpu_quota", lambda: quota)
+    monkeypatch.setattr(threads, "available_cores", lambda: cores)
+    assert threads.thread_limit() == expected
+    monkeypatch.setattr(threads, "other_load", lambda seconds=0: 0.0)
+    fit = threads.measure()
+    assert fit.threads == expected and fit.capped == (expected < cores) and not fit.crowded
+
+
+def test_a_quota_takes_torch_to_its_cores_at_the_first_call_and_the_console_says_so(monkeypatch):
+    monkeypatch.setattr(threads, "cpu_quota", lambda: 1.0)
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    monkeypatch.setattr(threads, "other_load", lambda seconds=0: 0.0)
+    monkeypatch.setattr(threads.FairShare, "_reading", staticmethod(lambda now: None))
+    with torch_threads(2):
+        threads.FairShare(seconds=0.5)()
+        assert torch.get_num_threads() == 1
+    environ: dict = {}
+    line = threads.settle_openmp(environ)
+    assert environ == {"OMP_NUM_THREADS": "1"} and "\n" not in line and "quota allows 1 of 2 cores" in line
+    assert threads.settle_openmp({"OMP_NUM_THREADS": "2"}) is None  # the user's count: nothing to say

@@ -8,7 +8,11 @@ on 2 threads and 11.7 tokens/s on 1 (docs/cost_model.md, "A busy machine").
 What is measured: the CPU time the cores this process may run on (`os.sched_getaffinity`) spent busy
 over a short window (`/proc/stat`, Linux), less this process's own (`/proc/self/stat`): the other
 processes' load, in cores. The load average stands in elsewhere (it lags a minute and counts our own
-threads). Imports nothing heavy: `infer.py` asks before torch starts, so that OpenMP starts right.
+threads). And the CPU time its control group may take (`cpu_quota`: a container's `--cpus`, a Kubernetes
+limit), which the affinity does not show: torch starts a thread per core it sees, and threads past the quota
+are stopped until the next period, each parallel region waiting for them (the 1.5B's one-token pass under a
+quota of 1 core on 2: 201 ms on 2 threads, 125 on 1; of 1.5 cores: 130-136 against 118-123; docs/cost_model.md).
+Imports nothing heavy: `infer.py` asks before torch starts, so that OpenMP starts right.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["FairShare", "Fit", "advice", "available_cores", "fair_share", "fit_threads", "measure", "other_load",
-           "settle_openmp"]
+__all__ = ["FairShare", "Fit", "advice", "available_cores", "cpu_quota", "fair_share", "fit_threads", "measure",
+           "other_load", "settle_openmp", "thread_limit"]
 
 SAMPLE_SECONDS = 0.2  # the window `other_load` watches: long enough for a few scheduler ticks
 BUSY_CORE = 0.5  # cores' worth of other work from which a core counts as taken
@@ -32,6 +36,60 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
         return os.cpu_count() or 1
+
+
+def _cgroup_limit(folder: str) -> float | None:
+    """The CPU limit one control group's folder states, in cores: cgroup v2's `cpu.max` ("max 100000" for none) or
+    v1's `cpu.cfs_quota_us` (-1 for none) over `cpu.cfs_period_us`; None where it states none."""
+    try:
+        with open(os.path.join(folder, "cpu.max")) as limit:
+            quota, period = limit.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as q, open(os.path.join(folder, "cpu.cfs_period_us")) as p:
+            quota, period = int(q.read()), int(p.read())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> float | None:
+    """The CPU time this process's control group may take, in cores: the tightest limit from its own group up to the
+    hierarchy's root (cgroup v2, or v1's cpu controller mounted under `root`); None where no group sets one, or the
+    kernel does not say (not Linux). Inside a container the group's path may name the host's hierarchy: the folders
+    that do not exist are passed over, the container's own group being the mount's root."""
+    try:
+        with open(membership) as lines:
+            groups = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError:
+        return None
+    mounts = []
+    for _, controllers, path in (group for group in groups if len(group) == 3):
+        if controllers == "":  # cgroup v2: the unified hierarchy at root (or root/unified beside a v1 one)
+            mounts += [(root, path), (os.path.join(root, "unified"), path)]
+        elif "cpu" in controllers.split(","):
+            try:
+                names = [name for name in os.listdir(root) if "cpu" in name.split(",")]
+            except OSError:
+                names = []
+            mounts += [(os.path.join(root, name), path) for name in names]
+    limits = []
+    for mount, path in mounts:
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):
+            limit = _cgroup_limit(os.path.join(mount, *parts[:depth]))
+            if limit is not None:
+                limits.append(limit)
+    return min(limits) if limits else None
+
+
+def thread_limit() -> int:
+    """The threads that can run at once here: the cores of the affinity, and no more than the whole cores of a CPU
+    quota (`cpu_quota`; one at least): a quota of 1.5 cores on 2 takes 1 thread, measured faster (module docstring)."""
+    cores, quota = available_cores(), cpu_quota()
+    return cores if quota is None else max(1, min(cores, int(quota)))
 
 
 def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
@@ -88,11 +146,26 @@ class Fit:
 
     cores: int  # the cores this process may run on
     busy: float  # cores' worth of other processes' work on them
-    threads: int  # the threads that fit: one per core the others leave free, one at least
+    threads: int  # the threads that fit: one per core the others leave free, within the quota, one at least
+    limit: int | None = None  # the threads a CPU quota allows (`thread_limit`), where fewer than the cores
 
     @property
     def crowded(self) -> bool:
         return self.busy >= BUSY_CORE
+
+    @property
+    def capped(self) -> bool:
+        """Other processes hold cores, or a CPU quota allows fewer threads than the cores."""
+        return self.crowded or self.limit is not None
+
+    def why(self) -> str:
+        """What keeps threads off the cores, in a few words."""
+        said = []
+        if self.limit is not None:
+            said.append(f"a CPU quota allows {self.limit} of {self.cores} cores")
+        if self.crowded:
+            said.append(f"other processes keep {self.busy:.1f} of {self.cores} cores busy")
+        return " and ".join(said)
 
 
 def measure(seconds: float = SAMPLE_SECONDS) -> Fit | None:
@@ -100,29 +173,32 @@ def measure(seconds: float = SAMPLE_SECONDS) -> Fit | None:
     busy = other_load(seconds)
     if busy is None:
         return None
-    cores = available_cores()
-    return Fit(cores, busy, max(1, min(cores, round(cores - busy))))
+    cores, limit = available_cores(), thread_limit()
+    return Fit(cores, busy, max(1, min(limit, round(cores - busy))), limit if limit < cores else None)
 
 
 def settle_openmp(environ: dict | None = None) -> str | None:
     """Before torch is imported (a program's start, e.g. `infer.py`): on a crowded machine, set
     `OMP_NUM_THREADS` to the free cores and `OMP_WAIT_POLICY=PASSIVE` (idle threads sleep instead of
-    spinning on the others' cores), each unless the user set it. Returns the one line to show, or None."""
+    spinning on the others' cores), each unless the user set it; under a CPU quota, `OMP_NUM_THREADS` to its
+    whole cores. Returns the one line to show, or None."""
     environ = os.environ if environ is None else environ
     if "OMP_NUM_THREADS" in environ and "OMP_WAIT_POLICY" in environ:
         return None  # the user chose both
     fit = measure()
-    if fit is None or not fit.crowded:
+    if fit is None or not fit.capped:
         return None
     chosen = []
     if "OMP_NUM_THREADS" not in environ:
         environ["OMP_NUM_THREADS"] = str(fit.threads)
         chosen.append(f"{fit.threads} thread{'s' * (fit.threads > 1)}")
-    if "OMP_WAIT_POLICY" not in environ:
+    if "OMP_WAIT_POLICY" not in environ and fit.crowded:  # under a quota alone, threads spin on cores of their own
         environ["OMP_WAIT_POLICY"] = "PASSIVE"
         chosen.append("idle threads sleep")
-    return (f"Other processes keep {fit.busy:.1f} of {fit.cores} cores busy: {', '.join(chosen)} "
-            "(set OMP_NUM_THREADS and OMP_WAIT_POLICY to choose)")
+    if not chosen:
+        return None
+    why = fit.why()
+    return f"{why[0].upper()}{why[1:]}: {', '.join(chosen)} (set OMP_NUM_THREADS and OMP_WAIT_POLICY to choose)"
 
 
 def fit_threads(fit: Fit | None = None) -> str | None:
@@ -132,19 +208,20 @@ def fit_threads(fit: Fit | None = None) -> str | None:
 
     fit = measure() if fit is None else fit
     now = torch.get_num_threads()
-    if fit is None or not fit.crowded or fit.threads >= now:
+    if fit is None or not fit.capped or fit.threads >= now:
         return None
     torch.set_num_threads(fit.threads)
-    return (f"Other processes keep {fit.busy:.1f} of {fit.cores} cores busy: torch on {fit.threads} "
-            f"thread{'s' * (fit.threads > 1)} instead of {now} (torch.set_num_threads chooses)")
+    why = fit.why()
+    return (f"{why[0].upper()}{why[1:]}: torch on {fit.threads} thread{'s' * (fit.threads > 1)} instead of {now} "
+            "(torch.set_num_threads chooses)")
 
 
 def advice(threads: int, fit: Fit | None) -> str | None:
     """What a library user should set, in a few words, when torch's `threads` do not fit `fit`."""
-    if fit is None or not fit.crowded or fit.threads >= threads:
+    if fit is None or not fit.capped or fit.threads >= threads:
         return None
-    return (f"other processes keep {fit.busy:.1f} of {fit.cores} cores busy: torch.set_num_threads({fit.threads}) "
-            "and OMP_WAIT_POLICY=PASSIVE (set before torch starts) run faster beside them")
+    return (f"{fit.why()}: torch.set_num_threads({fit.threads}) and OMP_WAIT_POLICY=PASSIVE (set before torch "
+            "starts) run faster")
 
 
 class FairShare:
@@ -155,7 +232,8 @@ class FairShare:
     process each parallel region otherwise waits for the thread that shares its core: plain decoding of the built-in
     135M on 2 cores took 4.06x its quiet time a token without it, 1.96x with it (an AMD EPYC, docs/results.md,
     nineteenth round; a 1.5B on a Xeon, 3.67x without). Never above the count it found set (the user's,
-    `torch.set_num_threads`); a count set by someone else since its last change becomes that count."""
+    `torch.set_num_threads`) nor above a CPU quota's whole cores (`thread_limit`, read at each window, from the first
+    call on); a count set by someone else since its last change becomes that count."""
 
     def __init__(self, seconds: float = WATCH_SECONDS) -> None:
         self.seconds = seconds
@@ -174,6 +252,10 @@ class FairShare:
         current = torch.get_num_threads()
         if current != self._set:  # the user's (first sight, or changed since)
             self._wanted = current
+        limit = min(self._wanted, thread_limit())
+        if current > limit:  # a quota: at once, not a window later (the first pass is the prompt's, the longest)
+            torch.set_num_threads(limit)
+            current = self._set = limit
         reading = self._reading(now)
         if reading is None:
             return
@@ -186,7 +268,7 @@ class FairShare:
         if now - last[0] > STALE_WINDOWS * self.seconds and ours < BUSY_CORE:
             return  # a pause between generations: what ran then says little of now; the next window decides
         busy = max(0.0, (reading[1] - last[1]) * cores_per_tick - ours)
-        threads = max(1, min(self._wanted, round(cores - busy) if busy >= BUSY_CORE else cores))
+        threads = max(1, min(limit, round(cores - busy) if busy >= BUSY_CORE else cores))
         if threads != current:
             torch.set_num_threads(threads)
         self._set = threads
