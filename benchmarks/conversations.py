@@ -34,6 +34,7 @@ import torch
 
 from benchmarks import cli
 from benchmarks.exactness import Classifier, counts, describe
+from benchmarks.learned import learned_apart
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
 from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
 from utils.loading import end_token_ids, load_model
@@ -169,9 +170,10 @@ def replay(runner: Replay, tokenizer, conversations: list[tuple[int, list[str]]]
             rotation += 1
             outputs = {}
             for method in order:
-                start = time.perf_counter()
-                out, stats = runner.run(method, ids, pools)
-                seconds = time.perf_counter() - start
+                with learned_apart(method):
+                    start = time.perf_counter()
+                    out, stats = runner.run(method, ids, pools)
+                    seconds = time.perf_counter() - start
                 outputs[method] = out
                 records.append({"conversation": index, "turn": turn, "method": method, "prompt_tokens": len(ids),
                                 "new_tokens": len(out), "seconds": seconds,

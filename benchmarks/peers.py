@@ -33,6 +33,7 @@ from rich.table import Table
 
 from benchmarks import cli
 from benchmarks.exactness import Classifier, counts, describe, first_difference
+from benchmarks.learned import learned_apart
 from benchmarks.llama_peer import DRAFT_MAX, PROMPT_LOOKUP, load_peer
 from benchmarks.prompts import encode, load_workload
 from benchmarks.spec_bench import Runner
@@ -72,7 +73,8 @@ def run_all(ours: Runner, peer, prompts: list[tuple[int, str, list[int]]], metho
                 if peer is not None and method in peer.methods:
                     out = peer.generate(method, ids, ours.n, ours.end)
                 else:
-                    out, stats = ours.run(method, ids)
+                    with learned_apart(method):
+                        out, stats = ours.run(method, ids)
                 seconds = clock() - start
                 records.append({"task": task, "method": method, "side": "llama.cpp" if method.startswith("llama") else "ours",
                                 "prompt": index, "repeat": repeat, "prompt_tokens": len(ids), "tokens": len(out),

@@ -7,7 +7,9 @@
     accelerate launch --multi_gpu --num_processes 2 -m benchmarks.spec_bench   # 2 processes (CPU-only: gloo)
 
 Every method runs on each prompt `--repeats` times after a warm-up, interleaved in a rotating
-order, so that a burst of load on the machine lands on one repeat of one method. Greedy: every
+order, so that a burst of load on the machine lands on one repeat of one method. Each method learns from its own
+runs only (`benchmarks/learned.py`): methods that share a drafter would otherwise share what the pair learned, the later one
+drafting from what the earlier had just learned on the same prompt (twenty-eighth round, docs/results.md). Greedy: every
 output is checked token for token against transformers' greedy `generate`, and one that differs is
 a near-tie or a defect (`benchmarks/exactness.py`). Sampling: transformers' assisted generation and
 prompt lookup sample too (`do_sample=True`); outputs differ run to run, methods are compared by
@@ -35,6 +37,7 @@ from tqdm import tqdm
 from benchmarks import breakdown, cli
 from benchmarks.breakdown import ForwardMeter
 from benchmarks.exactness import Classifier, describe
+from benchmarks.learned import learned_apart
 from benchmarks.prompts import encode, load_workload
 from benchmarks.suffix_decoding import cache_with_responses, load_peer, run_suffix
 from benchmarks.summary import BASELINE, CONTROL, exactness, goal_lines, noise_verdict, report, summarise, tasks_in
@@ -199,9 +202,10 @@ def run_all(runner: Runner, prompts: list[tuple[int, str, list[int]]], methods: 
                 shift = (repeat + index) % len(methods)
                 for method in methods[shift:] + methods[:shift]:
                     with PeakMemory() as memory, ForwardMeter(target=runner.target, drafter=runner.drafter) as meter:
-                        start = time.perf_counter()
-                        out, stats = runner.run(method, ids, seed=seed + 1000 * repeat + index)
-                        seconds = time.perf_counter() - start
+                        with learned_apart(method):
+                            start = time.perf_counter()
+                            out, stats = runner.run(method, ids, seed=seed + 1000 * repeat + index)
+                            seconds = time.perf_counter() - start
                     records.append({
                         "task": task, "method": method, "prompt": index, "repeat": repeat, "prompt_tokens": len(ids),
                         "tokens": len(out), "seconds": seconds, "tau": stats.tau if stats else None,
@@ -272,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [(index, task, encode(tokenizer, text)) for index, (task, text) in enumerate(texts)]
     load_before = os.getloadavg()
     for method in methods:  # warm-up (and the cost models' calibration, once per machine)
-        runner.run(method, prompts[0][2][:32])
+        with learned_apart(method):
+            runner.run(method, prompts[0][2][:32])
     with state.split_between_processes(prompts) as mine:
         records = run_all(runner, mine, methods, args.repeats, args.quiet or not state.is_main_process, args.seed)
     if state.num_processes > 1:

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import prompts, spec_bench, summary
 from tests.saved_model import save_tiny_chat_model
@@ -464,3 +465,22 @@ def test_a_pass_s_weight_pieces_hold_each_weight_once_and_a_fused_linear_as_one_
     assert len(whole) == 1 and whole[0].numel() == fused.numel() * fused.element_size()
     assert torch.equal(whole[0], fused.detach().reshape(-1).view(torch.uint8))
     assert len(pieces) < before  # three weights read as one piece (their biases are views too)
+
+
+def test_each_benchmarked_method_learns_from_its_own_runs_only():
+    """Two methods sharing a drafter interleaved on the same prompts: each run sees its own method's records (kept
+    across its runs), never the other's, and the process's own store is back after."""
+    from benchmarks.learned import learned_apart
+    from sampling.policy.draft_confidence import pair_record
+    from sampling.policy.tree_choice import shape_record
+
+    drafter, target = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    outside = pair_record(drafter, target, True), shape_record(drafter, target, ("greedy",))
+    seen = {}
+    for method in ("default", "chains", "default", "chains"):
+        with learned_apart(method):
+            records = pair_record(drafter, target, True), shape_record(drafter, target, ("greedy",))
+            assert seen.setdefault(method, records) == records  # the method's own, across its runs
+            assert all(mine is not theirs for mine, theirs in zip(records, outside, strict=True))
+    assert all(a is not b for a, b in zip(seen["default"], seen["chains"], strict=True))
+    assert pair_record(drafter, target, True) is outside[0] and shape_record(drafter, target, ("greedy",)) is outside[1]

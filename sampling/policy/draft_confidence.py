@@ -118,6 +118,14 @@ def pair_record(drafter, target, greedy: bool) -> PairRecord:
     return by_target.setdefault(target, {}).setdefault(greedy, PairRecord())
 
 
+def use_pair_records(store: weakref.WeakKeyDictionary) -> weakref.WeakKeyDictionary:
+    """What pairs learn kept in `store` (drafter -> target -> greedy -> `PairRecord`) from now on -> the store kept
+    until now (a benchmark gives each method its own: `benchmarks/spec_bench.py`, `learned_apart`)."""
+    global _LEARNED
+    previous, _LEARNED = _LEARNED, store
+    return previous
+
+
 def forget_pair_records() -> None:
     """Every pair's learning back to the prior: the next generations draft as a process's first ones do (to compare
     two runs under the same conditions)."""

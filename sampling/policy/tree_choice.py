@@ -242,6 +242,13 @@ class ShapeRecord:
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> target -> mode -> ShapeRecord
 
 
+def use_shape_records(store: weakref.WeakKeyDictionary) -> weakref.WeakKeyDictionary:
+    """The pairs' `ShapeRecord`s kept in `store` from now on -> the store kept until now (`use_pair_records`'s twin)."""
+    global _RECORDS
+    previous, _RECORDS = _RECORDS, store
+    return previous
+
+
 def shape_record(drafter, target, mode: tuple) -> ShapeRecord:
     """The record of this (drafter, target) pair in `mode` (what changes a step's rate: the
     sampling rule, the batch), shared by every call with them; it lives as long as the models."""
