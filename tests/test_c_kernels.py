@@ -171,7 +171,6 @@ def test_builds_give_the_same_bits_where_their_steps_are_the_same(other, tmp_pat
             assert reference["gemm"] == theirs["gemm"]
 
 
-
 # CPUs this machine cannot run, built here to check that their kernel is the one compiled: (-march, the file, an
 # instruction its kernel takes, one it must not). Alder Lake (AVX-VNNI, no AVX-512): the 4-bit kernel's VEX vpdpbusd,
 # the steps "gcc-avx-vnni-as-evex" runs; Sapphire Rapids: the tile kernel (clang names the tile extensions otherwise

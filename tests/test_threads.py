@@ -185,3 +185,5 @@ def test_a_quota_takes_torch_to_its_cores_at_the_first_call_and_the_console_says
     line = threads.settle_openmp(environ)
     assert environ == {"OMP_NUM_THREADS": "1"} and "\n" not in line and "quota allows 1 of 2 cores" in line
     assert threads.settle_openmp({"OMP_NUM_THREADS": "2"}) is None  # the user's count: nothing to say
+    said = threads.advice(2, threads.measure())
+    assert "set_num_threads(1)" in said and "PASSIVE" not in said  # a quota alone: the thread count, no wait policy

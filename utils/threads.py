@@ -220,8 +220,8 @@ def advice(threads: int, fit: Fit | None) -> str | None:
     """What a library user should set, in a few words, when torch's `threads` do not fit `fit`."""
     if fit is None or not fit.capped or fit.threads >= threads:
         return None
-    return (f"{fit.why()}: torch.set_num_threads({fit.threads}) and OMP_WAIT_POLICY=PASSIVE (set before torch "
-            "starts) run faster")
+    passive = " and OMP_WAIT_POLICY=PASSIVE (set before torch starts)" if fit.crowded else ""
+    return f"{fit.why()}: torch.set_num_threads({fit.threads}){passive} run faster"
 
 
 class FairShare:
