@@ -3,7 +3,8 @@
 (drafter, target), so methods that share a drafter (the self-drafter's chains and its default; SD with and without
 trees) would share it, and the later one on a prompt would draft from what the earlier had just learned on that very
 prompt: in a rotating order with the self-drafter's default before its chains on two prompts of three, its chains
-read 1.02-1.03x it with no tree drafted by either; kept apart, 1.01x (twenty-eighth round, docs/results.md).
+read 1.02-1.03x it with no tree drafted by either; kept apart, 1.01x (a 2-vCPU AMD EPYC Zen 4, twenty-eighth round,
+docs/results.md).
 `learned_apart(method)` gives the method its own stores for a run, as a process that runs it alone would have."""
 
 from __future__ import annotations

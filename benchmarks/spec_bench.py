@@ -7,9 +7,9 @@
     accelerate launch --multi_gpu --num_processes 2 -m benchmarks.spec_bench   # 2 processes (CPU-only: gloo)
 
 Every method runs on each prompt `--repeats` times after a warm-up, interleaved in a rotating
-order, so that a burst of load on the machine lands on one repeat of one method. Each method learns from its own
-runs only (`benchmarks/learned.py`): methods that share a drafter would otherwise share what the pair learned, the later one
-drafting from what the earlier had just learned on the same prompt (twenty-eighth round, docs/results.md). Greedy: every
+order, so that a burst of load on the machine lands on one repeat of one method. Each method learns from
+its own runs only (`benchmarks/learned.py`): methods that share a drafter would otherwise share what the
+pair learned, the later one drafting from what the earlier had just learned on the same prompt. Greedy: every
 output is checked token for token against transformers' greedy `generate`, and one that differs is
 a near-tie or a defect (`benchmarks/exactness.py`). Sampling: transformers' assisted generation and
 prompt lookup sample too (`do_sample=True`); outputs differ run to run, methods are compared by

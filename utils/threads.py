@@ -10,8 +10,9 @@ over a short window (`/proc/stat`, Linux), less this process's own (`/proc/self/
 processes' load, in cores. The load average stands in elsewhere (it lags a minute and counts our own
 threads). And the CPU time its control group may take (`cpu_quota`: a container's `--cpus`, a Kubernetes
 limit), which the affinity does not show: torch starts a thread per core it sees, and threads past the quota
-are stopped until the next period, each parallel region waiting for them (the 1.5B's one-token pass under a
-quota of 1 core on 2: 201 ms on 2 threads, 125 on 1; of 1.5 cores: 130-136 against 118-123; docs/cost_model.md).
+are stopped until the next period, each parallel region waiting for them (on a 2-vCPU AMD EPYC Zen 4, the 1.5B's
+one-token pass under a quota of 1 core: 201 ms on 2 threads, 125 on 1; of 1.5 cores: 130-136 against 118-123;
+docs/cost_model.md). The rule reads the quota where it runs; it holds no figure.
 Imports nothing heavy: `infer.py` asks before torch starts, so that OpenMP starts right.
 """
 
@@ -87,7 +88,8 @@ def cpu_quota(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup
 
 def thread_limit() -> int:
     """The threads that can run at once here: the cores of the affinity, and no more than the whole cores of a CPU
-    quota (`cpu_quota`; one at least): a quota of 1.5 cores on 2 takes 1 thread, measured faster (module docstring)."""
+    quota (`cpu_quota`; one at least): a thread past the quota's whole cores runs only part of each period, and the
+    parallel regions wait for it (1.5 cores on 2: 1 thread, module docstring)."""
     cores, quota = available_cores(), cpu_quota()
     return cores if quota is None else max(1, min(cores, int(quota)))
 

@@ -94,6 +94,7 @@ class ModelDrafter:
         # Each row's confidences in its drafts of this step (all drafted) and how many the stop kept (`stop.observe_step`).
         self._confidences: list[list[float]] = [[] for _ in range(rows)]
         self._kept = [0] * rows
+        self._judged_after = self._reads_each = False  # this step's `judges_after` and `reads_each_draft` (`draft`)
         # Cascade drafting (`sampling.drafters.cascade`): a proposer whose tokens the drafter checks in one
         # pass of its own; None: one pass per drafted token.
         self.cascade = cascade
@@ -187,11 +188,11 @@ class ModelDrafter:
         return self.on_device
 
     def _next_draft(self, q: Tensor, row: int, position: int) -> Tensor | int:
-        """Row `row`'s draft at `position`: on the device unless `reads_each_draft`."""
+        """Row `row`'s draft at `position`: on the device unless `reads_each_draft` (as the step began)."""
         if self.reading is not self:
             return self.reading.sample(q, row, position)
         token = self.draw(q, row, position)
-        return int(token) if self.reads_each_draft else token
+        return int(token) if self._reads_each else token
 
     @staticmethod
     def _read_drafts(drafts: list[list[Tensor | int]], confidences: list[list[Tensor | float]]
@@ -208,7 +209,8 @@ class ModelDrafter:
     def draft(self, sequences, max_drafts, max_depths):
         self._accepted_lengths = [len(sequence) for sequence in sequences]
         self._confidences, self._kept = [[] for _ in sequences], [0] * len(sequences)
-        if self.judges_after:  # the chain is judged once drafted: as long as the pair's recent chains say pays
+        self._judged_after, self._reads_each = self.judges_after, self.reads_each_draft  # asked once a step
+        if self._judged_after:  # the chain is judged once drafted: as long as the pair's recent chains say pays
             max_drafts = min(max_drafts, self.stop.planned_length(len(sequences)))
         lengths = [max(0, min(max_drafts, max_depth)) for max_depth in max_depths]  # a chain: every node is one deeper
         if not any(lengths):
@@ -273,7 +275,7 @@ class ModelDrafter:
             q = self.reading.distribution(logits[j], history)
             drafts[b].append(self._next_draft(q, b, len(sequence) + i))
             qs[b].append(q)
-            if self.judges_after:  # judged once the chain is drafted and read
+            if self._judged_after:  # judged once the chain is drafted and read
                 confidences[b].append(self._belief_in(logits[j], q, drafts[b][-1], history))
             elif self.stop is not None:
                 confidences[b].append(self._confidence(logits[j], q, drafts[b][-1], history))
