@@ -15,6 +15,7 @@
      4-bit GEMM      the activations' int8 rounding: sum over blocks of 0.5001 dx sum |w|, + 1e-5 mag (+ bf16)
      RMSNorm         1e-5 relative (float32), 2^-6 (bfloat16: two roundings a value)
      attention       1e-4 max|v| (float32), 2^-7 max|v| (bfloat16)
+     flash           2^-7 max|v| (bfloat16 only: its softmax's weights rounded to bfloat16)
      gated           1e-5 |ref| + 1e-6 |x u| (float32), 2^-6 |ref| + 1e-6 |x u| (bfloat16)
      rotary step, dequantization: exact. */
 #include <math.h>
@@ -411,6 +412,56 @@ static void check_attention(attention_case c, int threads) {
   free(q), free(keys), free(values), free(mask), free(out), free(alone), free(want);
 }
 
+/* ---- a prompt's attention over itself (flash.c) ---- */
+/* heads x width queries at positions start..start + width - 1 (q laid out (heads, width, d)) over kv_heads x slots
+   keys, each seeing the keys up to its position: within 2^-7 max|v| of the float64 softmax (bfloat16 inputs, its
+   weights rounded to bfloat16), every query's bits the same in the prompt's first half alone on other threads. */
+static void check_flash(int heads, int kv_heads, int width, int start, int d, int threads) {
+  int slots = start + width + below(5), group = heads / kv_heads;
+  size_t nq = (size_t)heads * width * d, nkv = (size_t)kv_heads * slots * d, no = (size_t)width * heads * d;
+  uint16_t *q = tensor(nq, 1, 1.0f), *keys = tensor(nkv, 1, 1.0f), *values = tensor(nkv, 1, 1.0f);
+  uint16_t *out = calloc(no, 2), *half = calloc(no, 2);
+  float scale = 1.0f / sqrtf((float)d);
+  CHECK(specdec_flash_attention(q, (int64_t)width * d, d, keys, values, out, heads, kv_heads, width, start, slots, d,
+                                scale, threads) == SPECDEC_OK, "flash status");
+  double* p = malloc(sizeof(double) * (start + width));
+  for (int h = 0; h < heads; h++)
+    for (int t = 0; t < width; t++) {
+      size_t base = (size_t)(h / group) * slots * d;
+      int seen = start + t + 1;
+      double most = -INFINITY, sum = 0, vmax = 0;
+      for (int j = 0; j < seen; j++) {
+        double dot = 0;
+        for (int i = 0; i < d; i++) dot += (double)get(q, ((size_t)h * width + t) * d + i, 1) * get(keys, base + (size_t)j * d + i, 1);
+        p[j] = dot * scale;
+        if (p[j] > most) most = p[j];
+      }
+      for (int j = 0; j < seen; j++) p[j] = exp(p[j] - most), sum += p[j];
+      for (size_t i = 0; i < (size_t)seen * d; i++) { /* written without fmax: aarch64 gcc 12 failed on that reduction */
+        double v = fabs(get(values, base + i, 1));
+        if (v > vmax) vmax = v;
+      }
+      for (int i = 0; i < d; i++) {
+        double want = 0;
+        for (int j = 0; j < seen; j++) want += p[j] / sum * get(values, base + (size_t)j * d + i, 1);
+        double got = get(out, ((size_t)t * heads + h) * d + i, 1);
+        CHECK(near(got, want, vmax / 128), "flash h%d t%d i%d (heads %d/%d, width %d, start %d, d %d): %.9g vs %.9g",
+              h, t, i, heads, kv_heads, width, start, d, got, want);
+      }
+    }
+  int first = (width + 1) / 2; /* the first half alone (q's strides kept), on another thread count */
+  specdec_flash_attention(q, (int64_t)width * d, d, keys, values, half, heads, kv_heads, first, start, slots, d, scale,
+                          1 + threads % 3);
+  CHECK(same_bytes(half, out, (size_t)first * heads * d * 2), "flash: the first %d of %d queries alone differ", first, width);
+  CHECK(specdec_flash_attention(q, d, d, keys, values, out, heads, kv_heads, width, slots - width + 1, slots, d, scale,
+                                threads) == SPECDEC_BAD_INDEX, "flash: start + width > slots");
+  CHECK(specdec_flash_attention(q, d, d, keys, values, out, heads, kv_heads, width, start, slots, d + 16, scale,
+                                threads) == SPECDEC_BAD_SHAPE, "flash: a head size not a multiple of 32");
+  CHECK(specdec_flash_attention(q, d, d, keys, values, out, 9 * kv_heads, kv_heads, width, start, slots, d, scale,
+                                threads) == SPECDEC_BAD_SHAPE, "flash: nine query heads a key head");
+  free(q), free(keys), free(values), free(out), free(half), free(p);
+}
+
 /* ---- act(gate) * up ---- */
 static void check_gated(int tokens, int n, int kind, int bf16, int threads) {
   int size = bf16 ? 2 : 4;
@@ -573,7 +624,7 @@ static void check_decoder(int kind, int bf16, int qk_norms, int width, int threa
 
 /* Each iteration's random numbers drawn first, in order: arguments are evaluated in an order of the compiler's own,
    and every build should meet the same shapes. */
-#define DRAWS 50
+#define DRAWS 56
 static void draw(uint32_t* z) {
   for (int k = 0; k < DRAWS; k++) z[k] = next();
 }
@@ -615,6 +666,9 @@ static void check_all(void) {
   }
   for (int kind = 0; kind < 2; kind++)
     for (int bf16 = 0; bf16 < 2; bf16++) check_decoder(kind, bf16, kind == bf16, 6 + 3 * bf16, 2);
+  /* a prompt: the 1.5B's heads, ragged blocks, a continuation, one to eight query heads a key head, heads of 32-256 */
+  check_flash(12, 2, 100, 0, 128, 2), check_flash(4, 4, 37, 5, 64, 3), check_flash(8, 1, 70, 0, 32, 1);
+  check_flash(6, 3, 33, 60, 96, 2), check_flash(16, 2, 50, 0, 256, 4), check_flash(1, 1, 1, 0, 32, 1);
 }
 
 /* n random calls per entry point on cheap shapes; one in eight refused (a bad shape or index) */
@@ -636,6 +690,8 @@ static void fuzz(long n) {
     attention_case a = {1, 2, 1 + Z(39, 2), w, 0, 0, 16, bf16, 0.3f, Z(40, 2) ? 0 : 5.0f};
     a.heads = a.kv_heads * (1 + Z(41, 2)), a.slots = w + Z(42, 5), a.used = a.slots - Z(43, a.slots + 1);
     check_attention(a, threads);
+    int kvh = 1 + Z(50, 2);
+    check_flash(kvh * (1 + Z(51, 3)), kvh, 1 + Z(52, 40), Z(53, 3) ? 0 : Z(54, 9), 32 * (1 + Z(55, 2)), threads);
     if (failures) return;
   }
 }

@@ -1,6 +1,6 @@
-"""A decoder layer's small operations in our kernels (`norm.c`, `rope.c`, `attention.c`, `gated.c`, `decoder.c`): one
-call each where torch takes several eager operations, each checked at the boundary (`boundary.py`) before a pointer
-crosses.
+"""A decoder layer's small operations in our kernels (`norm.c`, `rope.c`, `attention.c`, `flash.c`, `gated.c`,
+`decoder.c`): one call each where torch takes several eager operations, each checked at the boundary (`boundary.py`)
+before a pointer crosses.
 
     runs(dtype, hidden, head_dim) whether they run a lean forward's pass here (float32 or bfloat16, widths and head
                                   sizes multiples of `LANES`)
@@ -9,6 +9,7 @@ crosses.
                                   and positions checked
     readable_mask, attention      attention over the buffer: each query alone in one fixed order, width-invariant
                                   without padding
+    flash_attention               a prompt's attention over itself, blocked (FlashAttention's online softmax)
     gated_mul                     act(gate) * up, silu or gelu's tanh approximation
     decoder(...), shape_layout()  a decoder-only model's whole stack of layers in one call (`decoder.py` drives it),
     spec_numbers()                and its shape's C layout and the numbers it reads a family's spec in, which
@@ -26,11 +27,14 @@ from utils.lean import boundary as check
 from utils.lean import native
 from utils.lean.boundary import READABLE
 
-__all__ = ["ACTIVATION_KINDS", "LANES", "add_rms_norm", "attention", "check_slots", "decoder", "gated_mul",
-           "readable_mask", "rms_norm", "rope_write", "rotary_width", "runs", "shape_layout", "spec_numbers"]
+__all__ = ["ACTIVATION_KINDS", "FLASH_DIMS", "FLASH_GROUP", "LANES", "add_rms_norm", "attention", "check_slots",
+           "decoder", "flash_attention", "gated_mul", "readable_mask", "rms_norm", "rope_write", "rotary_width",
+           "runs", "shape_layout", "spec_numbers"]
 
 ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}  # gated.c's `specdec_gated` kinds, by transformers' names
 LANES = 16  # simd.h's LANES: a norm's width and a head's size must be multiples of it
+FLASH_DIMS = 32  # flash.c's DIMS: its head size must be a multiple of it
+FLASH_GROUP = 8  # and its query heads at most this many times its key heads
 
 
 
@@ -195,6 +199,39 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
                                       out.data_ptr(), rows, heads, kv_heads, width, mask.shape[-1], slots,
                                       head_dim, scale, softcap or 0.0, native.bf16(q), torch.get_num_threads())
     check.status(status, "attention.c", f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, mask {tuple(mask.shape)}")
+    return out
+
+
+def flash_attention(q: Tensor, keys: Tensor, values: Tensor, start: int, scale: float) -> Tensor:
+    """A prompt's attention over itself (`flash.c`): q (1, heads, width, head_dim; any strides but the last) at
+    positions start..start + width - 1, each over the buffer's keys and values (1, kv_heads, slots, head_dim;
+    contiguous) up to its own position -> (1, width, heads * head_dim). bfloat16; scores scaled by `scale`, summed in
+    float32, the softmax's weights rounded to bfloat16 before they weigh the values (as torch's kernel rounds them).
+    Each query's bits depend on its position and keys only: the same whatever the prompt's width or the threads."""
+    q, keys, values = (check.tensor(t, name) for t, name in ((q, "q"), (keys, "keys"), (values, "values")))
+    check.dtype(q, "q", (torch.bfloat16,))
+    check.shape(q, "q", (1, None, None, None))
+    _, heads, width, head_dim = q.shape
+    check.shape(keys, "keys", (1, None, None, head_dim))
+    kv_heads, slots = keys.shape[1:3]
+    if head_dim == 0 or head_dim % FLASH_DIMS or kv_heads == 0 or heads % kv_heads or not 1 <= heads // kv_heads <= FLASH_GROUP:
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)}: a head size that is a positive multiple of "
+                         f"{FLASH_DIMS}, and query heads 1 to {FLASH_GROUP} times the key heads")
+    for name, tensor in (("keys", keys), ("values", values)):
+        check.shape(tensor, name, (1, kv_heads, slots, head_dim))
+        check.dtype(tensor, name, (q.dtype,))
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the buffer's layout), got strides {tensor.stride()}")
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= slots - width:
+        raise ValueError(f"start must be an int from 0 to slots - width = {slots - width}, got {start!r}")
+    for value, name in ((heads, "heads"), (width, "width"), (slots, "slots"), (head_dim, "head_dim")):
+        check.c_int(value, name)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = q.new_empty(1, width, heads * head_dim)
+    status = _ops().specdec_flash_attention(q.data_ptr(), q.stride(1), q.stride(2), keys.data_ptr(), values.data_ptr(),
+                                            out.data_ptr(), heads, kv_heads, width, start, slots, head_dim, scale,
+                                            torch.get_num_threads())
+    check.status(status, "flash.c", f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, start {start}")
     return out
 
 

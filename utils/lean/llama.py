@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.lean import layer_ops, native
+from utils.lean import flash, layer_ops, native
 from utils.lean.decoder import NativeStack
 from utils.lean.linear import Linear, numerics
 from utils.lean.spec import LayerSpec
@@ -292,16 +292,20 @@ class LeanLlama(nn.Module):
         (rows, width, heads * head_dim): ours where it runs, up to `native.MAX_ROWS` queries as our GEMMs (scores in
         float32, capped where the spec caps them); else the model's eager one mirrored when it runs "eager" or caps
         the logits (torch's kernel cannot), else torch's. `causal`: `mask` is the causal mask over the pass's
-        own tokens from slot 0 (one row's prompt, `PassSlots.causal`): past `native.MAX_ROWS` queries torch's kernel
-        is then told so, and skips the hidden half of the scores instead of adding a mask to all of them (a
-        prompt's pass of 2,048 tokens: its attention 1.7x faster, docs/results.md, nineteenth round)."""
+        own tokens from slot 0 (one row's prompt, `PassSlots.causal`): past `native.MAX_ROWS` queries it is then
+        ours blocked (`flash.c`, in bfloat16 where it was measured faster here: `flash.chosen`) or torch's kernel told
+        so, either skipping the hidden half of the scores instead of adding a mask to all of them (a prompt's pass of
+        2,048 tokens: torch's attention 1.7x faster so, docs/results.md, nineteenth round)."""
         rows, _, width, _ = q.shape
-        if self.native and width <= native.MAX_ROWS:  # a prompt's wider pass: torch's blocked kernel is faster
+        if self.native and width <= native.MAX_ROWS:  # a prompt's wider pass: a blocked kernel is faster
             return layer_ops.attention(q, keys, values, mask, self.spec.scaling, self.spec.softcap)
         if self.eager or self.spec.softcap is not None:
             used = mask.shape[-1]
             out = self._eager_attention(q, keys[:, :, :used], values[:, :, :used], mask, self.spec.softcap)
         elif causal and width > native.MAX_ROWS:
+            if self.native and rows == 1 and q.dtype == torch.bfloat16 and flash.chosen(self.heads, self.kv_heads,
+                                                                                        self.head_dim):
+                return layer_ops.flash_attention(q, keys, values, 0, self.spec.scaling)
             out = F.scaled_dot_product_attention(q, keys[:, :, :width], values[:, :, :width], is_causal=True,
                                                  scale=self.spec.scaling, enable_gqa=self.heads != self.kv_heads)
         else:

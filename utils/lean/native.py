@@ -77,9 +77,10 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     library.specdec_attention.argtypes = ([pointer, i64, i64, i64, pointer, pointer, pointer, i64, i64, pointer]
                                           + [i32] * 7 + [f32, f32, i32, i32])
     library.specdec_gated.argtypes = [pointer] * 2 + [i32] * 5
+    library.specdec_flash_attention.argtypes = [pointer, i64, i64] + [pointer] * 3 + [i32] * 6 + [f32, i32]
     library.specdec_decoder.argtypes = [pointer] * 5 + [i32] + [pointer] * 9
     for function in (library.specdec_rms_norm, library.specdec_rope_write_checked, library.specdec_attention,
-                     library.specdec_gated, library.specdec_decoder):
+                     library.specdec_gated, library.specdec_flash_attention, library.specdec_decoder):
         function.restype = ctypes.c_int
     library.specdec_amx.restype = ctypes.c_int
     for function in (library.specdec_shape_layout, library.specdec_spec_numbers):

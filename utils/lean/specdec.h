@@ -1,5 +1,5 @@
 /* The kernels' entry points (one source file per kernel family: gemm.c, gemm_amx.c, gemm_q4.c, norm.c, rope.c,
-   attention.c, gated.c, decoder.c), as `utils/lean/native.py` calls them through ctypes and as
+   attention.c, flash.c, gated.c, decoder.c), as `utils/lean/native.py` calls them through ctypes and as
    tests/native/test_kernels.c calls them. Every operation returns a `specdec_status`: SPECDEC_OK, or why it
    did nothing (checked before anything is written). The three queries (specdec_block, specdec_q4_block,
    specdec_amx) return what they say instead.
@@ -56,6 +56,10 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
                       const void* values, const void* mask, int64_t m_row, int64_t m_token, void* out, int rows,
                       int heads, int kv_heads, int width, int used, int slots, int d, float scale, float cap, int bf16,
                       int threads);
+/* flash.c */
+int specdec_flash_attention(const void* q, int64_t q_head, int64_t q_token, const void* keys, const void* values,
+                            void* out, int heads, int kv_heads, int width, int start, int slots, int d, float scale,
+                            int threads);
 /* gated.c */
 int specdec_gated(const void* gate_up, void* out, int tokens, int n, int kind, int bf16, int threads);
 
