@@ -2,7 +2,7 @@
    start..start + width - 1, each over the keys up to its own position, blocked as FlashAttention does (Dao et al.
    2022, its online softmax): the keys and values of a key head are packed once a call, then each task (a key head's
    QUERY_BLOCK queries with every query head it serves, `rows` of scores) walks the key blocks its queries see, scores
-   a block (rows x KEY_BLOCK) in registers, folds it into a running maximum and sum per row, and adds the block's
+   a block (rows x KEY_BLOCK, SROWS rows at a time in registers), folds it into a running maximum and sum per row, and adds the block's
    weighted values to the row's output, rescaled as the maximum grows. No score matrix over the whole prompt is held.
 
    Where this CPU has bfloat16 arithmetic (AVX512_BF16) both products take VDPBF16PS (pairs of bfloat16 products
@@ -30,12 +30,20 @@
 
 #include "fused.h"
 
-/* The blocking. Not measured: chosen with the kernel (twenty-ninth round); none changes the bits but QUERY_BLOCK's
-   and KEY_BLOCK's alignment, which each query's sums do not see (its blocks start at slot 0 whatever the task). */
-#define KEY_BLOCK 32   /* keys a block: two vectors of scores a row */
+/* The blocking, timed on a 2-vCPU AMD EPYC (Zen 4) at 512 to 4,096 tokens of the 1.5B's heads (twenty-ninth round,
+   docs/results.md): key blocks of 64 ran 1.03-1.06x blocks of 32 (half the output's reloads a key); 8, 16 and 32
+   queries a task within the runs' noise. None changes a query's bits but KEY_BLOCK (its blocks start at slot 0
+   whatever the task). */
+#ifndef KEY_BLOCK /* -DKEY_BLOCK=... builds another to time */
+#define KEY_BLOCK 64 /* keys a block: KV vectors of scores a row */
+#endif
+#ifndef QUERY_BLOCK
 #define QUERY_BLOCK 16 /* queries a task (times the query heads of a key head: a task's rows) */
-#define ROWS 8         /* rows a register block holds: 8 x 2 accumulators in both products */
-#define DIMS 32        /* a row's output dimensions a register block of the second product holds */
+#endif
+#define KV (KEY_BLOCK / LANES)
+#define SROWS (16 / KV) /* rows a register block of scores holds: SROWS x KV accumulators (the first product) */
+#define ROWS 8          /* rows a register block of the second product holds: ROWS x 2 accumulators of DIMS */
+#define DIMS 32         /* a row's output dimensions a register block of the second product holds */
 
 typedef struct {
   const uint16_t *q, *keys, *values;
@@ -62,42 +70,38 @@ static void pack_block(const flash_t* F, int kvh, int b, uint16_t* kp, uint16_t*
   }
 }
 
-/* s (ROWS x KEY_BLOCK) = each of ROWS query rows dotted with the block's keys, summed in float32. */
+/* s (SROWS x KEY_BLOCK) = each of SROWS query rows dotted with the block's keys, summed in float32. */
 static void score_rows(const flash_t* F, const uint16_t* const* q, const uint16_t* kp, float* s) {
   int d = F->d;
 #if PAIR == 2
-  __m512 acc[ROWS][2];
-  for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[SROWS][KV];
+  for (int r = 0; r < SROWS; r++)
+    for (int v = 0; v < KV; v++) acc[r][v] = _mm512_setzero_ps();
   for (int i = 0; i < d / 2; i++) {
-    __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void*)(kp + (size_t)i * KEY_BLOCK * 2));
-    __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void*)(kp + (size_t)i * KEY_BLOCK * 2 + 32));
-    for (int r = 0; r < ROWS; r++) {
+    __m512bh k[KV];
+    for (int v = 0; v < KV; v++) k[v] = (__m512bh)_mm512_loadu_si512((const void*)(kp + ((size_t)i * KEY_BLOCK + 16 * v) * 2));
+    for (int r = 0; r < SROWS; r++) {
       int32_t two;
       memcpy(&two, q[r] + 2 * i, sizeof two);
       __m512bh x = (__m512bh)_mm512_set1_epi32(two);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, k0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, k1);
+      for (int v = 0; v < KV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x, k[v]);
     }
   }
-  for (int r = 0; r < ROWS; r++) {
-    _mm512_storeu_ps(s + r * KEY_BLOCK, acc[r][0]);
-    _mm512_storeu_ps(s + r * KEY_BLOCK + 16, acc[r][1]);
-  }
+  for (int r = 0; r < SROWS; r++)
+    for (int v = 0; v < KV; v++) _mm512_storeu_ps(s + r * KEY_BLOCK + 16 * v, acc[r][v]);
 #else
-  vec acc[ROWS][2] = {{{0}}};
+  vec acc[SROWS][KV] = {{{0}}};
   for (int i = 0; i < d; i++) {
-    vec k0 = bits_vec(__builtin_convertvector(hload(kp + (size_t)i * KEY_BLOCK), uvec) << 16);
-    vec k1 = bits_vec(__builtin_convertvector(hload(kp + (size_t)i * KEY_BLOCK + LANES), uvec) << 16);
-    for (int r = 0; r < ROWS; r++) {
+    vec k[KV];
+    for (int v = 0; v < KV; v++)
+      k[v] = bits_vec(__builtin_convertvector(hload(kp + (size_t)i * KEY_BLOCK + LANES * v), uvec) << 16);
+    for (int r = 0; r < SROWS; r++) {
       float x = bf16_to_f32(q[r][i]);
-      acc[r][0] = x * k0 + acc[r][0];
-      acc[r][1] = x * k1 + acc[r][1];
+      for (int v = 0; v < KV; v++) acc[r][v] = x * k[v] + acc[r][v];
     }
   }
-  for (int r = 0; r < ROWS; r++) {
-    vstore(s + r * KEY_BLOCK, acc[r][0]);
-    vstore(s + r * KEY_BLOCK + LANES, acc[r][1]);
-  }
+  for (int r = 0; r < SROWS; r++)
+    for (int v = 0; v < KV; v++) vstore(s + r * KEY_BLOCK + LANES * v, acc[r][v]);
 #endif
 }
 
@@ -165,21 +169,26 @@ static inline float hmax(vec v) { /* the largest lane (a fixed tree, as hsum's) 
 
 /* One row's block of scores folded into its running maximum and sum: p = e^(s scale - max) rounded to bfloat16
    (0 for a key past `last`, the row's last visible key in this block, or for every key where last < 0), alpha =
-   e^(old max - new max) for its output. */
-static void fold_row(const float* s, int last, float scale, float* most, float* sum, uint16_t* p, float* alpha) {
+   e^(old max - new max) for its output (exactly 1 where the maximum stays), the sum kept in LANES lanes (summed once,
+   at the end). */
+static void fold_row(const float* s, int last, float scale, float* most, vec* sum, uint16_t* p, float* alpha) {
   if (last < 0) { /* the row sees none of this block: nothing changes */
     memset(p, 0, KEY_BLOCK * sizeof(uint16_t));
     *alpha = 1.0f;
     return;
   }
   const vec lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, hidden = (vec){0} - INFINITY;
-  vec x[2];
-  for (int h = 0; h < 2; h++) x[h] = vselect(lanes + (float)(h * LANES) <= (float)last, vload(s + h * LANES) * scale, hidden);
-  float top = hmax(vselect(x[0] > x[1], x[0], x[1]));
+  vec x[KV], high = hidden;
+  for (int h = 0; h < KV; h++) x[h] = vload(s + h * LANES) * scale;
+  if (last < KEY_BLOCK - 1) /* the diagonal's block: the keys past the row's position hidden */
+    for (int h = 0; h < KV; h++) x[h] = vselect(lanes + (float)(h * LANES) <= (float)last, x[h], hidden);
+  for (int h = 0; h < KV; h++) high = vselect(x[h] > high, x[h], high);
+  float top = hmax(high);
   top = top > *most ? top : *most;
-  *alpha = *most == -INFINITY ? 0.0f : vexp((vec){0} + (*most - top))[0]; /* no call: a call spills every vector */
-  vec total = {0};
-  for (int h = 0; h < 2; h++) {
+  *alpha = top == *most ? 1.0f : *most == -INFINITY ? 0.0f : vexp((vec){0} + (*most - top))[0]; /* no call: a call
+                                                                                                  spills every vector */
+  vec total = *sum * *alpha;
+  for (int h = 0; h < KV; h++) {
     vec e = vselect(x[h] > hidden, vexp(x[h] - top), (vec){0});
 #if PAIR == 2
     hvec rounded = (hvec)_mm512_cvtneps_pbh(e); /* to_bf16's rounding for these (finite) values, in one instruction */
@@ -189,7 +198,7 @@ static void fold_row(const float* s, int last, float scale, float* most, float* 
     hstore(p + h * LANES, rounded);
     total = total + bits_vec(__builtin_convertvector(rounded, uvec) << 16);
   }
-  *sum = *sum * *alpha + hsum(total);
+  *sum = total;
   *most = top;
 }
 
@@ -200,22 +209,23 @@ static void flash_task(const flash_t* F, const uint16_t* kpacked, const uint16_t
   int d = F->d, group = F->heads / F->kv_heads;
   int first = qb * QUERY_BLOCK, count = F->width - first < QUERY_BLOCK ? F->width - first : QUERY_BLOCK;
   int rows = count * group, padded = (rows + ROWS - 1) / ROWS * ROWS;
-  float *o = scratch, *s = o + (size_t)padded * d, *most = s + (size_t)padded * KEY_BLOCK, *sum = most + padded;
-  float* alpha = sum + padded;
+  vec* sum = (vec*)(((uintptr_t)scratch + sizeof(vec) - 1) / sizeof(vec) * sizeof(vec)); /* each row's lanes */
+  float *o = (float*)(sum + padded), *s = o + (size_t)padded * d, *most = s + (size_t)padded * KEY_BLOCK;
+  float* alpha = most + padded;
   uint16_t* p = (uint16_t*)(alpha + padded);
   const uint16_t* q[QUERY_BLOCK * 8 + ROWS]; /* checked: group <= 8 (specdec_flash_attention) */
   for (int r = 0; r < padded; r++) {
     q[r] = r < rows ? F->q + (int64_t)(kvh * group + r % group) * F->q_head + (int64_t)(first + r / group) * F->q_token
                     : zeros;
     most[r] = -INFINITY;
-    sum[r] = 0.0f;
+    sum[r] = (vec){0};
   }
   memset(o, 0, (size_t)padded * d * sizeof(float));
   int last_position = F->start + first + count - 1, blocks = last_position / KEY_BLOCK + 1;
   for (int b = 0; b < blocks; b++) {
     const uint16_t* kp = kpacked + ((size_t)kvh * F->blocks + b) * block_elements(F);
     const uint16_t* vp = vpacked + ((size_t)kvh * F->blocks + b) * block_elements(F);
-    for (int r0 = 0; r0 < padded; r0 += ROWS) score_rows(F, q + r0, kp, s + (size_t)r0 * KEY_BLOCK);
+    for (int r0 = 0; r0 < padded; r0 += SROWS) score_rows(F, q + r0, kp, s + (size_t)r0 * KEY_BLOCK);
     for (int r = 0; r < padded; r++) {
       int position = r < rows ? F->start + first + r / group : -1;
       int last = position - b * KEY_BLOCK;
@@ -228,7 +238,8 @@ static void flash_task(const flash_t* F, const uint16_t* kpacked, const uint16_t
   for (int r = 0; r < rows; r++) {
     int t = first + r / group, h = kvh * group + r % group;
     uint16_t* to = F->out + ((int64_t)t * F->heads + h) * d;
-    for (int i = 0; i < d; i += LANES) hstore(to + i, to_bf16(vload(o + (size_t)r * d + i) / sum[r]));
+    float total = hsum(sum[r]);
+    for (int i = 0; i < d; i += LANES) hstore(to + i, to_bf16(vload(o + (size_t)r * d + i) / total));
   }
 }
 
@@ -248,7 +259,7 @@ int specdec_flash_attention(const void* q, int64_t q_head, int64_t q_token, cons
   flash_t F = {q, keys, values, out, q_head, q_token, heads, kv_heads, width, start, used, slots, d, blocks, scale};
   int group = heads / kv_heads, padded = (QUERY_BLOCK * group + ROWS - 1) / ROWS * ROWS;
   size_t packed = (size_t)kv_heads * blocks * block_elements(&F);
-  size_t floats = (size_t)padded * ((size_t)d + KEY_BLOCK + 3) + (size_t)padded * KEY_BLOCK / 2 + 1;
+  size_t floats = (size_t)padded * ((size_t)d + KEY_BLOCK + 2 + LANES) + (size_t)padded * KEY_BLOCK / 2 + LANES;
   uint16_t *kpacked = malloc(2 * packed * sizeof(uint16_t)), *zeros = calloc((size_t)d, sizeof(uint16_t));
   if (!kpacked || !zeros) {
     free(kpacked);
