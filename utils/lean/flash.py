@@ -10,7 +10,7 @@
 Why measured, not assumed: the two kernels stand on different units. Ours sums its products with the vector unit's
 bfloat16 pairs (VDPBF16PS) where the CPU has them and in float32 elsewhere; torch's may take a matrix unit (AMX) ours
 does not, and on a CPU without bfloat16 arithmetic neither is fast. On a 2-vCPU AMD EPYC (Zen 4, AVX512_BF16, no
-AMX) ours ran the 1.5B's heads 1.7-2.9x faster at 512 to 4,096 tokens (docs/results.md, twenty-ninth round).
+AMX) ours ran the 1.5B's heads 2.1-3.9x faster at 512 to 8,192 tokens (docs/results.md, twenty-ninth round).
 """
 
 from __future__ import annotations
