@@ -40,7 +40,7 @@ from benchmarks import cli
 from benchmarks.exactness import Classifier, counts, describe, transformers_greedy
 from benchmarks.prompts import encode, load_humaneval
 from sampling import autoregressive_generate
-from utils.lean import forward_path
+from utils.lean import forward_path, lean_decoder
 from utils.loading import end_token_ids, load_model
 from utils.machine import machine
 from utils.runners.model_info import input_device
@@ -166,7 +166,9 @@ def first_token_report(args) -> dict:
                      "flop_per_s": {name: flops / seconds for name, seconds in medians.items()},
                      "of_peak": {name: flops / seconds / peak for name, seconds in medians.items()},
                      "ours_speedup": medians["transformers"] / medians["ours"]})
+    lean = lean_decoder(ours)
     return {"model": args.model or "SmolLM2-135M-Instruct", "dtype": str(dtype), "forward_path": forward_path(ours),
+            "prompt_attention": lean.prompt_attention() if lean is not None else "transformers' own",
             "context": context_of(ours), "peak_flop_per_s": peaks, "flops_formula": FLOPS_FORMULA, "lengths": rows}
 
 
@@ -202,7 +204,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Time to the first token: {first['model']} ({first['dtype']}), {result['date']}", "",
              f"Machine: {result['machine']['cpu']}, {result['machine']['threads']} threads, torch "
              f"{result['machine']['torch']}, transformers {result['machine']['transformers']}. "
-             f"Forward path: {first['forward_path']}.", "",
+             f"Forward path: {first['forward_path']}; a prompt's attention: {first['prompt_attention']}.", "",
              f"Matrix peak (GEMM {result['gemm_size']}^3, best of {GEMM_RUNS}): {peaks}.",
              f"A prompt pass's FLOPs: {first['flops_formula']}.", "",
              "| tokens | ours s (min-max) | transformers s (min-max) | ours / transformers' speed | ours GFLOP/s, "
@@ -237,7 +239,7 @@ def print_tables(console: Console, result: dict) -> None:
                       describe(row["outputs"]))
     console.print(table)
     console.print("matrix peak: " + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in first["peak_flop_per_s"].items())
-                  + f"; forward path: {first['forward_path']}")
+                  + f"; forward path: {first['forward_path']}; a prompt's attention: {first['prompt_attention']}")
     path = result["by_path"]
     if path is not None:
         table = Table("loaded as", "dtype", "forward path", "per token ms [min-max]", title="by path against by name")

@@ -174,6 +174,8 @@ def test_first_token_writes_its_passes_peaks_and_the_by_path_comparison_on_a_tin
     path = result["by_path"]
     assert path["path"]["dtype"] == path["name"]["dtype"] and path["same_tokens"] and path["path_over_name"] > 0
     assert result["machine"]["cpu"] and "| 1023 |" in (out / "first_token.md").read_text()
+    # a float32 model's prompt takes torch's attention (ours is bfloat16's), and the report says so
+    assert first["prompt_attention"].startswith("torch's") and "a prompt's attention: torch's" in (out / "first_token.md").read_text()
     assert "time to the first token" in capsys.readouterr().out
 
 

@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.conftest import require_native, torch_threads
 from tests.models import VOCAB, prompt
-from utils.lean import flash, layer_ops, native
+from utils.lean import flash, layer_ops, lean_decoder, native
 from utils.runners.static import StaticRunner
 
 
@@ -91,13 +91,15 @@ def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_nea
     calls = []
     blocked = layer_ops.flash_attention
     monkeypatch.setattr(layer_ops, "flash_attention", lambda *args: calls.append(args[3]) or blocked(*args))
-    logits = {}
+    logits, said = {}, {}
     for chosen in (ours, not ours):
         monkeypatch.setattr(flash, "chosen", lambda heads, kv_heads, head_dim, chosen=chosen: chosen)
         logits[chosen] = StaticRunner(model, rows=1, slots=64).forward_rows([(ids, None)], [48])[0].float()
+        said[chosen] = lean_decoder(model).prompt_attention()  # what a report says ran
     # one layer's attention, from slot 0, when ours was chosen and the pass computes in bfloat16 (without bfloat16
     # arithmetic the bfloat16 weights compute in float32: torch's kernel either way)
     assert calls == ([0] if native.bfloat16_arithmetic() else [])
+    assert said[True].startswith("ours" if native.bfloat16_arithmetic() else "torch's") and said[False].startswith("torch's")
     largest = logits[False].abs().max()
     assert (logits[True] - logits[False]).abs().max() <= largest / 32
     assert torch.equal(logits[True].argmax(-1)[-8:], logits[False].argmax(-1)[-8:])

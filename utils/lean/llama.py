@@ -303,8 +303,7 @@ class LeanLlama(nn.Module):
             used = mask.shape[-1]
             out = self._eager_attention(q, keys[:, :, :used], values[:, :, :used], mask, self.spec.softcap)
         elif causal and width > native.MAX_ROWS:
-            if self.native and rows == 1 and q.dtype == torch.bfloat16 and flash.chosen(self.heads, self.kv_heads,
-                                                                                        self.head_dim):
+            if rows == 1 and self._flash(q.dtype):
                 return layer_ops.flash_attention(q, keys, values, 0, self.spec.scaling)
             out = F.scaled_dot_product_attention(q, keys[:, :, :width], values[:, :, :width], is_causal=True,
                                                  scale=self.spec.scaling, enable_gqa=self.heads != self.kv_heads)
@@ -312,6 +311,19 @@ class LeanLlama(nn.Module):
             used = mask.shape[-1]
             out = self._sdpa(q, keys[:, :, :used], values[:, :, :used], mask)
         return out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim)
+
+    def _flash(self, dtype: torch.dtype) -> bool:
+        """Whether one row's prompt past `native.MAX_ROWS` queries, computed in `dtype`, takes our blocked attention
+        (`flash.c`) here: ours run, the pass is bfloat16, and it was measured faster than torch's (`flash.chosen`)."""
+        return self.native and dtype == torch.bfloat16 and flash.chosen(self.heads, self.kv_heads, self.head_dim)
+
+    def prompt_attention(self) -> str:
+        """Which kernel takes one row's prompt's attention over itself here, in a few words (for reports)."""
+        if self.eager or self.spec.softcap is not None:
+            return "the model's eager attention, mirrored"
+        if self._flash(self.dtype):
+            return "ours, blocked (flash.c: measured faster than torch's here)"
+        return "torch's scaled_dot_product_attention, told it is causal"
 
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """torch's attention kernel. Width-invariant (`kernels.INVARIANT_ENV`): its CPU kernel blocks the queries
