@@ -4,8 +4,8 @@
     chosen(heads, kv_heads, head_dim)   True where ours runs a bfloat16 prompt's attention here: our kernels load,
                                         the heads fit it, and it was the faster, timed once per machine and shape
                                         (a prompt of `WIDTH` tokens, interleaved medians after a warm-up round,
-                                        about half a second) and kept under `SPECDEC_CACHE/kernels` as
-                                        `utils.loading.fastest_dtype` keeps the dtype
+                                        about half a second) and kept under `SPECDEC_CACHE/kernels` beside the
+                                        kernel tables (`kernels.choice_path`)
 
 Why measured, not assumed: the two kernels stand on different units. Ours sums its products with the vector unit's
 bfloat16 pairs (VDPBF16PS) where the CPU has them and in float32 elsewhere; torch's may take a matrix unit (AMX) ours
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from utils.lean import layer_ops, native
-from utils.paths import cache_dir, write_cached
+from utils.lean import kernels, layer_ops, native
+from utils.paths import write_cached
 
 __all__ = ["WIDTH", "chosen"]
 
@@ -43,10 +43,7 @@ def chosen(heads: int, kv_heads: int, head_dim: int) -> bool:
         return False
     if not 1 <= heads // kv_heads <= layer_ops.FLASH_GROUP:
         return False
-    from utils.machine import machine_key  # it imports this package
-
-    key = f"prompt attention, heads {heads}/{kv_heads} of {head_dim}, flash.c {VERSION}"
-    path = cache_dir() / "kernels" / f"flash-{machine_key(key)}.json"
+    path = kernels.choice_path((heads, kv_heads, head_dim), torch.bfloat16, kind=f"prompt attention, flash.c {VERSION}")
     try:
         return bool(json.loads(path.read_text())["ours"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -54,7 +51,7 @@ def chosen(heads: int, kv_heads: int, head_dim: int) -> bool:
     ours, torch_seconds = _time(heads, kv_heads, head_dim)
     faster = ours < torch_seconds
     write_cached(path, lambda file: file.write_text(json.dumps(
-        {"ours": faster, "seconds": {"ours": ours, "torch": torch_seconds}, "why": key})))
+        {"ours": faster, "seconds": {"ours": ours, "torch": torch_seconds}, "heads": [heads, kv_heads, head_dim]})))
     return faster
 
 

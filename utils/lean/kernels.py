@@ -46,8 +46,8 @@ from utils import settings
 from utils.lean import native
 from utils.paths import cache_dir, write_cached
 
-__all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "invariance_pays", "kernel_table",
-           "prepare", "q4_in_pieces", "q4_product"]
+__all__ = ["BUCKETS", "INVARIANT_ENV", "Kernel", "KernelTable", "apply", "choice_path", "invariance_pays",
+           "kernel_table", "prepare", "q4_in_pieces", "q4_product"]
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # rows r take the table's entry for the smallest bucket >= r; past 32, F.linear
 PROBE_BYTES = 1 << 29  # matrices timed in turn, at most: beyond the caches, so that the weights come from memory
@@ -215,7 +215,7 @@ def kernel_table(shape: tuple[int, int], dtype: torch.dtype, device: str = "cpu"
     cache, or measured now."""
     if dtype == torch.float64 or device != "cpu":
         return KernelTable({bucket: {"fastest": LINEAR, "invariant": LINEAR} for bucket in BUCKETS})
-    path = _path(shape, dtype)
+    path = choice_path(shape, dtype)
     try:
         return KernelTable({int(bucket): entry for bucket, entry in json.loads(path.read_text()).items()})
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -237,7 +237,7 @@ def q4_in_pieces(in_features: int, dtype: torch.dtype) -> bool:
     chosen = settings.current().width_invariant
     if chosen is not None:
         return chosen
-    path = _path((Q4_PROBE[1], in_features), dtype, kind="q4 pieces")
+    path = choice_path((Q4_PROBE[1], in_features), dtype, kind="q4 pieces")
     try:
         return bool(json.loads(path.read_text())["pieces"])
     except (OSError, ValueError, TypeError, KeyError):
@@ -273,9 +273,9 @@ def _measure_q4(in_features: int, dtype: torch.dtype) -> dict[str, float]:
     return seconds
 
 
-def _path(shape: tuple[int, int], dtype: torch.dtype, kind: str = "table") -> Path:
-    """Where the table of `shape` in `dtype` is kept (or another `kind` of choice): one file per machine, thread
-    count, torch and this code."""
+def choice_path(shape: tuple[int, ...], dtype: torch.dtype, kind: str = "table") -> Path:
+    """Where the table of `shape` in `dtype` is kept (or another `kind` of measured choice: the 4-bit prompt's,
+    `flash.chosen`'s): one file per machine, thread count, torch and this code."""
     key = {"shape": list(shape), "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "cpu": torch.backends.cpu.get_cpu_capability(), "code": _CODE,
            "machine": _cpu_name(), **({"kind": kind} if kind != "table" else {})}
@@ -286,7 +286,7 @@ def prepare(weights: list[Tensor]) -> None:
     """Measure the tables of `weights`' shapes not measured yet, with a progress bar on stderr (seconds, once per
     machine and model shape; `SPECDEC_PROGRESS=0` hides it)."""
     wanted = sorted({(tuple(w.shape), w.dtype, w.device.type) for w in weights}, key=str)
-    new = [w for w in wanted if w[1] != torch.float64 and w[2] == "cpu" and not _path(w[0], w[1]).exists()]
+    new = [w for w in wanted if w[1] != torch.float64 and w[2] == "cpu" and not choice_path(w[0], w[1]).exists()]
     bar = tqdm(wanted, desc="Choosing GEMM kernels here (once)", unit="shape", leave=False, file=sys.stderr,
                disable=not settings.current().progress or not new)
     for shape, dtype, device in bar:
