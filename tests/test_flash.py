@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.conftest import require_native, torch_threads
 from tests.models import VOCAB, prompt
-from utils.lean import flash, layer_ops, lean_decoder, native
+from utils.lean import flash, kernels, layer_ops, lean_decoder, native
 from utils.runners.static import StaticRunner
 
 
@@ -77,11 +77,14 @@ def test_bad_arguments_are_named_before_the_kernel_runs():
 
 
 @pytest.mark.parametrize("ours", [True, False])
-def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_near_torchs(ours, monkeypatch):
+def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_near_torchs(ours, monkeypatch, tmp_path):
     """One row's prompt past the one-pass width (48 tokens from slot 0), the 1.5B's heads (12 over 2 of 128) in
     bfloat16: ours where the measurement chose it and the pass computes in bfloat16, torch's otherwise; the logits
     within bfloat16's reach of each other (a kernel's rounding, not a wrong key: 2^-5 of their largest magnitude)."""
     require_native()
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # kernel tables probed small (the logits are tested, not speed)
+    monkeypatch.setattr(kernels, "PROBE_BYTES", 1 << 22)
+    kernels.kernel_table.cache_clear()
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=1536, intermediate_size=256, num_hidden_layers=1,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256)
@@ -103,6 +106,7 @@ def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_nea
     largest = logits[False].abs().max()
     assert (logits[True] - logits[False]).abs().max() <= largest / 32
     assert torch.equal(logits[True].argmax(-1)[-8:], logits[False].argmax(-1)[-8:])
+    kernels.kernel_table.cache_clear()
 
 
 def test_the_choice_is_measured_once_per_machine_and_shape_and_kept(monkeypatch, tmp_path):
