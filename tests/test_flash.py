@@ -76,8 +76,7 @@ def test_bad_arguments_are_named_before_the_kernel_runs():
             layer_ops.flash_attention(*arguments, 0.125)
 
 
-@pytest.mark.parametrize("ours", [True, False])
-def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_near_torchs(ours, monkeypatch, tmp_path):
+def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_near_torchs(monkeypatch, tmp_path):
     """One row's prompt past the one-pass width (48 tokens from slot 0), the 1.5B's heads (12 over 2 of 128) in
     bfloat16: ours where the measurement chose it and the pass computes in bfloat16, torch's otherwise; the logits
     within bfloat16's reach of each other (a kernel's rounding, not a wrong key: 2^-5 of their largest magnitude)."""
@@ -95,7 +94,7 @@ def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_nea
     blocked = layer_ops.flash_attention
     monkeypatch.setattr(layer_ops, "flash_attention", lambda *args: calls.append(args[3]) or blocked(*args))
     logits, said = {}, {}
-    for chosen in (ours, not ours):
+    for chosen in (True, False):
         monkeypatch.setattr(flash, "chosen", lambda heads, kv_heads, head_dim, chosen=chosen: chosen)
         logits[chosen] = StaticRunner(model, rows=1, slots=64).forward_rows([(ids, None)], [48])[0].float()
         said[chosen] = lean_decoder(model).prompt_attention()  # what a report says ran
@@ -103,9 +102,12 @@ def test_a_bfloat16_prompts_pass_takes_the_chosen_kernel_and_its_logits_stay_nea
     # arithmetic the bfloat16 weights compute in float32: torch's kernel either way)
     assert calls == ([0] if native.bfloat16_arithmetic() else [])
     assert said[True].startswith("ours" if native.bfloat16_arithmetic() else "torch's") and said[False].startswith("torch's")
-    largest = logits[False].abs().max()
-    assert (logits[True] - logits[False]).abs().max() <= largest / 32
-    assert torch.equal(logits[True].argmax(-1)[-8:], logits[False].argmax(-1)[-8:])
+    apart = (logits[True] - logits[False]).abs().max()
+    assert apart <= logits[False].abs().max() / 32
+    # the same next token wherever torch's top two logits are further apart than the kernels are (45 of 48 here)
+    top = logits[False].topk(2, dim=-1).values
+    clear = top[:, 0] - top[:, 1] > 2 * apart
+    assert clear.sum() >= len(ids) // 2 and torch.equal(logits[True].argmax(-1)[clear], logits[False].argmax(-1)[clear])
     kernels.kernel_table.cache_clear()
 
 
