@@ -8,8 +8,6 @@ import json
 import os
 import re
 import socket
-import statistics
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,6 +20,7 @@ from utils.machine import machine_key
 from utils.offline_models import OFFLINE_MODELS, model_folder, offline_model
 from utils.paths import CACHE_ENV, cache_dir, write_cached
 from utils.quantized_models import QUANTIZE_KINDS, quantize_model
+from utils.timing import interleaved_medians
 
 __all__ = ["CACHE_ENV", "DEFAULT_MODEL", "cache_dir", "default_model_path", "end_token_ids", "fastest_dtype",
            "load_model", "resolve"]
@@ -120,17 +119,10 @@ def _time_dtypes() -> torch.dtype:
         bf16 = lambda x: native.gemm(x.to(activations), held, None)  # noqa: E731
     else:
         bf16 = lambda x: F.linear(x.to(held.dtype), held)  # noqa: E731
-    products = {torch.float32: lambda x: F.linear(x, weight), torch.bfloat16: bf16}
-    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in products}
-    for round_ in range(8):  # interleaved: a burst of load lands on both; the first round warms up
-        for dtype, product in products.items():
-            start = time.perf_counter()
-            for rows in (1, 9):
-                product(torch.randn(rows, 1536))
-            if round_:
-                times[dtype].append(time.perf_counter() - start)
-    fp32, bf16_seconds = (statistics.median(times[dtype]) for dtype in (torch.float32, torch.bfloat16))
-    return torch.bfloat16 if bf16_seconds * 1.15 < fp32 else torch.float32
+    products = {"float32": lambda x: F.linear(x, weight), "bfloat16": bf16}
+    seconds = interleaved_medians({dtype: lambda product=product: [product(torch.randn(rows, 1536)) for rows in (1, 9)]
+                                   for dtype, product in products.items()}, rounds=7)
+    return torch.bfloat16 if seconds["bfloat16"] * 1.15 < seconds["float32"] else torch.float32
 
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,

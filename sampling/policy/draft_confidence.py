@@ -120,7 +120,7 @@ def pair_record(drafter, target, greedy: bool) -> PairRecord:
 
 def use_pair_records(store: weakref.WeakKeyDictionary) -> weakref.WeakKeyDictionary:
     """What pairs learn kept in `store` (drafter -> target -> greedy -> `PairRecord`) from now on -> the store kept
-    until now (a benchmark gives each method its own: `benchmarks/spec_bench.py`, `learned_apart`)."""
+    until now (a benchmark gives each method its own: `benchmarks/learned.py`, `learned_apart`)."""
     global _LEARNED
     previous, _LEARNED = _LEARNED, store
     return previous

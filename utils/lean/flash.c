@@ -94,7 +94,7 @@ static void score_rows(const flash_t* F, const uint16_t* const* q, const uint16_
   for (int i = 0; i < d; i++) {
     vec k[KV];
     for (int v = 0; v < KV; v++)
-      k[v] = bits_vec(__builtin_convertvector(hload(kp + (size_t)i * KEY_BLOCK + LANES * v), uvec) << 16);
+      k[v] = widen(hload(kp + (size_t)i * KEY_BLOCK + LANES * v));
     for (int r = 0; r < SROWS; r++) {
       float x = bf16_to_f32(q[r][i]);
       for (int v = 0; v < KV; v++) acc[r][v] = x * k[v] + acc[r][v];
@@ -140,8 +140,8 @@ static void weigh_rows(const flash_t* F, const uint16_t* p, const uint16_t* vp, 
     }
     for (int j = 0; j < KEY_BLOCK; j++) {
       const uint16_t* v = vp + (size_t)j * d + i0;
-      vec v0 = bits_vec(__builtin_convertvector(hload(v), uvec) << 16);
-      vec v1 = bits_vec(__builtin_convertvector(hload(v + LANES), uvec) << 16);
+      vec v0 = widen(hload(v));
+      vec v1 = widen(hload(v + LANES));
       for (int r = 0; r < ROWS; r++) {
         float x = bf16_to_f32(p[r * KEY_BLOCK + j]);
         acc[r][0] = x * v0 + acc[r][0];
@@ -196,7 +196,7 @@ static void fold_row(const float* s, int last, float scale, float* most, vec* su
     hvec rounded = to_bf16(e);
 #endif
     hstore(p + h * LANES, rounded);
-    total = total + bits_vec(__builtin_convertvector(rounded, uvec) << 16);
+    total = total + widen(rounded);
   }
   *sum = total;
   *most = top;

@@ -18,8 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 
 from utils.lean import kernels, layer_ops, native
 from utils.paths import write_cached
+from utils.timing import interleaved_medians
 
 __all__ = ["WIDTH", "chosen"]
 
@@ -61,16 +60,9 @@ def _time(heads: int, kv_heads: int, head_dim: int) -> tuple[float, float]:
     q = torch.randn(1, heads, WIDTH, head_dim, generator=generator).bfloat16()
     keys, values = (torch.randn(1, kv_heads, WIDTH, head_dim, generator=generator).bfloat16() for _ in range(2))
     scale = head_dim ** -0.5
-    kernels = {
+    seconds = interleaved_medians({
         "ours": lambda: layer_ops.flash_attention(q, keys, values, 0, scale),
         "torch": lambda: F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
                                                         enable_gqa=heads != kv_heads),
-    }
-    times: dict[str, list[float]] = {name: [] for name in kernels}
-    for round_ in range(6):
-        for name, kernel in kernels.items():
-            start = time.perf_counter()
-            kernel()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    return statistics.median(times["ours"]), statistics.median(times["torch"])
+    }, rounds=5)
+    return seconds["ours"], seconds["torch"]

@@ -165,6 +165,26 @@ def readable_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask if mask.stride(-1) == 1 and mask.dtype == dtype else mask.to(dtype).contiguous()
 
 
+def _buffer(q: Tensor, keys: Tensor, values: Tensor, multiple: int, most: int | None = None) -> tuple[int, int]:
+    """The buffer's keys and values checked against q (rows, heads, width, head_dim): (rows, kv_heads, slots,
+    head_dim) each, contiguous, in q's dtype, a head size a positive multiple of `multiple`, query heads a multiple of
+    the key heads (and at most `most` times them) -> (kv_heads, slots)."""
+    rows, heads, _, head_dim = q.shape
+    check.shape(keys, "keys", (rows, None, None, head_dim))
+    kv_heads, slots = keys.shape[1:3]
+    if (head_dim == 0 or head_dim % multiple or kv_heads == 0 or heads % kv_heads
+            or (most is not None and not 1 <= heads // kv_heads <= most)):
+        per_key = "a multiple of the key heads" if most is None else f"1 to {most} times the key heads"
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)}: a head size that is a positive multiple of "
+                         f"{multiple}, and query heads {per_key}")
+    for name, tensor in (("keys", keys), ("values", values)):
+        check.shape(tensor, name, (rows, kv_heads, slots, head_dim))
+        check.dtype(tensor, name, (q.dtype,))
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the buffer's layout), got strides {tensor.stride()}")
+    return kv_heads, slots
+
+
 def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
     """Attention of the queries q (rows, heads, width, head_dim; any strides but the last) over the first
     `mask.shape[-1]` slots of the buffer's keys and values (rows, kv_heads, slots, head_dim; contiguous, q's dtype),
@@ -175,16 +195,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: floa
     check.dtype(q, "q", READABLE)
     check.shape(q, "q", (None, None, None, None))
     rows, heads, width, head_dim = q.shape
-    check.shape(keys, "keys", (rows, None, None, head_dim))
-    kv_heads, slots = keys.shape[1:3]
-    if head_dim == 0 or head_dim % LANES or kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)}: a head size that is a positive multiple of "
-                         f"{LANES}, and query heads a multiple of the key heads")
-    for name, tensor in (("keys", keys), ("values", values)):
-        check.shape(tensor, name, (rows, kv_heads, slots, head_dim))
-        check.dtype(tensor, name, (q.dtype,))
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (the buffer's layout), got strides {tensor.stride()}")
+    kv_heads, slots = _buffer(q, keys, values, LANES)
     check.shape(mask, "mask", (rows, 1, width, None))
     if mask.shape[-1] > slots:
         raise ValueError(f"mask covers {mask.shape[-1]} slots, the buffer holds {slots}")
@@ -212,16 +223,7 @@ def flash_attention(q: Tensor, keys: Tensor, values: Tensor, start: int, scale: 
     check.dtype(q, "q", (torch.bfloat16,))
     check.shape(q, "q", (1, None, None, None))
     _, heads, width, head_dim = q.shape
-    check.shape(keys, "keys", (1, None, None, head_dim))
-    kv_heads, slots = keys.shape[1:3]
-    if head_dim == 0 or head_dim % FLASH_DIMS or kv_heads == 0 or heads % kv_heads or not 1 <= heads // kv_heads <= FLASH_GROUP:
-        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)}: a head size that is a positive multiple of "
-                         f"{FLASH_DIMS}, and query heads 1 to {FLASH_GROUP} times the key heads")
-    for name, tensor in (("keys", keys), ("values", values)):
-        check.shape(tensor, name, (1, kv_heads, slots, head_dim))
-        check.dtype(tensor, name, (q.dtype,))
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (the buffer's layout), got strides {tensor.stride()}")
+    kv_heads, slots = _buffer(q, keys, values, FLASH_DIMS, FLASH_GROUP)
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= slots - width:
         raise ValueError(f"start must be an int from 0 to slots - width = {slots - width}, got {start!r}")
     for value, name in ((heads, "heads"), (width, "width"), (slots, "slots"), (head_dim, "head_dim")):

@@ -53,6 +53,8 @@ static inline vec vselect(ivec mask, vec a, vec b) {
   return bits_vec((vec_bits(a) & m) | (vec_bits(b) & ~m));
 }
 
+static inline vec widen(hvec h) { return bits_vec(__builtin_convertvector(h, uvec) << 16); } /* bfloat16 -> float32 */
+
 static inline void store(void* p, int64_t i, float v, int bf16) {
   if (bf16)
     ((uint16_t*)p)[i] = f32_to_bf16(v);
@@ -68,7 +70,7 @@ static inline void load_row(float* dst, const void* src, int64_t offset, int n, 
   if (bf16) {
     const uint16_t* s = (const uint16_t*)src + offset;
     int i = 0;
-    for (; i + LANES <= n; i += LANES) vstore(dst + i, bits_vec(__builtin_convertvector(hload(s + i), uvec) << 16));
+    for (; i + LANES <= n; i += LANES) vstore(dst + i, widen(hload(s + i)));
     for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
   } else {
     memcpy(dst, (const float*)src + offset, (size_t)n * sizeof(float));
@@ -84,7 +86,7 @@ static inline hvec to_bf16(vec v) { /* f32_to_bf16 on each lane */
 
 static inline vec vround(vec v, int bf16) { /* round_to on each lane */
   if (!bf16) return v;
-  return bits_vec(__builtin_convertvector(to_bf16(v), uvec) << 16);
+  return widen(to_bf16(v));
 }
 
 static inline void store_row(void* dst, int64_t offset, const float* src, int n, int bf16) { /* n % LANES == 0 */
