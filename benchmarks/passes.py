@@ -195,13 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = cli.benchmark_parser(__doc__)
     cli.add_models(parser, drafter="a drafter model whose passes are measured too", quantize=True)
     parser.add_argument("--no-self-drafter", action="store_true", help="leave out the four-bit self-drafter (left out with --quantize)")
-    parser.add_argument("--prompts", type=int, default=3, help="HumanEval development prompts decoded (even task ids: 0, 2, 4, ...)")
+    parser.add_argument("--prompts", type=int, default=3, help="HumanEval development prompts decoded (even ids; 0: the passes only)")
     cli.add_run(parser, max_new_tokens=64, repeats=3, out=Path("benchmarks/results/passes"))
     parser.add_argument("--emulate-avx2", action="store_true", help="hold this process to an AVX2-only CPU's code")
     parser.add_argument("--context", type=int, default=CONTEXT, help="tokens cached while a pass is timed")
     args = cli.parse(parser, argv)
     if args.context < 1:
         parser.error(f"--context must be >= 1, got {args.context}")
+    if args.prompts < 0:
+        parser.error(f"--prompts must be >= 0 (0: the passes only), got {args.prompts}")
     if args.emulate_avx2:
         emulate_avx2(sys.argv[1:] if argv is None else argv)
     native.gemm, native.gemm_q4 = profiled(native.gemm), profiled(native.gemm_q4)
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     passes, bandwidths = pass_reports(models, args.repeats, args.context)
     bandwidth = statistics.median(bandwidths)
     prompts = [encode(tokenizer, text) for _, text in load_humaneval(args.prompts)]  # the file holds even ids only
-    decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats)
+    decoding = plain_decoding(target, tokenizer, prompts, args.max_new_tokens, args.repeats) if prompts else None
     result = {"machine": machine(), "emulated_avx2": args.emulate_avx2, "quantize": args.quantize, "context": args.context,
               "read_gb_per_s": bandwidth / 1e9, "read_gb_per_s_by_round": [b / 1e9 for b in bandwidths],
               "passes": passes, "plain_decoding": decoding}
@@ -235,8 +237,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"{report['of_target']:.2f}",
                       *(f"{r['ms']:.1f} / {r['of_bound']:.2f} / {r['gemm_share']:.2f}" for r in report["widths"].values()))
     console.print(table)
-    console.print(f"plain decoding: ours {decoding['tokens_per_s']['ours']:.2f} tok/s, transformers' eager "
-                  f"{decoding['tokens_per_s']['hf_eager']:.2f} (ours {decoding['ratio']:.2f}x); outputs: {decoding['outputs']}")
+    if decoding:
+        console.print(f"plain decoding: ours {decoding['tokens_per_s']['ours']:.2f} tok/s, transformers' eager "
+                      f"{decoding['tokens_per_s']['hf_eager']:.2f} (ours {decoding['ratio']:.2f}x); outputs: {decoding['outputs']}")
 
 
 if __name__ == "__main__":

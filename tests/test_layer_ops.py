@@ -141,6 +141,32 @@ def test_attention_gives_the_reference_values_and_each_query_the_same_bits_at_ev
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, width", [(4, 1, 1), (9, 3, 1), (4, 1, 3)])
+def test_threads_that_share_a_querys_keys_give_its_bits_on_one_thread(dtype, heads, kv_heads, width):
+    """One query over a long buffer and fewer key heads than threads (Gemma 3's one key head; three on two threads):
+    the threads share each query's keys, values and heads (attention.c's attention_spread), and every output is the
+    bits one thread gives, within the float64 reference's tolerance."""
+    _require_ours()
+    torch.manual_seed(0)
+    head_dim, used = 64, 2200  # past 512 keys a thread on two to four threads
+    q = torch.randn(1, heads, width, head_dim).to(dtype)
+    keys, values = torch.randn(1, kv_heads, used + 8, head_dim).to(dtype), torch.randn(1, kv_heads, used + 8, head_dim).to(dtype)
+    mask = torch.zeros(1, 1, width, used, dtype=dtype)
+    mask[0, :, -1, 1000:1500] = torch.finfo(dtype).min  # a tree's hidden branch
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer_ops.attention(q, keys, values, mask, head_dim**-0.5, None)
+        for team in (2, 3, 4):
+            torch.set_num_threads(team)
+            assert torch.equal(layer_ops.attention(q, keys, values, mask, head_dim**-0.5, None), alone), team
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(alone.double(), attention_reference(q, keys, values, mask, head_dim**-0.5), atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_tree_nodes_attention_is_the_bits_it_gets_once_moved_next_to_its_ancestors(dtype):
     """A tree's node sees its context, its ancestors and itself, with hidden siblings between them; once accepted its
     keys move next to each other (`keep_path_row`) and a later pass reads them there: the same keys in the same order,

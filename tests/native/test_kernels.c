@@ -383,6 +383,14 @@ static void check_attention(attention_case c, int threads) {
   CHECK(specdec_attention(q, q_row, q_head, q_token, keys, values, mask, (int64_t)c.width * c.used, c.used, out,
                           c.rows, c.heads, c.kv_heads, c.width, c.used, c.slots, c.d, c.scale, c.cap, c.bf16,
                           threads) == SPECDEC_OK, "attention status");
+  if (threads > 1) { /* the same bits on one thread (threads that share a query's keys among them, or not) */
+    void* one = calloc(no, 4);
+    specdec_attention(q, q_row, q_head, q_token, keys, values, mask, (int64_t)c.width * c.used, c.used, one, c.rows,
+                      c.heads, c.kv_heads, c.width, c.used, c.slots, c.d, c.scale, c.cap, c.bf16, 1);
+    CHECK(same_bytes(one, out, no * size), "attention: %d threads and one differ (%d of %d key heads, width %d, %d keys)",
+          threads, c.heads, c.kv_heads, c.width, c.used);
+    free(one);
+  }
   double* want = malloc(sizeof(double) * c.d);
   for (int r = 0; r < c.rows; r++)
     for (int t = 0; t < c.width; t++)
@@ -624,7 +632,7 @@ static void check_decoder(int kind, int bf16, int qk_norms, int width, int threa
 
 /* Each iteration's random numbers drawn first, in order: arguments are evaluated in an order of the compiler's own,
    and every build should meet the same shapes. */
-#define DRAWS 56
+#define DRAWS 59
 static void draw(uint32_t* z) {
   for (int k = 0; k < DRAWS; k++) z[k] = next();
 }
@@ -664,6 +672,16 @@ static void check_all(void) {
     rope_case phi4 = {2, 3, 3, 1, 8, 128, bf16, 16, 96}, half = {1, 5, 2, 2, 12, 64, bf16, 16, 32};
     check_rope(phi4, 2), check_rope(half, 1);
   }
+  /* teams of threads on the same queries' keys (attention.c's attention_spread; 512 keys a thread at least): one
+     query over one key head, three key heads on two threads, walks of several queries and ragged ones, queries past
+     a walk's pairs, heads of 48-256, a team of two of four threads */
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    attention_case spread[] = {{1, 4, 1, 1, 1100, 1100, 256, bf16, 0.3f, 0}, {1, 9, 3, 1, 1100, 1200, 64, bf16, 0.3f, 0},
+                               {2, 12, 2, 2, 1600, 1650, 128, bf16, 0.3f, 8.0f}, {1, 2, 1, 5, 1100, 1200, 80, bf16, 0.3f, 0},
+                               {1, 16, 1, 3, 1100, 1100, 48, bf16, 0.3f, 0}, {1, 4, 1, 1, 1100, 1100, 128, bf16, 0.3f, 0}};
+    int threads[] = {2, 2, 3, 2, 2, 4};
+    for (int i = 0; i < 6; i++) check_attention(spread[i], threads[i]);
+  }
   for (int kind = 0; kind < 2; kind++)
     for (int bf16 = 0; bf16 < 2; bf16++) check_decoder(kind, bf16, kind == bf16, 6 + 3 * bf16, 2);
   /* a prompt: the 1.5B's heads, ragged blocks, a continuation, one to eight query heads a key head, heads of 32-256 */
@@ -689,6 +707,7 @@ static void fuzz(long n) {
     check_rope(r, threads);
     attention_case a = {1, 2, 1 + Z(39, 2), w, 0, 0, 16, bf16, 0.3f, Z(40, 2) ? 0 : 5.0f};
     a.heads = a.kv_heads * (1 + Z(41, 2)), a.slots = w + Z(42, 5), a.used = a.slots - Z(43, a.slots + 1);
+    if (Z(56, 8) == 0) a.slots = 1024 + Z(57, 600), a.used = a.slots - Z(43, 40), a.d = 16 * (1 + Z(58, 4)); /* shared keys */
     check_attention(a, threads);
     int kvh = 1 + Z(50, 2);
     check_flash(kvh * (1 + Z(51, 3)), kvh, 1 + Z(52, 40), Z(53, 3) ? 0 : Z(54, 9), 32 * (1 + Z(55, 2)), threads);
