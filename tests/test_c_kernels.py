@@ -71,8 +71,10 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
-def _environment() -> dict[str, str]:
-    return {**os.environ, "OMP_WAIT_POLICY": "passive", "RUNNER": " ".join(QEMU)}
+def _environment(policy: str = "passive") -> dict[str, str]:
+    """OpenMP's idle threads sleep (`policy` passive) or spin (active): attention.c forms its teams of threads from
+    fewer keys where they spin (`threads_sleep`)."""
+    return {**os.environ, "OMP_WAIT_POLICY": policy, "RUNNER": " ".join(QEMU)}
 
 
 def _toolchain(variant: Variant, scratch: Path) -> None:
@@ -119,8 +121,8 @@ def _binary(name: str, tmp_path_factory) -> Path:
     return _BUILT[name]
 
 
-def _run(name: str, binary: Path, *arguments: str) -> str:
-    result = subprocess.run([*VARIANTS[name].runner, str(binary), *arguments], env=_environment(),
+def _run(name: str, binary: Path, *arguments: str, policy: str = "passive") -> str:
+    result = subprocess.run([*VARIANTS[name].runner, str(binary), *arguments], env=_environment(policy),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{name} {' '.join(arguments)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result.stdout
@@ -135,9 +137,11 @@ def _params(names):
 @pytest.mark.parametrize("name", _params(VARIANTS))
 def test_each_build_matches_the_scalar_references_and_gives_each_row_its_bits_at_any_width(name, tmp_path_factory):
     """`check` (run by the build) then a short fuzz: every entry point within its tolerance of the references, each
-    row's bits the same alone and among 32, on 1 to 4 threads, refusals by their named status."""
+    row's bits the same alone and among 32, on 1 to 4 threads, refusals by their named status; the fuzz again with
+    spinning threads (attention's teams of threads on short buffers too)."""
     binary = _binary(name, tmp_path_factory)
     assert ", 0 failures" in _run(name, binary, "fuzz", "300")
+    assert ", 0 failures" in _run(name, binary, "fuzz", "300", "3", policy="active")
 
 
 @pytest.mark.portable
@@ -145,6 +149,7 @@ def test_each_build_matches_the_scalar_references_and_gives_each_row_its_bits_at
 def test_ten_thousand_random_calls_per_entry_point_are_clean_under_the_sanitizers(name, tmp_path_factory):
     binary = _binary(name, tmp_path_factory)
     assert ", 0 failures" in _run(name, binary, "fuzz", "10000", "7")
+    assert ", 0 failures" in _run(name, binary, "fuzz", "2000", "8", policy="active")
 
 
 def _digest(name: str, tmp_path_factory) -> dict[str, str]:

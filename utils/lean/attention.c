@@ -32,12 +32,12 @@
    changes the bits (each pair's sums keep their order). */
 #define CHUNK 32 /* (query, head) pairs a walk over the keys serves, at least one query's heads */
 #define KEYS 32  /* keys (then values) a sweep covers, in L1 for the walk's next PAIRS pairs */
-/* Where threads share walks (attention_spread), a thread's share of a walk's keys is at least this many KEYS blocks:
-   its two barriers more cost a wake-up each where OpenMP's idle threads sleep (OMP_WAIT_POLICY=passive, as
-   utils/threads.py sets beside other work). On a 2-vCPU Zen 4, one query over one key head (Gemma 3 270M's 4 x 256,
-   18 layers' cold buffers, alternated): with spinning threads the spread ran 1.2x whole walks at 64 keys, 1.6-1.8x at
-   512 to 4096; with sleeping ones 0.64x at 64 keys, 0.93-1.05x at 512, 1.13-1.16x at 1024, 1.4-1.7x at 2048-4096
-   (thirtieth round, docs/results.md). It does not change the bits. */
+/* Where threads share walks (attention_spread), a thread's share of a walk's keys is at least this many KEYS blocks
+   where OpenMP's idle threads sleep (OMP_WAIT_POLICY=passive, as utils/threads.py sets beside other work: each of its
+   two barriers more then costs a wake-up), one block where they spin. On a 2-vCPU Zen 4, one query over one key head
+   (Gemma 3 270M's 4 x 256, 18 layers' cold buffers, alternated both ways): with spinning threads the team ran 1.19-1.34x
+   whole walks at 64 and 256 keys, 1.5-1.8x at 512 to 16,384; with sleeping ones 0.64-0.73x at 64 keys, 0.83-0.97x at
+   512, 0.99-1.15x at 1,024, 1.17-1.43x at 2,048 (thirtieth round, docs/results.md). It does not change the bits. */
 #ifndef MIN_SPREAD_BLOCKS /* -DMIN_SPREAD_BLOCKS=... builds another to time */
 #define MIN_SPREAD_BLOCKS 16
 #endif
@@ -325,6 +325,18 @@ static int attention_spread(const attention_t* A, int rows, int per_walk, int th
   return SPECDEC_OK;
 }
 
+/* Whether OpenMP's idle threads sleep rather than spin: OMP_WAIT_POLICY=passive, read as OpenMP reads it. */
+static int threads_sleep(void) {
+  static int sleep = -1; /* read once; any thread reads the same */
+  if (sleep < 0) {
+    const char *policy = getenv("OMP_WAIT_POLICY"), *passive = "passive";
+    int same = policy != NULL;
+    for (int i = 0; same && (policy[i] || passive[i]); i++) same = (policy[i] | 32) == passive[i]; /* any case */
+    sleep = same;
+  }
+  return sleep;
+}
+
 /* The queries split `split` ways within each of `tasks` whole (row, key head) tasks, as OpenMP's static schedule deals
    the parts to `threads` threads: the busiest thread's queries (each part counted at its largest). */
 static int64_t busiest(int64_t tasks, int width, int split, int threads) {
@@ -348,11 +360,12 @@ int specdec_attention(const void* q, int64_t q_row, int64_t q_head, int64_t q_to
   threads = threads > 0 ? threads : 1;
   int per_walk = CHUNK / A.group > 0 ? CHUNK / A.group : 1; /* queries a walk serves */
   /* Whole tasks, their queries split the way that leaves the busiest thread the fewest; else a team of threads on
-     each walk, as many as get MIN_SPREAD_BLOCKS of its keys each, where its share is less than that busiest's. */
+     each walk, as many as get `least` of its keys each, where its share is less than that busiest's. */
   int64_t tasks = (int64_t)rows * kv_heads, split = 1;
   for (int s = 2; s <= width && busiest(tasks, width, (int)split, threads) * threads > tasks * width; s++)
     if (busiest(tasks, width, s, threads) < busiest(tasks, width, (int)split, threads)) split = s;
-  int team = used / (MIN_SPREAD_BLOCKS * KEYS) < threads ? used / (MIN_SPREAD_BLOCKS * KEYS) : threads;
+  int least = (threads_sleep() ? MIN_SPREAD_BLOCKS : 1) * KEYS;
+  int team = used / least < threads ? used / least : threads;
   if (team > 1 && tasks * width < busiest(tasks, width, (int)split, threads) * team)
     return attention_spread(&A, rows, per_walk, team);
   int per_task = (int)((width + split - 1) / split), status = SPECDEC_OK;
