@@ -672,7 +672,8 @@ static void check_all(void) {
     rope_case phi4 = {2, 3, 3, 1, 8, 128, bf16, 16, 96}, half = {1, 5, 2, 2, 12, 64, bf16, 16, 32};
     check_rope(phi4, 2), check_rope(half, 1);
   }
-  /* teams of threads on the same queries' keys (attention.c's attention_spread; 512 keys a thread at least): one
+  /* teams of threads on the same queries' keys (attention.c's attention_spread; 512 keys a thread at least where the
+     threads sleep, as run.sh runs them; test_c_kernels.py fuzzes with spinning ones, teams from 32 keys a thread): one
      query over one key head, three key heads on two threads, walks of several queries and ragged ones, queries past
      a walk's pairs, heads of 48-256, a team of two of four threads */
   for (int bf16 = 0; bf16 < 2; bf16++) {

@@ -5,8 +5,8 @@
    queries or keys is needed (torch's attention kernel blocks queries by their count: `llama.py` pads for it).
    Threads take whole (row, key head) tasks, their queries split among them where there are fewer tasks than threads;
    where that leaves a thread idle or busier than the rest (one query over fewer key heads than threads: a one-token
-   pass over a long buffer, Gemma 3's single key head, three key heads on two threads), every thread takes a share of
-   each walk instead (attention_spread: its keys, then its pairs, then slices of its values), with the same bits.
+   pass over a long buffer, Gemma 3's single key head, three key heads on two threads), a team of threads shares each
+   walk instead (attention_spread: its keys, then its pairs, then slices of its values), with the same bits.
    Tensors are float32, or bfloat16 (`bf16` set) stored as uint16; every sum is taken in float32, products and sums
    fused as fused.h says. */
 #include <math.h>
