@@ -35,9 +35,10 @@
 /* Where threads share walks (attention_spread), a thread's share of a walk's keys is at least this many KEYS blocks
    where OpenMP's idle threads sleep (OMP_WAIT_POLICY=passive, as utils/threads.py sets beside other work: each of its
    two barriers more then costs a wake-up), one block where they spin. On a 2-vCPU Zen 4, one query over one key head
-   (Gemma 3 270M's 4 x 256, 18 layers' cold buffers, alternated both ways): with spinning threads the team ran 1.19-1.34x
-   whole walks at 64 and 256 keys, 1.5-1.8x at 512 to 16,384; with sleeping ones 0.64-0.73x at 64 keys, 0.83-0.97x at
-   512, 0.99-1.15x at 1,024, 1.17-1.43x at 2,048 (thirtieth round, docs/results.md). It does not change the bits. */
+   (Gemma 3 270M's 4 x 256, 18 layers' cold buffers, alternated both ways): with spinning threads the team ran
+   1.19-1.34x whole walks at 64 and 256 keys, 1.5-1.8x at 512 to 16,384; with sleeping ones 0.64-0.73x at 64 keys,
+   0.83-0.97x at 512, 0.99-1.15x at 1,024, 1.17-1.43x at 2,048 (thirtieth round, docs/results.md). It does not change
+   the bits. */
 #ifndef MIN_SPREAD_BLOCKS /* -DMIN_SPREAD_BLOCKS=... builds another to time */
 #define MIN_SPREAD_BLOCKS 16
 #endif
@@ -250,7 +251,7 @@ static void attention_walk(const attention_t* A, float* buffer, int r, int kvh, 
   store_outputs(A, acc, sums, r, kvh, first, n, 0, d);
 }
 
-/* ---- every thread on the same walks: where whole walks would leave a thread idle (one query, fewer key heads than
+/* ---- a team of threads on each walk: where whole walks would leave a thread idle (one query, fewer key heads than
    threads: a one-token pass) or one busier than the rest (three key heads on two threads) ---- */
 
 /* Elements of a head's output a thread's share of the values covers: 128 bytes of a bfloat16 row, a pair of lines
@@ -263,11 +264,11 @@ typedef struct {
   size_t at; /* its first pair among all the walks' pairs */
 } walk_t;
 
-/* The walks of specdec_attention (row, key head, queries first..first + count - 1) with every thread on each: its keys'
-   scores in `threads` ranges of whole KEYS blocks; each pair's mask and softmax alone; its values' weighted sum in
-   slices of SLICE elements of the head. Each step computes what attention_walk computes, on the same inputs and in
-   the same order, so the bits are its bits. Two barriers more than whole walks take (after the scores, after the
-   softmax). -> SPECDEC_OK or SPECDEC_NO_MEMORY. */
+/* The walks of specdec_attention (row, key head, queries first..first + count - 1), the team's `threads` on each:
+   its keys' scores in `threads` ranges of whole KEYS blocks; each pair's mask and softmax alone; its values' weighted
+   sum in slices of SLICE elements of the head. Each step computes what attention_walk computes, on the same inputs
+   and in the same order, so the bits are its bits. Two barriers more than whole walks take (after the scores, after
+   the softmax). -> SPECDEC_OK or SPECDEC_NO_MEMORY. */
 static int attention_spread(const attention_t* A, int rows, int per_walk, int threads) {
   int d = A->d, group = A->group, padded = A->padded, per_task = (A->width + per_walk - 1) / per_walk;
   int walks = rows * A->kv_heads * per_task, blocks = (A->used + KEYS - 1) / KEYS, slices = (d + SLICE - 1) / SLICE;
@@ -327,14 +328,14 @@ static int attention_spread(const attention_t* A, int rows, int per_walk, int th
 
 /* Whether OpenMP's idle threads sleep rather than spin: OMP_WAIT_POLICY=passive, read as OpenMP reads it. */
 static int threads_sleep(void) {
-  static int sleep = -1; /* read once; any thread reads the same */
-  if (sleep < 0) {
+  static int sleeping = -1; /* read once (a caller that reads it again writes the same value) */
+  if (sleeping < 0) {
     const char *policy = getenv("OMP_WAIT_POLICY"), *passive = "passive";
     int same = policy != NULL;
     for (int i = 0; same && (policy[i] || passive[i]); i++) same = (policy[i] | 32) == passive[i]; /* any case */
-    sleep = same;
+    sleeping = same;
   }
-  return sleep;
+  return sleeping;
 }
 
 /* The queries split `split` ways within each of `tasks` whole (row, key head) tasks, as OpenMP's static schedule deals
