@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import paths, settings
+from utils import freed_memory, paths, settings
 from utils.lean import build, huge_pages, kernels, native
 from utils.settings import Settings, current, parse
 
@@ -22,6 +22,7 @@ SWITCHES = {  # variable -> (field, its value when unset)
     settings.LEAN_ENV: ("lean", True),
     settings.PROGRESS_ENV: ("progress", True),
     settings.HUGE_PAGES_ENV: ("huge_pages", True),
+    settings.KEEP_MEMORY_ENV: ("keep_memory", True),
     settings.INVARIANT_ENV: ("width_invariant", None),
     settings.CALIBRATE_ENV: ("calibrate", None),
 }
@@ -34,7 +35,7 @@ def test_an_empty_environment_gives_the_defaults():
 
 
 def test_every_variable_is_in_the_docstring_table_and_a_field():
-    assert len(set(settings.NAMES)) == len(settings.NAMES) == 8
+    assert len(set(settings.NAMES)) == len(settings.NAMES) == 9
     for name in settings.NAMES:
         assert f"    {name} " in settings.__doc__, name
     assert set(SWITCHES) | {settings.CACHE_ENV, settings.MARCH_ENV} == set(settings.NAMES)
@@ -131,6 +132,7 @@ def test_the_old_constant_names_are_the_settings_names():
     assert build.NATIVE_ENV == native.NATIVE_ENV == settings.NATIVE_ENV and build.MARCH_ENV == settings.MARCH_ENV
     assert kernels.INVARIANT_ENV == settings.INVARIANT_ENV and LEAN_ENV == settings.LEAN_ENV
     assert huge_pages.HUGE_PAGES_ENV == settings.HUGE_PAGES_ENV and calibration.CALIBRATE_ENV == settings.CALIBRATE_ENV
+    assert freed_memory.KEEP_MEMORY_ENV == settings.KEEP_MEMORY_ENV
     assert calibration.PROGRESS_ENV == offline_models.PROGRESS_ENV == quantized_models.PROGRESS_ENV == settings.PROGRESS_ENV
 
 

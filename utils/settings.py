@@ -28,6 +28,9 @@ instead of meaning "on" in one file and "off" in another. The library reads them
                                                          busy machine; unset: measure unless backed off
     SPECDEC_HUGE_PAGES      0, 1             1           0: weights stay where they were loaded (no copy  utils/lean/huge_pages.py
                                                          onto transparent huge pages at the first pass)
+    SPECDEC_KEEP_MEMORY     0, 1             1           0: glibc's malloc gives a pass's freed memory    utils/freed_memory.py
+                                                         back as it does by default (faulted in again
+                                                         at the next pass)
 
 An empty value is the same as unset. `SPECDEC_REQUIRE_NATIVE` is the test suite's own (tests/conftest.py), not the
 library's: it is not read here.
@@ -46,8 +49,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "CALIBRATE_ENV", "HUGE_PAGES_ENV", "INVARIANT_ENV", "LEAN_ENV", "MARCH_ENV", "NAMES",
-           "NATIVE_ENV", "PROGRESS_ENV", "Settings", "current", "parse"]
+__all__ = ["CACHE_ENV", "CALIBRATE_ENV", "HUGE_PAGES_ENV", "INVARIANT_ENV", "KEEP_MEMORY_ENV", "LEAN_ENV", "MARCH_ENV",
+           "NAMES", "NATIVE_ENV", "PROGRESS_ENV", "Settings", "current", "parse"]
 
 CACHE_ENV = "SPECDEC_CACHE"
 NATIVE_ENV = "SPECDEC_NATIVE"
@@ -57,7 +60,9 @@ INVARIANT_ENV = "SPECDEC_WIDTH_INVARIANT"
 PROGRESS_ENV = "SPECDEC_PROGRESS"
 CALIBRATE_ENV = "SPECDEC_CALIBRATE"
 HUGE_PAGES_ENV = "SPECDEC_HUGE_PAGES"
-NAMES = (CACHE_ENV, NATIVE_ENV, MARCH_ENV, LEAN_ENV, INVARIANT_ENV, PROGRESS_ENV, CALIBRATE_ENV, HUGE_PAGES_ENV)
+KEEP_MEMORY_ENV = "SPECDEC_KEEP_MEMORY"
+NAMES = (CACHE_ENV, NATIVE_ENV, MARCH_ENV, LEAN_ENV, INVARIANT_ENV, PROGRESS_ENV, CALIBRATE_ENV, HUGE_PAGES_ENV,
+         KEEP_MEMORY_ENV)
 # A compiler's CPU name (haswell, x86-64-v3, neoverse-v1, armv8.2-a+fp16): never a leading "-", which would
 # hand the compiler a flag of the environment's choosing.
 _MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -81,6 +86,7 @@ class Settings:
     progress: bool = True  # SPECDEC_PROGRESS
     calibrate: bool | None = None  # SPECDEC_CALIBRATE; None: measure unless a busy machine backed it off
     huge_pages: bool = True  # SPECDEC_HUGE_PAGES
+    keep_memory: bool = True  # SPECDEC_KEEP_MEMORY
 
 
 def current() -> Settings:
@@ -111,6 +117,7 @@ def _parsed(raw: tuple[str | bytes | None, ...]) -> Settings:
         calibrate=_switch(CALIBRATE_ENV, values[CALIBRATE_ENV], None,
                           "0 (the prior costs), 1 (measure even when backed off) or unset"),
         huge_pages=_switch(HUGE_PAGES_ENV, values[HUGE_PAGES_ENV], True, "0 (weights stay where loaded) or 1"),
+        keep_memory=_switch(KEEP_MEMORY_ENV, values[KEEP_MEMORY_ENV], True, "0 (glibc's own rules) or 1"),
     )
 
 

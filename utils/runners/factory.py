@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from utils.cost_model import PassCosts
+from utils.freed_memory import keep_freed_memory
 from utils.lean import lean_decoder
 from utils.runners.beam import BeamRunner, StaticBeamRunner
 from utils.runners.model_info import shares_passes
@@ -35,6 +36,7 @@ def make_runner(
     decoder-only model); `costs`: the model's `PassCosts` (`utils.calibration.pass_costs`), or None
     (no CPU shortcuts, no timing)."""
     assert rows >= 1 and (encoder_input_ids is None or len(encoder_input_ids) == rows)
+    keep_freed_memory()  # once a process: a pass's freed memory kept for the next (`utils/freed_memory.py`)
     if use_cache and lean_decoder(model) is not None and max_tokens is not None:
         # Our own forward takes every model it runs (a mask per kind of layer). Its buffer reaches past the model's
         # positions: a row near the end of the context still drafts (positions clamped; a token past the context is
@@ -53,6 +55,7 @@ def make_beam_runner(model: PreTrainedModel, *, use_cache: bool, costs: PassCost
                      max_tokens: int) -> BeamRunner | StaticBeamRunner:
     """Beam search's runner: the beams as rows of a static buffer where our own forward runs `model` (with a
     cache), else over transformers' cache. `max_tokens`: the most tokens a beam may hold."""
+    keep_freed_memory()
     if use_cache and lean_decoder(model) is not None:
         return StaticBeamRunner(model, slots=-(-(max_tokens + 1) // SLOTS_STEP) * SLOTS_STEP, costs=costs)
     return BeamRunner(model, use_cache=use_cache, costs=costs)
