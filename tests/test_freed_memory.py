@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from utils import settings
+
 ROOT = Path(__file__).resolve().parent.parent
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -38,9 +40,9 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def passes(ask: bool, keep: str | None = None) -> tuple[bool, int]:
-    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_KEEP_MEMORY"}
+    env = {k: v for k, v in os.environ.items() if k != settings.KEEP_MEMORY_ENV}
     if keep is not None:
-        env["SPECDEC_KEEP_MEMORY"] = keep
+        env[settings.KEEP_MEMORY_ENV] = keep
     out = subprocess.run([sys.executable, "-c", PASSES.format(root=str(ROOT), ask=ask)], env=env, check=True,
                          capture_output=True, text=True).stdout.split()
     return out[0] == "True", int(out[1])
@@ -63,7 +65,7 @@ def test_elsewhere_than_glibc_nothing_changes(monkeypatch):
     monkeypatch.setattr(freed_memory.platform, "libc_ver", lambda: ("", ""))
     assert freed_memory.keep_freed_memory() is False
     monkeypatch.setattr(freed_memory, "_kept", None)
-    monkeypatch.setenv("SPECDEC_KEEP_MEMORY", "0")
+    monkeypatch.setenv(settings.KEEP_MEMORY_ENV, "0")
     assert freed_memory.keep_freed_memory() is False and freed_memory._kept is None  # not even asked
 
 
@@ -73,4 +75,4 @@ def test_a_generation_asks_for_it():
     from utils import freed_memory
 
     autoregressive_generate(list(range(5, 12)), tiny_model("llama", seed=0), max_gen_len=2)
-    assert bool(freed_memory._kept) == (GLIBC and os.environ.get("SPECDEC_KEEP_MEMORY") != "0")
+    assert bool(freed_memory._kept) == (GLIBC and settings.current().keep_memory)

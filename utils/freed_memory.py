@@ -8,11 +8,12 @@ then new pages at every pass, each 4 KB page a fault: on a 2-vCPU AMD EPYC Zen 4
 tokens faulted 320,000-340,000 times (1.3 GB), and a 64-token generation of the self-drafter sampling after a
 Spec-Bench prompt 330,000 times. So the first generation in a process (`keep_freed_memory`) has glibc map no block
 apart (`M_MMAP_MAX` 0: every block from the heap; a thread's arena still maps what its heaps cannot hold) and keep up to
-`TRIM_THRESHOLD` of the heap's free top, reused by the next pass: there the same runs faulted 20,000-70,000 and 0-90
-times, the first token came 1.05-1.12x sooner and the self-drafter's generations took 0.92x the time, at the same peak
-resident memory (processes alternated; raising the mmap threshold to its 32 MB instead left most faults:
-docs/results.md, thirty-first round). The process keeps what its largest pass freed, up to `TRIM_THRESHOLD`, between
-generations; `SPECDEC_KEEP_MEMORY=0` leaves glibc's own rules. Elsewhere than glibc (macOS, musl) nothing changes.
+`TRIM_THRESHOLD` of the heap's free top, reused by the next pass: there the same runs faulted 20,000-70,000 and
+0-21,000 times, the first token came 1.05-1.12x sooner and the self-drafter's generations took 0.92x the time, at the
+same peak resident memory and 0.26 GB more resident after a generation (processes alternated; raising the mmap
+threshold to its 32 MB instead left most faults: docs/results.md, thirty-first round). The process keeps what its
+largest pass freed, up to `TRIM_THRESHOLD`, between generations; `SPECDEC_KEEP_MEMORY=0` leaves glibc's own rules.
+Elsewhere than glibc (macOS, musl) nothing changes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ __all__ = ["KEEP_MEMORY_ENV", "TRIM_THRESHOLD", "keep_freed_memory"]
 KEEP_MEMORY_ENV = settings.KEEP_MEMORY_ENV
 TRIM_THRESHOLD = 1 << 30  # the heap's free top kept, at most (a prompt pass's activations over thousands of tokens)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # malloc.h's parameter numbers
-
 
 _kept: bool | None = None  # whether this process keeps it (None: not asked yet)
 
@@ -49,4 +49,6 @@ def _keep() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_MAX, 0)) & bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    no_block_mapped = mallopt(_M_MMAP_MAX, 0)  # each call 1 where glibc took the value
+    top_kept = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return bool(no_block_mapped and top_kept)
