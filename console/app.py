@@ -17,6 +17,7 @@ from ngram_assisted import MultiDynaGram, SimpleDynaGram
 from sampling import Step
 from utils.calibration import pass_costs
 from utils.runners.model_info import context_length
+from utils.runners.prompt_cache import PromptCache
 
 
 class ChatConsole:
@@ -32,6 +33,9 @@ class ChatConsole:
         self.system_prompt = system_prompt
         self.history: list[dict] = []
         self.pool = self.new_pool()
+        # Each method's last call's keys, kept for its next turn (`PromptCache`): a method reads only what the
+        # conversation added since its own last answer, and times only its own passes.
+        self.prompt_caches: dict[str, PromptCache] = {}
 
     def new_pool(self):
         s = self.settings
@@ -160,13 +164,15 @@ class ChatConsole:
                 notes.add(note)
                 self.say(Text(note, style="yellow"))
             stream = TextStream(tokenizer)
+            cache = self.prompt_caches.setdefault(method, PromptCache())
             # The prompt pass (seconds for a long conversation) under a spinner, until the first step.
             prompt_pass = Status(self.console, f"[{method}] " + ("searching 4 beams" if method == "beam" else
-                                                                 f"reading the prompt ({len(inputs)} tokens)"))
+                                                                 self.reading(method, inputs, cache)))
             start = time.perf_counter()
             with keys_ignored(), prompt_pass:
                 ids, stats = run_method(method, inputs, settings, target=self.target, drafter=self.drafter, pool=self.pool,
-                                        on_step=None if method == "beam" else self.streamer(method, stream, prompt_pass))
+                                        on_step=None if method == "beam" else self.streamer(method, stream, prompt_pass),
+                                        prompt_cache=cache)
             seconds = time.perf_counter() - start
             text = tokenizer.decode(ids, skip_special_tokens=True)
             if method == "beam" or not stream.ids:  # no step streamed: the label was not shown yet
@@ -180,6 +186,12 @@ class ChatConsole:
         if self.settings.chat:
             reply = results[0].text
             self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+
+    def reading(self, method: str, inputs: list[int], cache: PromptCache) -> str:
+        """The spinner's words while `method` reads its prompt: how many tokens, and how many its last answer kept."""
+        model = (self.drafter if method == "drafter" else self.target).model
+        kept = cache.reusable(model, inputs[:-1])
+        return f"reading the prompt ({len(inputs)} tokens" + (f", {kept} kept from the last answer)" if kept else ")")
 
     def prior_costs(self, method: str) -> bool:
         """Whether `method` sized its drafts on prior pass costs (`utils.calibration`: not measured

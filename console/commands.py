@@ -113,6 +113,7 @@ def _status(app, args):
 def _clear(app, args):
     _no_arguments("clear", args)
     app.history.clear()
+    app.prompt_caches.clear()
     return "conversation cleared"
 
 

@@ -14,6 +14,7 @@ from console.settings import Settings
 from ngram_assisted import ngram_assisted_speculative_generate
 from ngram_assisted import ngram_assisted_speculative_generate_encoder_decoder as nasd_ed
 from sampling import (
+    PromptCache,
     SpeculativeStats,
     autoregressive_generate,
     autoregressive_generate_encoder_decoder,
@@ -169,11 +170,12 @@ def drafter_hint(target: Model, installed: list[str] | None = None) -> str:
 
 
 def run_method(method: str, inputs: list[int], s: Settings, *, target: Model, drafter: Model | None, pool,
-               on_step) -> tuple[list[int], SpeculativeStats | None]:
-    """Run one of the console's methods with its settings -> (generated ids, stats or None)."""
+               on_step, prompt_cache: PromptCache | None = None) -> tuple[list[int], SpeculativeStats | None]:
+    """Run one of the console's methods with its settings -> (generated ids, stats or None). `prompt_cache`: the
+    method's kept keys from its last answer (beam search reads its prompt whole)."""
     generator = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
     common = dict(max_gen_len=s.max_gen_len, end_tokens_id=target.end_tokens, use_cache=s.use_cache)
-    sampling = dict(logits_processor=s.processor, generator=generator, on_step=on_step)
+    sampling = dict(logits_processor=s.processor, generator=generator, on_step=on_step, prompt_cache=prompt_cache)
     encoder_decoder = target.encoder_decoder
     if method in ("speculative", "drafter") and drafter is None:
         raise ValueError(f"/{method} needs a drafter model: {drafter_hint(target)}")

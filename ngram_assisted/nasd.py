@@ -29,6 +29,7 @@ from sampling.loop.stopping import Criterion
 from sampling.policy.draft_policy import DraftLength, DraftPolicy
 from sampling.speculative import run_speculative
 from utils.logits_processors import LogitsProcessor
+from utils.runners.prompt_cache import PromptCache
 from utils.validation import Inputs, transformers_names
 
 
@@ -86,6 +87,7 @@ def ngram_assisted_speculative_generate(
     stopping_criteria: Criterion | list[Criterion] | None = Habits.stopping_criteria,
     num_return_sequences: int = Habits.num_return_sequences,
     draft_policy: DraftPolicy | None = SHARED.draft_policy,
+    prompt_cache: PromptCache | None = SHARED.prompt_cache,
     **kind_options,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """NASD for a decoder-only `target` -> (generated ids, alpha), or one such pair per row of a batch.
@@ -111,12 +113,14 @@ def ngram_assisted_speculative_generate(
     `pad_token_id`: for a batch without an attention mask, the token stripped from both ends of
     each row. `tokenizer`: the target's, for `stop_strings`. `stop_strings`, `stopping_criteria`,
     `num_return_sequences` and `end_tokens_id` left out: as in `autoregressive_generate`. `logits_processor`,
-    `max_gen_len`, `use_cache`, `generator`, `stats`, `on_step` and `draft_policy`: as in `speculative_generate`.
+    `max_gen_len`, `use_cache`, `generator`, `stats`, `on_step`, `draft_policy` and `prompt_cache`: as in
+    `speculative_generate`.
     """
     shared = NasdDecodingOptions(gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
                                  end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,
                                  generator=generator, stats=stats, on_step=on_step, draft_policy=draft_policy,
-                                 habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
+                                 habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences),
+                              prompt_cache=prompt_cache)
     pool = {"top_k_filler": top_k_filler, "stop_if_unknown": stop_if_unknown, "draft_cost": draft_cost,
             "branching": branching}
     return run_speculative(inputs, target, ngram, shared, {**pool, **kind_options}, name="ngram",

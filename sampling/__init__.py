@@ -11,12 +11,14 @@ from sampling.speculative import (
     speculative_generate,
     speculative_generate_encoder_decoder,
 )
+from utils.runners.prompt_cache import PromptCache
 
 __all__ = [
     "Draft",
     "DraftPolicy",
     "DraftTree",
     "Drafter",
+    "PromptCache",
     "Step",
     "SpeculativeStats",
     "autoregressive_generate",

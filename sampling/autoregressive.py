@@ -16,6 +16,7 @@ from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.loop.stopping import Criterion
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
+from utils.runners.prompt_cache import PromptCache
 from utils.validation import Inputs, transformers_names
 
 SHARED = DecodingOptions  # the defaults every decoding function shares (max_gen_len, use_cache, the processor...)
@@ -31,11 +32,7 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
     its generated tokens, steps, target passes and each returned token's log-probability."""
     rows, runner = Progress(gen, logprobs=stats is not None and stats.collect_logprobs), gen.runner
     passes = runner.forward_passes
-    # The speculative loop's prefill, whatever the runner: each row's last token is held back for the first
-    # step's pass, so that every token's logits come from a pass of the same width as there (a prompt-sized
-    # pass may round otherwise than a few-token one: `utils/lean/kernels.py`).
-    if any(len(prefix) > 1 for prefix in gen.prefixes):
-        runner.forward_rows([(prefix[:-1], None) for prefix in gen.prefixes], [int(len(p) > 1) for p in gen.prefixes])
+    gen.prefill()  # the speculative loop's: each row's last token held back for the first step's pass
     logits = runner.forward_rows([(prefix[-1:], None) for prefix in gen.prefixes], [1] * len(rows.live))
     while True:
         verdicts = accept_rows(logits, [NO_DRAFTS] * len(rows.live), rows.active(), logits_processor, rows.uniforms())
@@ -55,7 +52,7 @@ def _decode(gen: Generation, logits_processor: LogitsProcessor, on_step: OnStep 
                 stats.generated_tokens += sum(len(tokens) for tokens in rows.generated)
                 stats.target_forwards += runner.forward_passes - passes
                 stats.logprobs += rows.logprobs.lists()
-            return gen.results(rows.generated)
+            return gen.results(rows.generated, rows.sequences)
         logits = runner.forward_rows([([verdicts[i].token], None) for i in going_on], [1] * len(going_on))  # the cache holds the rest
 
 
@@ -77,6 +74,7 @@ def autoregressive_generate(
     stop_strings: str | list[str] | None = Habits.stop_strings,
     stopping_criteria: Criterion | list[Criterion] | None = Habits.stopping_criteria,
     num_return_sequences: int = Habits.num_return_sequences,
+    prompt_cache: PromptCache | None = SHARED.prompt_cache,
 ) -> list[int] | list[list[int]]:
     """Generate up to `max_gen_len` tokens after `inputs` with a decoder-only model.
 
@@ -95,11 +93,14 @@ def autoregressive_generate(
     `max_gen_len` stops. `stop_strings` (with `tokenizer`, the target's) and `stopping_criteria`
     (transformers' `StoppingCriteria`) stop where plain decoding stops (`sampling/loop/stopping.py`);
     `num_return_sequences`=n returns what the batch of n copies of each prompt returns. `logits_processor`
-    (greedy by default) picks each token; `use_cache=False` gives the same tokens, slower.
+    (greedy by default) picks each token; `use_cache=False` gives the same tokens, slower. `prompt_cache` (a
+    `PromptCache`): one sequence's prompt read only past what the cache kept of this model's last call (a chat's
+    next turn), and this call's keys kept for the next (`utils/runners/prompt_cache.py`).
     """
     options = DecodingOptions(logits_processor=logits_processor, max_gen_len=max_gen_len, end_tokens_id=end_tokens_id,
                               pad_token_id=pad_token_id, use_cache=use_cache, generator=generator, stats=stats,
-                              on_step=on_step, habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
+                              on_step=on_step, habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences),
+                              prompt_cache=prompt_cache)
     request = check_request(inputs, model, options, encoder_decoder=is_encoder_decoder(model))
     return _decode(start_generation(request, measured_costs(model)), logits_processor, on_step, stats)
 

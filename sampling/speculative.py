@@ -24,6 +24,7 @@ from sampling.loop.stopping import Criterion
 from sampling.policy.draft_policy import DraftPolicy
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import is_encoder_decoder
+from utils.runners.prompt_cache import PromptCache
 from utils.validation import Inputs, transformers_names
 
 __all__ = ["SpeculativeStats", "run_speculative", "speculative_generate", "speculative_generate_encoder_decoder",
@@ -90,6 +91,7 @@ def speculative_generate(
     bits: int | str | None = SELF.bits,
     group_size: int | None = SELF.group_size,
     share_cache: bool = SELF.share_cache,
+    prompt_cache: PromptCache | None = SHARED.prompt_cache,
     **kind_options,
 ) -> tuple[list[int], float] | list[tuple[list[int], float]]:
     """Speculative decoding (Leviathan et al. 2023) of a decoder-only `target` with a smaller `drafter`
@@ -117,11 +119,13 @@ def speculative_generate(
     the library's choice), built once per target (`sampling/drafters/self_kind.py`); `share_cache`: it drafts
     over the target's cache, no prompt pass of its own (a `quantized_drafter(target)` model takes these too). `**kind_options`:
     the options of a drafter kind the signature does not list; one no kind takes is refused by name.
+    `prompt_cache`: as in `autoregressive_generate` (the target's keys kept; a drafter model reads its prompt whole).
     """
     shared = DecodingOptions(gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
                              end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,
                              generator=generator, stats=stats, on_step=on_step, draft_policy=draft_policy,
-                             habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences))
+                             habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences),
+                              prompt_cache=prompt_cache)
     model = {"adaptive_gamma": adaptive_gamma, "drafter_tokenizer": drafter_tokenizer, "ngram": ngram,
              "drafter_invariant": drafter_invariant, "cascade": cascade, "branching": branching, "bits": bits,
              "group_size": group_size, "share_cache": share_cache}

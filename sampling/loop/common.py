@@ -16,6 +16,7 @@ from utils.calibration import pass_costs
 from utils.cost_model import PassCosts
 from utils.runners import Runner, make_runner
 from utils.runners.model_info import context_length
+from utils.runners.prompt_cache import PromptCache
 from utils.validation import check_decoder_start
 
 
@@ -51,6 +52,7 @@ class Generation:
     uniforms: list[PositionUniforms]  # each row's random numbers by position
     batched: bool  # the inputs were a batch: results come back as a list, one per row
     stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/loop/stopping.py)
+    prompt_cache: PromptCache | None = None  # where a one-row call's keys are kept for the next (`prefill`, `results`)
 
     @property
     def prefix(self) -> list[int]:
@@ -81,8 +83,19 @@ class Generation:
                 return tokens[: i + 1], True
         return tokens[:budget], len(tokens) >= budget
 
-    def results(self, per_row: list):
-        """What the caller gets: the one row's result, or the list of every row's."""
+    def prefill(self) -> None:
+        """The prompt pass: each row's prefix but its last token, which the first step feeds (so that every token's
+        logits come from a pass of the width of a step's: a prompt-sized pass may round otherwise than a few-token
+        one, `utils/lean/kernels.py`), less what the runner holds already (a kept prompt: `start_generation`)."""
+        blocks = [(prefix[self.runner.row_length(b):-1], None) for b, prefix in enumerate(self.prefixes)]
+        if any(tokens for tokens, _ in blocks):
+            self.runner.forward_rows(blocks, [int(len(tokens) > 0) for tokens, _ in blocks])
+
+    def results(self, per_row: list, sequences: list[list[int]]):
+        """What the caller gets: the one row's result, or the list of every row's; `sequences`: each row's prefix
+        and generated tokens, what a `prompt_cache` keeps of a one-row call."""
+        if self.prompt_cache is not None and len(sequences) == 1:
+            self.prompt_cache.keep(self.runner, sequences[0])
         return per_row if self.batched else per_row[0]
 
 
@@ -100,6 +113,7 @@ class Request:
     max_gen_len: int
     generators: list[torch.Generator | None]  # one per row
     stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/loop/stopping.py)
+    prompt_cache: PromptCache | None = None  # a conversation's kept keys (`utils/runners/prompt_cache.py`)
 
     @property
     def num_rows(self) -> int:
@@ -138,5 +152,7 @@ def start_generation(request: Request, costs: PassCosts) -> Generation:
     uniforms = [PositionUniforms(g, prefix_length=len(prefix)) for g, prefix in zip(request.generators, prefixes, strict=True)]
     runner = make_runner(model, rows=len(rows), use_cache=request.use_cache, encoder_input_ids=encoder_input_ids,
                          costs=costs, max_tokens=max_tokens(prefixes, max_new))
+    if request.prompt_cache is not None and not request.encoder_decoder and len(rows) == 1:
+        request.prompt_cache.restore(runner, prefixes[0][:-1])
     return Generation(runner, prefixes, encoder_input_ids, request.end_tokens, max_new, uniforms, request.batched,
-                      request.stopping)
+                      request.stopping, request.prompt_cache)

@@ -35,6 +35,7 @@ from sampling.loop.habits import Habits, check_gen_len
 from sampling.loop.speculative_loop import SpeculativeStats
 from sampling.policy.draft_policy import DraftPolicy, check_policy
 from utils.logits_processors import GreedyProcessor, LogitsProcessor
+from utils.runners.prompt_cache import PromptCache
 from utils.validation import (
     MODEL_EOS,
     Inputs,
@@ -77,6 +78,7 @@ class DecodingOptions:
     on_step: OnStep | None = None
     draft_policy: DraftPolicy | None = None
     habits: Habits = Habits()  # tokenizer, stop strings, stopping criteria, num_return_sequences
+    prompt_cache: PromptCache | None = None  # a conversation's kept keys (`utils/runners/prompt_cache.py`)
 
     def __post_init__(self) -> None:
         check_int(self.gamma, "gamma", 1)
@@ -95,6 +97,8 @@ class DecodingOptions:
             check_policy(self.draft_policy)
         if not isinstance(self.habits, Habits):
             raise TypeError(f"habits must be a sampling.loop.habits.Habits, got {self.habits!r}")
+        if self.prompt_cache is not None and not isinstance(self.prompt_cache, PromptCache):
+            raise TypeError(f"prompt_cache must be a PromptCache (kept across calls) or None, got {self.prompt_cache!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +148,7 @@ def check_request(inputs: Inputs, model: PreTrainedModel, options: DecodingOptio
         check_fits(len(ids), model, f"inputs[{i}]" if batched else "inputs")
     generators = row_generators(options.generator, len(row_ids), batched)
     return Request(model, encoder_decoder, options.use_cache, row_ids, batched, end_tokens, options.max_gen_len,
-                   generators, stopping)
+                   generators, stopping, options.prompt_cache)
 
 
 Counters = Callable[[], dict[str, float]]

@@ -215,8 +215,7 @@ def speculative_loop(
     clock = StepClock(stats.seconds if stats.timed else None, model_devices(target.model))
     drafter.start(rows.sequences)
     drafter_passes, target_passes = drafter.forward_passes, target.forward_passes
-    if any(len(sequence) > 1 for sequence in rows.sequences):  # prefill: all but each row's last token
-        target.forward_rows([(s[:-1], None) for s in rows.sequences], [int(len(s) > 1) for s in rows.sequences])
+    gen.prefill()  # all but each row's last token, less a kept prompt
     clock.lap("prefill")
     while rows.live:
         active = rows.active()
@@ -254,4 +253,4 @@ def speculative_loop(
     stats.drafter_forwards += drafter.forward_passes - drafter_passes
     if rows.logprobs is not None:
         stats.logprobs += rows.logprobs.lists()
-    return gen.results(list(zip(rows.generated, rows.alphas(), strict=True)))
+    return gen.results(list(zip(rows.generated, rows.alphas(), strict=True)), rows.sequences)

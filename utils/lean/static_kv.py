@@ -78,6 +78,14 @@ class StaticKV:
                              f"{keys.dtype}; a pass wrote {like.shape[1]} heads of {like.shape[3]} in {like.dtype}")
         return keys, self.values[layer_idx]
 
+    def take_prefix(self, source: StaticKV, length: int) -> None:
+        """Every row's first `length` slots <- row 0's of `source` (a call's kept keys and values: `PromptCache`),
+        this buffer's layers allocated like the source's (heads, head size, dtype, device) if they are not yet."""
+        for i, (keys, values) in enumerate(zip(source.keys, source.values, strict=True)):
+            mine_k, mine_v = self.layer(i, keys[:1, :, :0])
+            mine_k[:, :, :length] = keys[:1, :, :length]
+            mine_v[:, :, :length] = values[:1, :, :length]
+
     def move_positions(self, row: int, source: list[int], start: int) -> None:
         """Copy row `row`'s keys and values at slots `source` to slots start, start + 1, ... (a
         tree's accepted path into place)."""

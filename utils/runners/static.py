@@ -117,10 +117,25 @@ class StaticRunner(ModelPasses):
         self._max_position = (context_length(model) or slots) - 1
         self._dtype = lean.dtype  # the masks' (a model lent the runner computes in it too: `can_share`)
         self._next_shortcuts: Shortcuts | None = None  # a pass's CPU shortcuts, None: the measured ones
+        self._prompt_held = False  # its first row holds a kept prompt's tokens (`hold`): the next pass is the prompt's
 
     @property
     def supports_trees(self) -> bool:
         return True  # the mask is built per node
+
+    @property
+    def kv(self) -> StaticKV:
+        """The buffer of keys and values (what a `PromptCache` keeps after a call)."""
+        return self._cache
+
+    def hold(self, kv: StaticKV, tokens: list[int], *, prompt_follows: bool) -> None:
+        """Start the one row from a kept prompt (`utils.runners.prompt_cache`): `tokens`' keys and values, those of
+        `kv`'s first slots, copied into this buffer. `prompt_follows`: the next pass reads the rest of the prompt
+        (untimed, as a prompt pass is)."""
+        assert len(self.rows) == 1 and not self.rows[0] and 0 < len(tokens) <= self.slots
+        self._cache.take_prefix(kv, len(tokens))
+        self.rows[0] = list(tokens)
+        self._prompt_held = prompt_follows
 
     def row_length(self, row: int) -> int:
         return len(self.rows[row])
@@ -229,7 +244,8 @@ class StaticRunner(ModelPasses):
 
     def _pass(self, ids: Tensor, kwargs: dict) -> Tensor:
         """The pass's logits (rows, width or fewer, vocab); timed after the prompt pass."""
-        if not any(self.rows):
+        if not any(self.rows) or self._prompt_held:  # the prompt's pass, after a kept prefix or not
+            self._prompt_held = False
             return self.run(ids, kwargs, timed=False).logits
         if len(self.rows) > 1:
             return self.run_batch(ids, kwargs).logits
