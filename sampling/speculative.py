@@ -119,7 +119,7 @@ def speculative_generate(
     the library's choice), built once per target (`sampling/drafters/self_kind.py`); `share_cache`: it drafts
     over the target's cache, no prompt pass of its own (a `quantized_drafter(target)` model takes these too). `**kind_options`:
     the options of a drafter kind the signature does not list; one no kind takes is refused by name.
-    `prompt_cache`: as in `autoregressive_generate` (the target's keys kept; a drafter model reads its prompt whole).
+    `prompt_cache`: as in `autoregressive_generate` (the target's keys kept, and a drafter model's own).
     """
     shared = DecodingOptions(gamma=gamma, logits_processor=logits_processor, max_gen_len=max_gen_len,
                              end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,

@@ -18,6 +18,7 @@ from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor, inverse_cdf
 from utils.runners import make_runner
 from utils.runners.passes import synchronize
+from utils.runners.prompt_cache import PromptCache
 
 
 class DraftReading(Protocol):
@@ -107,6 +108,10 @@ class ModelDrafter:
         # Whether to time it: a timing synchronizes the device twice a step (`passes.synchronize`),
         # worth it only where something prices drafts by `seconds_per_draft` (the cost-aware policy).
         self.timed = timed
+        # A conversation's kept keys (`utils/runners/prompt_cache.py`), set where the drafter has a cache of its own:
+        # one row's first drafting step reads only what its last call did not (`start`); the call keeps its keys at
+        # its end (`Generation.results`).
+        self.prompt_cache: PromptCache | None = None
 
     @property
     def forward_passes(self) -> int:
@@ -120,6 +125,8 @@ class ModelDrafter:
     def start(self, sequences: list[list[int]]) -> None:
         for row in range(len(sequences)):
             self.runner.rollback_row(row, 0)
+        if self.prompt_cache is not None and len(sequences) == 1:
+            self.prompt_cache.restore(self.runner, sequences[0][:-1])
         if self.cascade is not None:
             self.cascade.start(len(sequences))
 

@@ -152,6 +152,9 @@ def build_model_drafter(drafter: PreTrainedModel, target: PreTrainedModel, gen: 
                                  share_cache=share_cache)
     if shared_cache is not None:
         model_drafter.runner = shared_cache
+    elif gen.prompt_cache is not None:  # its own keys kept with the target's, for the conversation's next turn
+        model_drafter.prompt_cache = gen.prompt_cache
+        gen.also_kept.append(lambda: model_drafter.runner)
     width = tree_branching(options.branching, adaptive)
     if width == 1 or not (gen.runner.supports_trees and model_drafter.runner.supports_trees):
         return releasing(model_drafter, shared_cache), policy, loop_policy

@@ -5,7 +5,7 @@ runner, each row's prefix, budget and random numbers, end-token handling), the s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -53,6 +53,8 @@ class Generation:
     batched: bool  # the inputs were a batch: results come back as a list, one per row
     stopping: StopRules | None = None  # stop_strings / stopping_criteria (sampling/loop/stopping.py)
     prompt_cache: PromptCache | None = None  # where a one-row call's keys are kept for the next (`prefill`, `results`)
+    # Other runners whose keys `results` keeps too, each as a function giving it at the end (a drafter model's).
+    also_kept: list[Callable[[], Runner]] = field(default_factory=list)
 
     @property
     def prefix(self) -> list[int]:
@@ -95,7 +97,8 @@ class Generation:
         """What the caller gets: the one row's result, or the list of every row's; `sequences`: each row's prefix
         and generated tokens, what a `prompt_cache` keeps of a one-row call."""
         if self.prompt_cache is not None and len(sequences) == 1:
-            self.prompt_cache.keep(self.runner, sequences[0])
+            for runner in (self.runner, *(runner_of() for runner_of in self.also_kept)):
+                self.prompt_cache.keep(runner, sequences[0])
         return per_row if self.batched else per_row[0]
 
 

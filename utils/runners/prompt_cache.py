@@ -33,7 +33,7 @@ class PromptCache:
     with a cache (`utils.lean`; another model computes its whole prompt each call); what a call keeps is its prompt
     and generated tokens but the last (the one no pass has read), and the next call with the same model takes it
     (a model whose forward was rebuilt since, its weights changed, starts afresh). A drafter over the target's
-    cache (the self-drafter) reads the kept keys as the target's; a drafter model reads its own prompt whole.
+    cache (the self-drafter) reads the kept keys as the target's; a drafter model keeps its own under its model.
 
     The kept keys are those computed when their tokens were read or generated, by passes of other widths than one
     prompt pass over the whole conversation: the same values but for the rounding, so in bfloat16 a reply may part
