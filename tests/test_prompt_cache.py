@@ -4,6 +4,8 @@ what the conversation added, and gives the tokens it gives without the cache (fl
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -132,3 +134,12 @@ def test_in_bfloat16_speculation_from_kept_keys_gives_plain_decodings_tokens_fro
         assert reply == _plain(conversation, target, prompt_cache=plain_cache)
         conversation = conversation + reply + prompt(turn + 9, 6)
     assert cache.reused_tokens >= plain_cache.reused_tokens > 0  # a drafter model's own kept keys besides
+
+
+def test_the_cache_keeps_no_model_alive():
+    model, cache = copy.deepcopy(tiny_model("qwen2")), PromptCache()
+    _plain(prompt(0, 10), model, prompt_cache=cache)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and not cache._kept

@@ -20,7 +20,8 @@ from utils.runners.static import StaticRunner
 
 @dataclass
 class _Kept:
-    forward: object  # the model's lean forward the keys were computed by (rebuilt when its weights change)
+    forward: weakref.ref  # to the model's lean forward the keys were computed by (rebuilt when its weights change;
+    # a reference to it would keep the model, the dictionary's weak key, alive)
     tokens: list[int]  # the tokens of slots 0 .. len - 1 of `kv`'s row 0
     kv: StaticKV
 
@@ -57,7 +58,7 @@ class PromptCache:
         """How many leading tokens of `prompt` (the tokens a call's prompt pass reads: its prompt but the last
         token) the kept keys of `model` hold: what a call would not read again."""
         kept = self._kept.get(model)
-        if kept is None or kept.forward is not lean_decoder(model):
+        if kept is None or kept.forward() is not lean_decoder(model):
             return 0
         common, limit = 0, min(len(prompt), len(kept.tokens))
         while common < limit and kept.tokens[common] == prompt[common]:
@@ -93,4 +94,4 @@ class PromptCache:
         while length < limit and int(held[length]) == sequence[length]:  # a drafted token may be a 0-d tensor
             length += 1
         if length:
-            self._kept[runner.model] = _Kept(lean_decoder(runner.model), sequence[:length], runner.kv)
+            self._kept[runner.model] = _Kept(weakref.ref(lean_decoder(runner.model)), sequence[:length], runner.kv)
