@@ -51,7 +51,7 @@ from utils.runners.model_info import input_device
 
 METHODS = [BASELINE, CONTROL, "ours_ar", "hf_prompt_lookup", "ours_nasd", "ours_nasd_g10", "ours_nasd_g16",
            "ours_nasd_n3", "ours_nasd_chain", "ours_anpd", "ours_chain_nocut", "ours_tree3_nocut", "hf_assisted", "ours_sd",
-           "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_no_cascade", "ours_self_chain"]
+           "ours_sd_chain", "ours_hybrid", "ours_self", "ours_self_no_cascade", "ours_self_chain", "ours_self_hybrid"]
 OPTIONAL_METHODS = ["suffix",  # SuffixDecoding, once built: python -m benchmarks.suffix_decoding --build
                     "ours_sd_universal", "hf_universal"]  # a --drafter with another tokenizer: ours and transformers'
 # NASD settings: the defaults (trees where they pay), a chain, ANPD's, and drafting without the cost cut.
@@ -154,6 +154,9 @@ class Runner:
             out, _ = speculative_generate(ids, "self", self.target, gamma=4, adaptive_gamma=True, stats=stats,
                                           cascade=False if method == "ours_self_no_cascade" else None,
                                           branching=1 if method == "ours_self_chain" else None, **common)
+        elif method == "ours_self_hybrid":  # the four-bit self-drafter and NASD's pool, the better per step
+            out, _ = speculative_generate(ids, "self", self.target, gamma=4, adaptive_gamma=True, stats=stats,
+                                          ngram=MultiDynaGram(8), **common)
         elif method == "ours_sd_universal":
             out, _ = speculative_generate(ids, self.drafter, self.target, tokenizer=self.tokenizer,
                                           drafter_tokenizer=self.drafter_tokenizer, gamma=4, adaptive_gamma=True,

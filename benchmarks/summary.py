@@ -35,7 +35,7 @@ BASELINE, CONTROL = "hf_plain", "hf_control"
 CONTROL_TOLERANCE = 0.10  # the control must be within 0.9x-1.1x on every task
 SPREAD_TOLERANCE = 0.15  # median over (method, prompt) of (max - min) / median of the repeats' times
 
-DRAFTING = ("ours_sd", "ours_nasd", "ours_hybrid", "ours_self")  # our methods that draft, with their default settings
+DRAFTING = ("ours_sd", "ours_nasd", "ours_hybrid", "ours_self", "ours_self_hybrid")  # our methods that draft, with their default settings
 THEIRS = ("hf_assisted", "hf_prompt_lookup")  # transformers' methods that draft
 # (mode, workload) -> [(method, or a tuple: the best of them; compared with, or a tuple: the best of them; minimum
 # speedup; "overall" or "every task")]: issue 34's goals (HumanEval and Spec-Bench, greedy and sampling at T 0.7,

@@ -138,16 +138,17 @@ def test_greedy_identity_over_the_static_buffer_and_in_float32(monkeypatch, dtyp
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_the_hybrid_with_the_self_drafter_is_plain_greedy(monkeypatch, name):
-    """The pool's draft or the four-bit model's, per step and row (`ngram=`), over the target's cache."""
+    """The pool's draft or the four-bit model's, per step and row (`ngram=`), over the target's cache; the drafter
+    a `quantized_drafter` or "self" (the one built once and kept on the target)."""
     fix_costs(monkeypatch, BF16_15B, 0.25)
     target = tiny_model(name)
-    drafter = quantized_drafter(target)
     rows = [prompt(0) * 2, prompt(1, length=5)]
     references = [autoregressive_generate(row, target, max_gen_len=20) for row in rows]
-    for adaptive in (False, True):
-        batch = speculative_generate(rows, drafter, target, gamma=4, adaptive_gamma=adaptive, max_gen_len=20,
-                                     ngram=MultiDynaGram(8))
-        assert [ids for ids, _ in batch] == references
+    for drafter in (quantized_drafter(target), "self"):
+        for adaptive in (False, True):
+            batch = speculative_generate(rows, drafter, target, gamma=4, adaptive_gamma=adaptive, max_gen_len=20,
+                                         ngram=MultiDynaGram(8))
+            assert [ids for ids, _ in batch] == references
 
 
 def _pass_widths(monkeypatch, drafter) -> list[int]:

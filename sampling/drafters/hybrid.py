@@ -28,11 +28,14 @@ import torch
 from sampling.drafters.model_drafter import ModelDrafter
 from sampling.drafters.model_kind import ModelOptions, build_model_drafter, check_model_drafter
 from sampling.drafters.registry import KINDS, register_kind
+from sampling.drafters.self_drafting import self_drafter
+from sampling.drafters.self_kind import DEFAULT_BITS, SELF
 from sampling.loop.common import Generation, Request
 from sampling.loop.drafts import Drafter
 from sampling.loop.options import DecodingOptions, Drafting
 from sampling.policy.draft_policy import CostAwarePolicy, DraftLength, best_draft_length
 from sampling.policy.estimators import RunningAverage
+from utils.quantized_models import check_quantization, drafter_group
 
 
 class PoolDrafter(Drafter, Protocol):
@@ -70,18 +73,23 @@ class HybridKind:
     what = "a transformers PreTrainedModel"
 
     def takes(self, drafter: object, given: dict[str, object]) -> bool:
-        return isinstance(drafter, torch.nn.Module) and given.get("ngram") is not None
+        return (isinstance(drafter, torch.nn.Module) or _is_self(drafter)) and given.get("ngram") is not None
 
     def check(self, request: Request, shared: DecodingOptions, drafter: object,
               options: HybridOptions) -> Callable[[Generation], Drafting]:
-        if check_model_drafter(request, shared, drafter, options):
+        if _is_self(drafter):  # the self-drafter's default bits and group (`bits=`, `group_size=`: the self kind's)
+            if request.encoder_decoder:
+                raise ValueError('drafter="self" drafts for decoder-only targets (the target is an encoder-decoder model)')
+            check_quantization(request.model, DEFAULT_BITS, drafter_group(request.model))
+        elif check_model_drafter(request, shared, drafter, options):
             raise ValueError("ngram= drafts in the target's vocabulary beside a drafter sharing it; with "
                              "drafter_tokenizer (another vocabulary) pass ngram=None")
         build_pool_rows = pool_rows(options.ngram, request, greedy=shared.logits_processor.is_greedy)
 
         def build(gen: Generation) -> Drafting:
             # The hybrid's model drafts chains: the pool's trees and its chains share one budget.
-            model_drafter, cost_policy, _ = build_model_drafter(drafter, request.model, gen, shared,
+            model = self_drafter(request.model, DEFAULT_BITS) if _is_self(drafter) else drafter
+            model_drafter, cost_policy, _ = build_model_drafter(model, request.model, gen, shared,
                                                                 replace(options, branching=1), universal=False,
                                                                 priced=True)
             hybrid, policy = hybrid_drafter(build_pool_rows(gen), model_drafter, cost_policy, gamma=shared.gamma,
@@ -92,6 +100,11 @@ class HybridKind:
 
 
 register_kind(HybridKind())
+
+
+def _is_self(drafter: object) -> bool:
+    """`drafter="self"`: the target's own weights in four bits beside the pool (`self_drafter`, built once)."""
+    return isinstance(drafter, str) and drafter == SELF
 
 
 def hybrid_drafter(pool_drafter: PoolDrafter, model: ModelDrafter, policy: CostAwarePolicy, *, gamma: int,
