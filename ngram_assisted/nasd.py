@@ -120,7 +120,7 @@ def ngram_assisted_speculative_generate(
                                  end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,
                                  generator=generator, stats=stats, on_step=on_step, draft_policy=draft_policy,
                                  habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences),
-                              prompt_cache=prompt_cache)
+                                 prompt_cache=prompt_cache)
     pool = {"top_k_filler": top_k_filler, "stop_if_unknown": stop_if_unknown, "draft_cost": draft_cost,
             "branching": branching}
     return run_speculative(inputs, target, ngram, shared, {**pool, **kind_options}, name="ngram",

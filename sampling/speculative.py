@@ -125,7 +125,7 @@ def speculative_generate(
                              end_tokens_id=end_tokens_id, pad_token_id=pad_token_id, use_cache=use_cache,
                              generator=generator, stats=stats, on_step=on_step, draft_policy=draft_policy,
                              habits=Habits(tokenizer, stop_strings, stopping_criteria, num_return_sequences),
-                              prompt_cache=prompt_cache)
+                             prompt_cache=prompt_cache)
     model = {"adaptive_gamma": adaptive_gamma, "drafter_tokenizer": drafter_tokenizer, "ngram": ngram,
              "drafter_invariant": drafter_invariant, "cascade": cascade, "branching": branching, "bits": bits,
              "group_size": group_size, "share_cache": share_cache}
