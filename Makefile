@@ -45,7 +45,8 @@ test-portable: setup  # the kernels on every other toolchain and ISA, sanitized,
 # bfloat16 arithmetic: bfloat16 weights computed in float32), our kernels built for Haswell. CI runs it.
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 SPECDEC_NATIVE_MARCH=haswell
 EXACTNESS := tests/test_compute_paths.py tests/test_native_stack.py tests/test_layer_ops.py tests/test_lean.py \
-	tests/test_native_boundary.py tests/test_quantized_drafter.py tests/test_exactness.py tests/test_flash.py
+	tests/test_native_boundary.py tests/test_quantized_drafter.py tests/test_exactness.py tests/test_flash.py \
+	tests/test_prompt_cache.py
 test-avx2: setup
 	$(AVX2_ONLY) $(PY) -m pytest -n auto --dist loadgroup $(EXACTNESS)
 
