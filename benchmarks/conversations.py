@@ -176,15 +176,14 @@ def replay(runner: Replay, tokenizer, conversations: list[tuple[int, list[str]]]
             rotation += 1
             outputs = {}
             for method in order:
-                kept = pools.setdefault(method, PromptCache()) if method.endswith("_kept") else None
-                read = kept.read_tokens if kept is not None else 0
+                read = pools[method].read_tokens if method in pools else 0  # a `_kept` method's cache (`Replay.run`)
                 with learned_apart(method):
                     start = time.perf_counter()
                     out, stats = runner.run(method, ids, pools)
                     seconds = time.perf_counter() - start
                 outputs[method] = out
                 records.append({"conversation": index, "turn": turn, "method": method, "prompt_tokens": len(ids),
-                                "prompt_tokens_read": len(ids) if kept is None else kept.read_tokens - read + 1,
+                                "prompt_tokens_read": pools[method].read_tokens - read + 1 if method in pools else len(ids),
                                 "new_tokens": len(out), "seconds": seconds,
                                 "tokens_per_second": len(out) / seconds if seconds else 0.0,
                                 "tau": stats.tau if stats is not None else None})

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from sampling.policy.draft_policy import best_draft_length
 from sampling.policy.estimators import DecayedRate
+from utils.runners.protocol import common_prefix
 
 MAX_MATCH = 8  # longest suffix looked up (longer matches are as good as 8 for choosing)
 
@@ -79,16 +80,6 @@ class PromptLookup:
             if found:
                 return n, text[found[-1] : found[-1] + limit]
         return 0, []
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ProposalAcceptance:

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sampling.drafters.cascade import Cascade, common_prefix
+from sampling.drafters.cascade import Cascade
 from sampling.drafters.model_drafter import ModelDrafter
 from sampling.loop.drafts import DraftTree
 from sampling.loop.randomness import PositionUniforms
@@ -59,6 +59,7 @@ from sampling.loop.vocabularies import check_tokenizer, intersection, longest_to
 from utils.cost_model import PassCosts
 from utils.logits_processors import LogitsProcessor
 from utils.runners.model_info import context_length, vocab_size
+from utils.runners.protocol import common_prefix
 from utils.runners.static import StaticRunner
 
 LOOKBEHIND = 8  # target tokens behind the end re-encoded every step: a word's tokens may still merge

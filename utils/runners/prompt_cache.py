@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from utils.lean import lean_decoder
 from utils.lean.static_kv import StaticKV
+from utils.runners.protocol import common_prefix
 from utils.runners.static import StaticRunner
 
 
@@ -60,10 +61,7 @@ class PromptCache:
         kept = self._kept.get(model)
         if kept is None or kept.forward() is not lean_decoder(model):
             return 0
-        common, limit = 0, min(len(prompt), len(kept.tokens))
-        while common < limit and kept.tokens[common] == prompt[common]:
-            common += 1
-        return common
+        return common_prefix(kept.tokens, prompt)
 
     def clear(self) -> None:
         """Forget every model's kept keys (a new conversation)."""
@@ -88,10 +86,7 @@ class PromptCache:
         prompt and generated tokens) but its last token, as far as the runner holds them."""
         if not isinstance(runner, StaticRunner) or len(runner.rows) != 1:
             return
-        held = runner.rows[0]
-        length = 0
-        limit = min(len(held), len(sequence) - 1)
-        while length < limit and int(held[length]) == sequence[length]:  # a drafted token may be a 0-d tensor
-            length += 1
+        held = [int(token) for token in runner.rows[0][: len(sequence) - 1]]  # a drafted token may be a 0-d tensor
+        length = common_prefix(held, sequence)
         if length:
             self._kept[runner.model] = _Kept(weakref.ref(lean_decoder(runner.model)), sequence[:length], runner.kv)

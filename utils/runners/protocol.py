@@ -31,6 +31,16 @@ def host_blocks(blocks: Blocks) -> list[tuple[list[int], list[int] | None]]:
     return [(tokens.tolist() if isinstance(tokens, Tensor) else tokens, parents) for tokens, parents in blocks]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share (a cache's tokens and the new ones: what it can keep)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @runtime_checkable
 class Runner(Protocol):
     model: PreTrainedModel
