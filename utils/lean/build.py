@@ -6,8 +6,9 @@ kept under `cache_dir()/kernels` and loaded from there at later starts, every lo
                         cannot run, naming why and what it costs (none under `SPECDEC_NATIVE=0`: a choice)
     compiler()          the compiler's command ($CC split as a shell splits it, else cc or gcc) and None, or None
                         and why not
-    flags(openmp)       the compile flags for this machine: -march=native (x86-64) or -mcpu=native (Arm),
-                        `SPECDEC_NATIVE_MARCH` naming another target (`haswell`: an AVX2-only CPU's code)
+    flags(openmp, version)  the compile flags for this machine: -march=native (x86-64) or -mcpu=native (Arm),
+                        `SPECDEC_NATIVE_MARCH` naming another target (`haswell`: an AVX2-only CPU's code); gcc's
+                        own (`GCC_FLAGS`) where the compiler's --version output names GCC
     sources()           the files compiled (every .c file beside this one); key_files() every C file the build
                         depends on (headers and subfolders too: part of the build's key)
 
@@ -50,6 +51,11 @@ MARCH_ENV = settings.MARCH_ENV  # the target CPU of -march (x86-64) or -mcpu (Ar
 HERE = Path(__file__).parent
 # -ffp-contract=off: a product and a sum written apart stay apart (rounded as torch's eager steps round them)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+# gcc tuned for some CPUs (Zen's -march=native; newer gcc's for some Intel cores too) leaves a product and a sum apart
+# where the sum is a loop's running accumulator, while fused.h's fp-contract=fast fuses the same expression elsewhere:
+# a query's bits then depend on which of two loops computed it (on a Zen 3, tests/native/test_kernels.c's fuzz and
+# tests/test_layer_ops.py failed; thirty-third round, docs/results.md). gcc takes this only from the command line.
+GCC_FLAGS = ("--param=avoid-fma-max-bits=0",)
 OPENMP = "-fopenmp"  # tried first; the sources build without it (one thread), where a compiler has no OpenMP
 LIBRARIES = ("-lm",)
 COST = ("the lean forward runs on torch's operations, about 10% slower a pass and, on CPUs without bfloat16 "
@@ -88,8 +94,9 @@ def compiler() -> tuple[list[str] | None, str | None]:
     return words, None
 
 
-def flags(openmp: bool = True) -> tuple[str, ...]:
-    """The compile flags here: `BASE_FLAGS`, this CPU's instructions (`SPECDEC_NATIVE_MARCH` or native), OpenMP."""
+def flags(openmp: bool = True, version: str = "") -> tuple[str, ...]:
+    """The compile flags here: `BASE_FLAGS`, this CPU's instructions (`SPECDEC_NATIVE_MARCH` or native), OpenMP, and
+    `GCC_FLAGS` where `version` (the compiler's --version output) names GCC."""
     machine, target = platform.machine().lower(), settings.current().native_march
     if machine in ("x86_64", "amd64", "i386", "i686"):
         cpu = (f"-march={target}",)
@@ -97,7 +104,8 @@ def flags(openmp: bool = True) -> tuple[str, ...]:
         cpu = (f"-mcpu={target}",)  # gcc's spelling for these (clang takes it too)
     else:
         cpu = ()
-    return (BASE_FLAGS[0], *cpu, *((OPENMP,) if openmp else ()), *BASE_FLAGS[1:])
+    gcc = "Free Software Foundation" in version and "clang" not in version
+    return (BASE_FLAGS[0], *cpu, *((OPENMP,) if openmp else ()), *BASE_FLAGS[1:], *(GCC_FLAGS if gcc else ()))
 
 
 def announced(loader: Callable[[], tuple[object, str | None]]) -> Callable[[], tuple[object, str | None]]:
@@ -132,7 +140,7 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
     refused = paths.private_folder(folder)
     if refused is None:
         try:
-            return _load_or_build(command, folder / name)
+            return _load_or_build(command, version.stdout, folder / name)
         except OSError as error:  # a full disk, a folder turned read-only
             refused = f"it cannot be written: {error.strerror or error}"
     private = paths.private_temp() / "kernels"
@@ -141,7 +149,7 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
     _cache_warning(f"our kernels' cache folder {folder} is refused ({refused}): they are built for this process "
                    f"alone in {private}, again at every start")
     try:
-        return _load_or_build(command, private / name)
+        return _load_or_build(command, version.stdout, private / name)
     except OSError as error:
         return None, f"they cannot be built in {private}: {error.strerror or error}"
 
@@ -151,7 +159,7 @@ def _key(command: list[str], version: str) -> str:
     digest = hashlib.sha256()
     for part in (*(f"{path.relative_to(HERE)}\0".encode() + path.read_bytes() for path in key_files()),
                  shlex.join(command).encode(), version.encode(), _cpu_flags().encode(), platform.machine().encode(),
-                 shlex.join([*flags(), *LIBRARIES]).encode()):
+                 shlex.join([*flags(version=version), *LIBRARIES]).encode()):
         digest.update(hashlib.sha256(part).digest())
     return digest.hexdigest()[:20]
 
@@ -168,16 +176,16 @@ def _record(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _load_or_build(command: list[str], path: Path) -> tuple[ctypes.CDLL | None, str | None]:
-    """The library at `path` once it passes its check, built there first where missing or failing it; OSError where
-    the folder cannot be written."""
+def _load_or_build(command: list[str], version: str, path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library at `path` once it passes its check, built there first (by `command`, whose --version output is
+    `version`) where missing or failing it; OSError where the folder cannot be written."""
     with _LOCK, _locked(path.with_name(path.name + ".lock")):
         problem = _problem(path)
         if problem is None:
             return _opened(path)
         if problem != "missing":
             _cache_warning(f"our cached kernels {path} were refused ({problem}): built again")
-        failed = _build(command, path)
+        failed = _build(command, version, path)
         if failed is not None:
             return None, failed
         problem = _problem(path)
@@ -215,7 +223,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _build(command: list[str], path: Path) -> str | None:
+def _build(command: list[str], version: str, path: Path) -> str | None:
     """Compile the sources into `path` (with OpenMP, else without), its SHA-256 recorded; why not where the compiler
     fails. OSError where the folder cannot be written."""
     partial = paths.unique_partial(path)
@@ -223,7 +231,7 @@ def _build(command: list[str], path: Path) -> str | None:
         errors = []
         for openmp in (True, False):
             try:
-                built = subprocess.run([*command, *flags(openmp), *map(str, sources()), "-o", str(partial), *LIBRARIES],
+                built = subprocess.run([*command, *flags(openmp, version), *map(str, sources()), "-o", str(partial), *LIBRARIES],
                                        capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.SubprocessError) as error:
                 built = subprocess.CompletedProcess([], returncode=1, stderr=str(error))
