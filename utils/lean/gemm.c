@@ -33,8 +33,8 @@
 #include "specdec.h"
 
 #define MAX_ROWS SPECDEC_MAX_ROWS
-/* Weight rows a thread's block: the accumulators of JB rows times RB activation rows stay in registers. Not
-   measured: chosen with the kernel (ninth round, docs/results.md "A kernel of our own"), no other value timed. */
+/* Weight rows a thread's block: the accumulators of JB rows times RB activation rows stay in registers. Chosen with
+   the kernel (ninth round, docs/results.md "A kernel of our own"); AVX2's measured (gemm_bf16_isa.h). */
 #ifndef JB /* -DJB=... builds another to time (as JB1, RB, KC, KC_PAIRS, PREFETCH and Q4_X): none changes the bits */
 #define JB 4
 #endif
@@ -172,6 +172,26 @@ static void pack_rows(const void* x, float* xp, int rows, int in, int x_bf16) {
       }
 }
 
+/* A whole block's last group of nr < RB activation rows (an odd count of rows: a pass over 3, 5 or 9 tokens), by a
+   call whose nr is a constant, unrolled as the full groups are: generic, the group of one row took 1.4x the time of a
+   group of two on a Zen 3 (thirty-third round, docs/results.md). */
+#if RB > 3
+#define REST_OF_3(kernel, xs) else if (nr == 3) kernel(W, xs, in, j0, JB, r0, 3, acc[g], k0, k1);
+#else
+#define REST_OF_3(kernel, xs)
+#endif
+#if RB > 2
+#define REST_OF_2(kernel, xs) else if (nr == 2) kernel(W, xs, in, j0, JB, r0, 2, acc[g], k0, k1);
+#else
+#define REST_OF_2(kernel, xs)
+#endif
+#define REST_OF_ROWS(kernel, xs)                                       \
+  do {                                                                 \
+    if (nr == 1) kernel(W, xs, in, j0, JB, r0, 1, acc[g], k0, k1);    \
+    REST_OF_2(kernel, xs) REST_OF_3(kernel, xs)                         \
+    else kernel(W, xs, in, j0, JB, r0, nr, acc[g], k0, k1);            \
+  } while (0)
+
 /* Weight rows j0..j0 + nj - 1 (nj <= JB) times every row of xs, plus the bias, to y: xs is `pack_rows`' float32
    copy, or (`pairs`) the bfloat16 activations themselves. */
 static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void* bias, void* y, int rows, int out,
@@ -196,12 +216,14 @@ static void gemm_block(const uint16_t* W, const void* xs, int pairs, const void*
         if (pairs) {
           if (nj == JB && nr == RB) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB, r0, RB, acc[g], k0, k1);
           else if (nj == JB1 && rows == 1) chunk_pairs(W, (const uint16_t*)xs, in, j0, JB1, 0, 1, acc[g], k0, k1);
+          else if (nj == JB) REST_OF_ROWS(chunk_pairs, (const uint16_t*)xs);
           else chunk_pairs(W, (const uint16_t*)xs, in, j0, nj, r0, nr, acc[g], k0, k1);
           continue;
         }
 #endif
         if (nj == JB && nr == RB) chunk(W, xp, in, j0, JB, r0, RB, acc[g], k0, k1); /* unrolled: the common cases */
         else if (nj == JB1 && rows == 1) chunk(W, xp, in, j0, JB1, 0, 1, acc[g], k0, k1);
+        else if (nj == JB) REST_OF_ROWS(chunk, xp);
         else chunk(W, xp, in, j0, nj, r0, nr, acc[g], k0, k1);
       }
     }

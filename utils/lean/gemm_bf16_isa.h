@@ -5,6 +5,7 @@
 
      KB              bfloat16 weights a step: one vector load per weight row (the ISA's width, not a tuning choice;
                      the input width must be a multiple of it, and it fixes the sums' order: AVX-512's bits differ)
+     JB              weight rows a thread's block takes with several activation rows (gemm.c: 4, AVX2's 5)
      RB              activation rows a chunk of weights serves at once (their accumulators held in registers). Not
                      measured: chosen with the kernel (ninth round, docs/results.md "A kernel of our own"), 4 where
                      AVX-512 has 32 vector registers, 2 where AVX2 has 16; it does not change the bits
@@ -46,7 +47,12 @@ static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KB 16 /* one 32-byte load per weight row */
+#ifndef RB
 #define RB 2
+#endif
+#ifndef JB /* gemm.c's JB (4 elsewhere): on a 2-vCPU Zen 3, 5 ran 1.13-1.28x as fast as 4 at 3 to 32 rows, 6 1.03-1.15x */
+#define JB 5
+#endif
 #ifndef JB1
 #define JB1 6
 #endif
