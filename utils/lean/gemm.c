@@ -172,9 +172,9 @@ static void pack_rows(const void* x, float* xp, int rows, int in, int x_bf16) {
       }
 }
 
-/* A whole block's last group of nr < RB activation rows (an odd count of rows: a pass over 3, 5 or 9 tokens), by a
-   call whose nr is a constant, unrolled as the full groups are: generic, the group of one row took 1.4x the time of a
-   group of two on a Zen 3 (thirty-third round, docs/results.md). */
+/* A whole block's last group of nr < RB activation rows (AVX2's odd counts of rows: a pass over 3, 5 or 9 tokens), by
+   a call whose nr is a constant, unrolled as the full groups are: generic, a group of one row took 1.5x the time of a
+   group of two on a Zen 3, and 3 rows 1.77x the time they take so (thirty-third round, docs/results.md). */
 #if RB > 3
 #define REST_OF_3(kernel, xs) else if (nr == 3) kernel(W, xs, in, j0, JB, r0, 3, acc[g], k0, k1);
 #else
